@@ -1,0 +1,27 @@
+"""remat: a torch.compile backend that fits a training step under a memory budget in GB.
+
+    import torch, remat
+    step = torch.compile(model, backend=remat.backend(budget_gb=0.08, dump_dir="remat_dump"))
+"""
+
+from .backend import CompiledGraph, RematBackend, backend, register
+from .errors import BudgetInfeasibleError, RematError, UnsupportedGraphError
+from .measure import PeakMeasurement, measure_peak_bytes
+from .options import BUDGET_ENV_VAR, RematOptions
+from .passes.plan import Plan
+
+__all__ = [
+    "BUDGET_ENV_VAR",
+    "BudgetInfeasibleError",
+    "CompiledGraph",
+    "PeakMeasurement",
+    "Plan",
+    "RematBackend",
+    "RematError",
+    "RematOptions",
+    "UnsupportedGraphError",
+    "backend",
+    "measure_peak_bytes",
+]
+
+register()

@@ -1,0 +1,248 @@
+"""The torch.compile backend: the one module that touches torch's private APIs.
+
+Private APIs used, all here (verified on torch 2.13.0; see README "Torch versions"):
+
+- ``torch._inductor.compile_fx.compile_fx(gm, inputs, config_patches=...)``: Inductor's
+  entry point; ``config_patches`` applies to the lazily compiled backward too.
+- ``torch._inductor.config.custom_partitioner_fn`` and
+  ``torch._inductor.custom_graph_pass.CustomPartitionerFn``: Inductor runs its
+  joint-graph passes, then calls our partitioner, then generates code for the
+  forward and backward we return. ``uuid()`` joins the compile-cache key.
+- ``torch._functorch.partitioners._extract_fwd_bwd_modules``: builds the forward
+  and backward modules from a joint graph and the saved values we chose (it
+  keeps AOTAutograd's calling conventions: saved-tensor order, symbol bindings).
+  ``default_partition`` handles joint graphs with no backward work.
+- ``torch._dynamo.register_backend`` and ``torch._guards.CompileContext``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import fx
+
+from .cost_model.costs import annotate_costs
+from .cost_model.hardware import get_profile
+from .options import BudgetSpec, RematOptions, budget_from_env, make_options
+from .passes.joint_graph import read_joint_graph
+from .passes.plan import Plan, make_plan
+from .passes.rewrite import RegionSummary, place_recompute_regions
+
+log = logging.getLogger("remat")
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _planner_source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(_PACKAGE_DIR.rglob("*.py")):
+        digest.update(path.relative_to(_PACKAGE_DIR).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """What remat decided for one joint graph it partitioned."""
+
+    graph_id: str
+    compile_id: str
+    plan: Plan
+    regions: tuple[RegionSummary, ...]
+    dump_path: Optional[str]
+
+
+def _device_of(joint_inputs: Sequence[Any]) -> torch.device:
+    for value in joint_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def _current_compile_id() -> str:
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return str(compile_id) if compile_id is not None else "?"
+
+
+def _partition_with_plan(joint: fx.GraphModule, plan: Plan, num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+    by_name = {n.name: n for n in joint.graph.nodes}
+    saved = [n for name in plan.saved_primals + plan.saved if (n := by_name[name]) is not None]
+    sym_nodes = [n for n in saved if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))]
+    saved_values = [n for n in saved if n not in sym_nodes]
+    position = {n: i for i, n in enumerate(joint.graph.nodes)}
+    saved_values.sort(key=position.__getitem__)
+    sym_nodes.sort(key=position.__getitem__)
+    return _extract_fwd_bwd_modules(joint, saved_values, saved_sym_nodes=sym_nodes, num_fwd_outputs=num_fwd_outputs)
+
+
+class _PartitionerCacheKey:
+    """What a pickled partitioner becomes: Inductor pickles its config, this
+    partitioner included, into the compile-cache key; the key is our uuid."""
+
+    def __init__(self, uuid: str) -> None:
+        self.uuid = uuid
+
+
+def _make_partitioner(backend: "RematBackend") -> Any:
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class RematPartitioner(CustomPartitionerFn):
+        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+            return backend.partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> Any:
+            return backend.cache_key()
+
+        def __reduce__(self):
+            return (_PartitionerCacheKey, (self.uuid(),))
+
+    return RematPartitioner()
+
+
+class RematBackend:
+    """A ``torch.compile`` backend that plans every joint graph under one budget.
+
+    ``compiled_graphs`` lists, in compile order, the plan remat made for each
+    graph it partitioned (inference graphs have none).
+    """
+
+    def __init__(self, options: RematOptions) -> None:
+        self.options = options
+        self.compiled_graphs: list[CompiledGraph] = []
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+        self.partitioner = _make_partitioner(self)
+
+    def cache_key(self) -> str:
+        """Changes whenever the budget, options, hardware profile or planner source change."""
+        profile = get_profile(self.options.hardware) if self.options.hardware != "auto" else None
+        profile_key = f"{profile.name}:{profile.flops_per_s}:{profile.bandwidth_bytes_per_s}" if profile else "auto"
+        return f"remat:{self.options.cache_key()}:{profile_key}:{_planner_source_hash()}"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        from torch._functorch import config as functorch_config
+        from torch._inductor.compile_fx import compile_fx
+
+        # AOTAutograd's cache would skip the partitioner on a hit, and with it the
+        # plan record and the dump; Inductor's own per-graph code cache stays on.
+        with functorch_config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner})
+
+    def partition(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from torch._functorch.partitioners import default_partition
+
+        num_fwd_outputs = int(kwargs["num_fwd_outputs"])
+        joint.graph.eliminate_dead_code()
+        joint.recompile()
+        profile = get_profile(self.options.hardware, _device_of(joint_inputs))
+        costs = annotate_costs(joint.graph, profile)
+        facts = read_joint_graph(joint.graph, costs, num_fwd_outputs)
+        if not any(n.role == "backward" for n in facts.nodes.values()):
+            return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                     static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
+        with self._lock:
+            graph_id = f"graph_{next(self._counter):03d}"
+        plan = make_plan(
+            facts,
+            self.options.budget_bytes,
+            target_bytes=self.options.planning_target_bytes(),
+            best_effort=self.options.best_effort,
+            solver=self.options.solver,
+        )
+        if not plan.fits_budget:
+            warnings.warn(
+                f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the "
+                f"smallest-peak plan found, predicted peak {plan.predicted_peak_bytes / 1e9:.4f} GB (best_effort=True).",
+                stacklevel=2,
+            )
+        fw, bw = _partition_with_plan(joint, plan, num_fwd_outputs)
+        bw, regions = place_recompute_regions(bw, facts, plan)
+        dump_path = None
+        if self.options.dump_dir is not None:
+            from .dump import write_dump
+
+            dump_path = write_dump(Path(self.options.dump_dir) / graph_id, graph_id, plan, regions, fw, bw, facts, profile)
+        record = CompiledGraph(graph_id, _current_compile_id(), plan, regions, dump_path)
+        self.compiled_graphs.append(record)
+        log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
+        return fw, bw
+
+
+def _free_device_bytes() -> Optional[int]:
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def backend(
+    budget_gb: BudgetSpec = None,
+    *,
+    dump_dir: Optional[os.PathLike | str] = None,
+    hardware: str = "auto",
+    solver: str = "greedy",
+    best_effort: bool = False,
+    headroom_fraction: float = 0.10,
+) -> RematBackend:
+    """A torch.compile backend that fits each compiled forward+backward under ``budget_gb``.
+
+    ``budget_gb`` bounds the peak memory (decimal GB, 1 GB = 1e9 bytes) that one
+    compiled forward + backward allocates above what was resident when the step
+    began. None: no budget, save the least bytes that cost no extra compute.
+    "auto": the device's free memory. Arguments are validated here, before any
+    tracing; a budget no plan can meet raises ``BudgetInfeasibleError`` at compile
+    time (or, with ``best_effort=True``, warns and runs the smallest-peak plan).
+    The plan keeps its simulated peak ``headroom_fraction`` under the budget.
+    ``hardware`` picks the cost profile ("auto", "cpu", "a100", "h100", "h200").
+    """
+    needs_free = isinstance(budget_gb, str) and budget_gb.strip().lower() == "auto"
+    options = make_options(
+        budget_gb, dump_dir=dump_dir, hardware=hardware, solver=solver, best_effort=best_effort,
+        headroom_fraction=headroom_fraction, free_bytes_for_auto=_free_device_bytes() if needs_free else None,
+    )
+    return RematBackend(options)
+
+
+def remat_backend_from_env(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """The backend behind ``torch.compile(backend="remat")``: budget from ``REMAT_BUDGET_GB``."""
+    budget = budget_from_env()
+    dump_dir = os.environ.get("REMAT_DUMP_DIR") or None
+    return backend(budget, dump_dir=dump_dir)(gm, example_inputs)
+
+
+def register() -> None:
+    """Make ``torch.compile(backend="remat")`` work (idempotent).
+
+    An installed package declares the ``torch_dynamo_backends`` entry point and
+    Dynamo loads it on first lookup; registering here as well would make that
+    load fail as a duplicate, so this registers only when no entry point exists
+    (e.g. running from a source checkout on ``PYTHONPATH``).
+    """
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "remat" for ep in entry_points(group="torch_dynamo_backends")):
+        return
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if "remat" not in _COMPILER_FNS:
+        register_backend(remat_backend_from_env, name="remat")

@@ -1,0 +1,66 @@
+"""Write one graph's dump directory: forward.py, backward.py, plan.json, report.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import fx
+
+from .cost_model.hardware import HardwareProfile
+from .passes.joint_graph import JointGraphFacts
+from .passes.plan import Plan
+from .passes.rewrite import REMAT_KEY, RecomputeTag, RegionSummary, describe_region
+from .report import dumps_plan, plan_to_json, render_report
+
+
+def annotated_code(gm: fx.GraphModule, regions: tuple[RegionSummary, ...]) -> str:
+    """The module's Python code with each recompute region fenced by comments."""
+    region_start: dict[str, RegionSummary] = {}
+    region_end: dict[str, int] = {}
+    by_id = {r.region: r for r in regions}
+    for node in gm.graph.nodes:
+        tag = node.meta.get(REMAT_KEY)
+        if isinstance(tag, RecomputeTag):
+            region_start.setdefault(by_id[tag.region].nodes[0], by_id[tag.region])
+            region_end[node.name] = tag.region
+    last_of_region = {}
+    for name, region in region_end.items():
+        last_of_region[region] = name
+    closing = {name: region for region, name in last_of_region.items()}
+    out = []
+    for line in gm.code.splitlines():
+        stripped = line.strip()
+        name = stripped.split(" = ", 1)[0] if " = " in stripped else None
+        if name in region_start:
+            summary = region_start[name]
+            out.append(f"    # ---- {describe_region(summary)}")
+            for reason in summary.reasons:
+                out.append(f"    #      not saved: {reason}")
+        out.append(line)
+        if name in closing:
+            out.append(f"    # ---- end of recompute region {closing[name]}")
+    return "\n".join(out) + "\n"
+
+
+def write_dump(
+    directory: Path,
+    graph_id: str,
+    plan: Plan,
+    regions: tuple[RegionSummary, ...],
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    facts: JointGraphFacts,
+    profile: HardwareProfile,
+) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "forward.py").write_text(
+        f"# remat {graph_id}: forward graph after the rewrite. It returns its outputs, then the saved values.\n"
+        + annotated_code(fw, ())
+    )
+    (directory / "backward.py").write_text(
+        f"# remat {graph_id}: backward graph after the rewrite; recompute regions are fenced below.\n"
+        + annotated_code(bw, regions)
+    )
+    (directory / "plan.json").write_text(dumps_plan(plan_to_json(plan, graph_id, regions, profile)))
+    (directory / "report.md").write_text(render_report(plan, graph_id, regions, profile))
+    return str(directory)

@@ -1,0 +1,141 @@
+"""The options of one remat backend, validated at the API boundary.
+
+Everything a planner needs to know travels in one frozen ``RematOptions``; no
+module reads a global config.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from .units import gb_to_bytes
+
+BUDGET_ENV_VAR = "REMAT_BUDGET_GB"
+SOLVERS = ("greedy",)
+HARDWARE_NAMES = ("auto", "cpu", "a100", "h100", "h200")
+
+BudgetSpec = Union[None, float, int, str]
+
+
+@dataclass(frozen=True)
+class RematOptions:
+    """What one ``remat.backend(...)`` was asked for.
+
+    ``budget_bytes`` is None for "no budget" (save the least bytes that cost no
+    extra compute); ``budget_is_auto`` means it was resolved from free device memory.
+    """
+
+    budget_bytes: Optional[int] = None
+    budget_is_auto: bool = False
+    dump_dir: Optional[str] = None
+    hardware: str = "auto"
+    solver: str = "greedy"
+    best_effort: bool = False
+    # The planner keeps the simulated peak this fraction under the budget: Inductor
+    # fuses and reorders kernels after planning, which the simulator models only in part.
+    headroom_fraction: float = 0.10
+
+    def planning_target_bytes(self) -> Optional[int]:
+        """The simulated peak the plan must meet so the measured peak meets the budget."""
+        if self.budget_bytes is None:
+            return None
+        return int(self.budget_bytes * (1.0 - self.headroom_fraction))
+
+    def cache_key(self) -> str:
+        """A string that changes whenever an option that changes the plan changes."""
+        return (
+            f"budget={self.budget_bytes};hw={self.hardware};solver={self.solver};"
+            f"best_effort={self.best_effort};headroom={self.headroom_fraction}"
+        )
+
+
+def validate_budget_gb(budget_gb: BudgetSpec) -> BudgetSpec:
+    """Return ``budget_gb`` unchanged if it is None, "auto" or a positive finite number.
+
+    Raises ValueError (TypeError for a non-number type) naming the value, why it
+    is wrong and what to pass instead.
+    """
+    if budget_gb is None:
+        return None
+    if isinstance(budget_gb, str):
+        if budget_gb.strip().lower() == "auto":
+            return "auto"
+        raise ValueError(
+            f"budget_gb={budget_gb!r} is a string; pass the budget as a number of decimal "
+            f"gigabytes (1 GB = 1e9 bytes), e.g. budget_gb=8 or budget_gb=0.5, "
+            f"or budget_gb='auto' to fit the device's free memory."
+        )
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)):
+        raise TypeError(
+            f"budget_gb={budget_gb!r} has type {type(budget_gb).__name__}; pass a number of "
+            f"decimal gigabytes, None (no budget) or 'auto'."
+        )
+    if math.isnan(budget_gb) or math.isinf(budget_gb):
+        raise ValueError(f"budget_gb={budget_gb!r} is not a finite number; pass a positive number of GB, e.g. budget_gb=8.")
+    if budget_gb <= 0:
+        raise ValueError(
+            f"budget_gb={budget_gb!r} must be positive: it bounds the memory one compiled "
+            f"forward+backward allocates above what was resident at step start. Pass e.g. budget_gb=8."
+        )
+    return float(budget_gb)
+
+
+def budget_from_env(environ: Optional[dict[str, str]] = None) -> BudgetSpec:
+    """Read ``REMAT_BUDGET_GB``: unset or empty means no budget; "auto" or a number of GB."""
+    env = os.environ if environ is None else environ
+    raw = env.get(BUDGET_ENV_VAR, "").strip()
+    if not raw:
+        return None
+    if raw.lower() == "auto":
+        return "auto"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"{BUDGET_ENV_VAR}={raw!r} is not a number; set it to a number of decimal GB "
+            f"(e.g. {BUDGET_ENV_VAR}=8), to 'auto', or leave it unset for no budget."
+        ) from None
+    return validate_budget_gb(value)
+
+
+def make_options(
+    budget_gb: BudgetSpec,
+    *,
+    dump_dir: Optional[Union[str, os.PathLike]] = None,
+    hardware: str = "auto",
+    solver: str = "greedy",
+    best_effort: bool = False,
+    headroom_fraction: float = 0.10,
+    free_bytes_for_auto: Optional[int] = None,
+) -> RematOptions:
+    """Validate every user-facing argument and build the frozen options record."""
+    budget = validate_budget_gb(budget_gb)
+    if hardware not in HARDWARE_NAMES:
+        raise ValueError(f"hardware={hardware!r} is not one of {HARDWARE_NAMES}.")
+    if solver not in SOLVERS:
+        raise ValueError(f"solver={solver!r} is not one of {SOLVERS}.")
+    if not isinstance(best_effort, bool):
+        raise TypeError(f"best_effort={best_effort!r} must be a bool.")
+    if isinstance(headroom_fraction, bool) or not isinstance(headroom_fraction, (int, float)) or not 0.0 <= headroom_fraction < 0.9:
+        raise ValueError(f"headroom_fraction={headroom_fraction!r} must be a number in [0, 0.9).")
+    budget_bytes: Optional[int]
+    if budget == "auto":
+        if free_bytes_for_auto is None:
+            raise ValueError("budget_gb='auto' needs the device's free memory, which could not be read.")
+        budget_bytes = int(free_bytes_for_auto)
+    elif budget is None:
+        budget_bytes = None
+    else:
+        budget_bytes = gb_to_bytes(float(budget))
+    return RematOptions(
+        budget_bytes=budget_bytes,
+        budget_is_auto=budget == "auto",
+        dump_dir=os.fspath(dump_dir) if dump_dir is not None else None,
+        hardware=hardware,
+        solver=solver,
+        best_effort=best_effort,
+        headroom_fraction=float(headroom_fraction),
+    )

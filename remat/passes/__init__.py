@@ -1,0 +1,1 @@
+"""Decisions and rewrites: classify the joint graph, solve, place recompute regions."""

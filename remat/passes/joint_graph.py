@@ -1,0 +1,258 @@
+"""Read an AOTAutograd joint forward+backward graph into plain facts.
+
+``read_joint_graph`` walks the FX graph once and returns ``JointGraphFacts``:
+node names in order, each node's inputs, role (primal, tangent, forward,
+backward), the storages it allocates or aliases, its cost, and the reason it may
+never be recomputed, if any. Everything downstream (solvers, memory simulation,
+report) works on these facts, not on ``fx.Node`` objects.
+
+Roles. Placeholders named ``primals_*`` (and forward RNG seeds) are forward
+inputs; ``tangents_*`` (and backward RNG seeds) are backward inputs. A node is
+*backward* when it depends on a backward input (or is tagged must-be-in-backward);
+every other op is a *forward candidate*: computed in the forward, or recomputed
+in the backward if the plan says so.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..cost_model.costs import NodeCost
+from ..cost_model.tensors import (
+    is_aliasing_op,
+    is_mutating_op,
+    is_sym_node,
+    is_tensor_node,
+    iter_tensors,
+    node_val,
+    op_tags,
+    tensor_nbytes,
+)
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional", "_dtensor")
+_FREE_TO_RECOMPUTE_NAMES = {
+    "full", "iota", "arange", "zeros", "ones", "empty", "scalar_tensor", "full_like", "zeros_like",
+    "ones_like", "empty_like", "clone", "_to_copy", "convert_element_type", "inductor_random",
+    "inductor_lookup_seed", "inductor_randint", "expand", "sum", "mean", "amax", "amin", "var_mean",
+    "any", "all", "where", "cat", "constant_pad_nd", "slice_scatter", "select_scatter", "squeeze",
+    "unsqueeze", "permute", "view", "reshape", "alias",
+}
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    name: str
+    role: str                      # primal | tangent | forward | backward | output
+    op: str                        # "aten.mm.default", "placeholder", ...
+    inputs: tuple[str, ...]
+    allocs: tuple[tuple[str, int], ...]   # storages this node allocates: (storage id, bytes)
+    value_storages: tuple[str, ...]       # storages this node's value refers to (own or aliased)
+    is_tensor: bool
+    is_sym: bool
+    is_multi_output: bool          # its value is a tuple: it cannot be saved, only its getitems can
+    is_getitem: bool
+    getitem_index: Optional[int]   # for getitem nodes: which output of the producer
+    is_view: bool                  # its value aliases its first tensor input
+    inlinable: bool                # Inductor computes it inside its consumers' kernels when they can fuse it
+    fusible_consumer: bool         # Inductor can fuse a producer into this op's kernel (pointwise, reduction, view)
+    free_to_recompute: bool        # fusible/cheap: recomputing it costs (almost) nothing
+    recompute_ban: Optional[str]   # why it may never be recomputed, or None
+    cost: NodeCost
+
+    @property
+    def alloc_bytes(self) -> int:
+        return sum(size for _, size in self.allocs)
+
+
+@dataclass(frozen=True)
+class JointGraphFacts:
+    order: tuple[str, ...]
+    nodes: Mapping[str, NodeFacts]
+    users: Mapping[str, tuple[str, ...]]
+    fwd_outputs: tuple[str, ...]
+    bwd_outputs: tuple[str, ...]
+    forward_required: frozenset[str]      # forward candidates the forward outputs (or side effects) need
+    needed_by_backward: tuple[str, ...]   # forward candidates and primals read by a backward node
+
+    def position(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.order)}
+
+
+def _placeholder_role(node: fx.Node) -> str:
+    target = str(node.target)
+    if target.startswith("tangents") or target.startswith("bwd_seed") or target.startswith("bwd_base_offset"):
+        return "tangent"
+    return "primal"
+
+
+def recompute_ban_reason(node: fx.Node) -> Optional[str]:
+    """Why ``node`` may never be recomputed, or None if recomputing it is safe."""
+    if node.op != "call_function":
+        return None
+    if torch.Tag.nondeterministic_seeded in op_tags(node):
+        return "random op: recomputing it would draw fresh random numbers (its seed is not replayed)"
+    if is_mutating_op(node):
+        return "mutates its input: recomputing it would apply the mutation twice"
+    namespace = getattr(node.target, "namespace", "")
+    if namespace in _COLLECTIVE_NAMESPACES:
+        return "collective: recomputing it would communicate again"
+    if node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE:
+        return "a checkpoint policy marked it MUST_SAVE"
+    if node.target is not operator.getitem and node.is_impure():
+        return "has side effects"
+    if not is_tensor_node(node) and not is_sym_node(node):
+        return "not a tensor"
+    return None
+
+
+def _is_free_to_recompute(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem or is_aliasing_op(node):
+        return True
+    if torch.Tag.pointwise in op_tags(node):
+        return True
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet is not None and packet.__name__.split(".")[-1] in _FREE_TO_RECOMPUTE_NAMES
+
+
+_INLINABLE_NAMES = {
+    "full", "iota", "arange", "scalar_tensor", "inductor_random", "inductor_lookup_seed", "inductor_randint",
+    "convert_element_type", "_to_copy", "where", "clone", "expand",
+}
+_REDUCTION_NAMES = {"sum", "mean", "amax", "amin", "var_mean", "var", "any", "all", "max", "min", "prod", "argmax", "argmin"}
+
+
+def _op_name(node: fx.Node) -> str:
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet.__name__.split(".")[-1] if packet is not None else ""
+
+
+def _is_inlinable(node: fx.Node) -> bool:
+    """Pointwise-like ops Inductor evaluates inside the consumer's loop instead of writing a buffer."""
+    if node.op != "call_function" or isinstance(node_val(node), (list, tuple)) or is_aliasing_op(node):
+        return False
+    return torch.Tag.pointwise in op_tags(node) or _op_name(node) in _INLINABLE_NAMES
+
+
+def _is_fusible_consumer(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem or is_aliasing_op(node) or _is_inlinable(node):
+        return True
+    return torch.Tag.reduction in op_tags(node) or _op_name(node) in _REDUCTION_NAMES
+
+
+def _storages(node: fx.Node, value_storages: dict[str, tuple[str, ...]]) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
+    """(allocs, value storages) of one node under the storage model described in the module doc."""
+    if node.op == "placeholder":
+        size = sum(tensor_nbytes(t) for t in iter_tensors(node_val(node)))
+        return ((node.name, size),) if size else (), ((node.name,) if size else ())
+    if node.op != "call_function" or not is_tensor_node(node):
+        return (), ()
+    if node.target is operator.getitem:
+        source, index = node.args[0], node.args[1]
+        parent = value_storages.get(source.name, ())
+        if len(parent) > 1 and isinstance(index, int) and index < len(parent):
+            return (), (parent[index],)
+        return (), parent
+    if is_aliasing_op(node):
+        base = next((a for a in node.all_input_nodes if is_tensor_node(a)), None)
+        return (), (value_storages.get(base.name, ()) if base is not None else ())
+    val = node_val(node)
+    if isinstance(val, (list, tuple)):
+        allocs = tuple((f"{node.name}#{i}", tensor_nbytes(t)) for i, t in enumerate(val) if isinstance(t, torch.Tensor))
+        return allocs, tuple(sid for sid, _ in allocs)
+    return ((node.name, tensor_nbytes(val)),), (node.name,)
+
+
+def _backward_closure(graph: fx.Graph) -> set[str]:
+    backward: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        is_seed = node.op == "placeholder" and _placeholder_role(node) == "tangent"
+        tagged = node.meta.get("partitioner_tag") == "must_be_in_backward"
+        if is_seed or tagged or any(a.name in backward for a in node.all_input_nodes):
+            backward.add(node.name)
+    return backward
+
+
+def _ancestors(roots: list[fx.Node], stop: set[str]) -> set[str]:
+    seen: set[str] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node.name in seen or node.name in stop:
+            continue
+        seen.add(node.name)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_outputs: int) -> JointGraphFacts:
+    """Collect the facts the planner needs; requires ``costs`` for every node name."""
+    output = graph.find_nodes(op="output")[0]
+    flat_outputs = [o for o in torch.utils._pytree.tree_leaves(output.args)]
+    fwd_outputs = [o for o in flat_outputs[:num_fwd_outputs] if isinstance(o, fx.Node)]
+    bwd_outputs = [o for o in flat_outputs[num_fwd_outputs:] if isinstance(o, fx.Node)]
+    backward = _backward_closure(graph)
+
+    side_effect_roots = [n for n in graph.nodes if n.op == "call_function" and n.name not in backward and is_mutating_op(n)]
+    forward_required = _ancestors(fwd_outputs + side_effect_roots, stop=backward)
+
+    nodes: dict[str, NodeFacts] = {}
+    users: dict[str, tuple[str, ...]] = {}
+    value_storages: dict[str, tuple[str, ...]] = {}
+    order: list[str] = []
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op == "placeholder":
+            role = _placeholder_role(node)
+        else:
+            role = "backward" if node.name in backward else "forward"
+        allocs, vstorages = _storages(node, value_storages)
+        value_storages[node.name] = vstorages
+        nodes[node.name] = NodeFacts(
+            name=node.name,
+            role=role,
+            op=node.op if node.op != "call_function" else str(node.target),
+            inputs=tuple(a.name for a in node.all_input_nodes),
+            allocs=allocs,
+            value_storages=vstorages,
+            is_tensor=is_tensor_node(node),
+            is_sym=is_sym_node(node),
+            is_multi_output=isinstance(node_val(node), (list, tuple)),
+            is_getitem=node.target is operator.getitem,
+            getitem_index=node.args[1] if node.target is operator.getitem and isinstance(node.args[1], int) else None,
+            is_view=is_aliasing_op(node),
+            inlinable=_is_inlinable(node),
+            fusible_consumer=_is_fusible_consumer(node),
+            free_to_recompute=_is_free_to_recompute(node),
+            recompute_ban=recompute_ban_reason(node),
+            cost=costs[node.name],
+        )
+        users[node.name] = tuple(u.name for u in node.users if u.op != "output")
+        order.append(node.name)
+
+    needed = [
+        name for name in order
+        if nodes[name].role in ("forward", "primal")
+        and any(nodes[u].role == "backward" for u in users[name])
+    ]
+    return JointGraphFacts(
+        order=tuple(order),
+        nodes=nodes,
+        users=users,
+        fwd_outputs=tuple(o.name for o in fwd_outputs),
+        bwd_outputs=tuple(o.name for o in bwd_outputs),
+        forward_required=frozenset(n for n in forward_required if nodes.get(n) is not None and nodes[n].role == "forward"),
+        needed_by_backward=tuple(needed),
+    )
