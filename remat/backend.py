@@ -32,6 +32,7 @@ from torch import fx
 
 from .cost_model.costs import annotate_costs
 from .cost_model.hardware import get_profile
+from .errors import BudgetInfeasibleError
 from .options import BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.joint_graph import read_joint_graph
 from .passes.plan import Plan, make_plan
@@ -59,6 +60,24 @@ class CompiledGraph:
     plan: Plan
     regions: tuple[RegionSummary, ...]
     dump_path: Optional[str]
+
+
+def _passthrough_error_class(cls: type) -> type:
+    """A subclass of ``cls`` that Dynamo re-raises as is instead of wrapping it in
+    ``BackendCompilerFailed`` (it does so for ``ShortenTraceback``), so users can
+    ``except BudgetInfeasibleError`` around their first compiled call."""
+    from torch._dynamo.exc import ShortenTraceback
+
+    class Passthrough(cls, ShortenTraceback):  # type: ignore[misc, valid-type]
+        def __init__(self, original: Exception) -> None:
+            Exception.__init__(self, *original.args)
+            self.__dict__.update(original.__dict__)
+            self.first_useful_frame = None
+
+    Passthrough.__name__ = cls.__name__
+    Passthrough.__qualname__ = cls.__qualname__
+    Passthrough.__module__ = cls.__module__
+    return Passthrough
 
 
 def _device_of(joint_inputs: Sequence[Any]) -> torch.device:
@@ -155,13 +174,16 @@ class RematBackend:
                                      static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
         with self._lock:
             graph_id = f"graph_{next(self._counter):03d}"
-        plan = make_plan(
-            facts,
-            self.options.budget_bytes,
-            target_bytes=self.options.planning_target_bytes(),
-            best_effort=self.options.best_effort,
-            solver=self.options.solver,
-        )
+        try:
+            plan = make_plan(
+                facts,
+                self.options.budget_bytes,
+                target_bytes=self.options.planning_target_bytes(),
+                best_effort=self.options.best_effort,
+                solver=self.options.solver,
+            )
+        except BudgetInfeasibleError as error:
+            raise _passthrough_error_class(BudgetInfeasibleError)(error) from None
         if not plan.fits_budget:
             warnings.warn(
                 f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the "
