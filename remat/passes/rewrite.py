@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from ..cost_model.tensors import is_mutating_op
 from ..units import format_bytes
 from .joint_graph import JointGraphFacts
 from .plan import Plan
 from .schedule import backward_order, partition_nodes
 
 REMAT_KEY = "remat"
+_EFFECT_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional", "_dtensor")
 
 
 @dataclass(frozen=True)
@@ -77,17 +79,41 @@ def place_recompute_regions(bw: fx.GraphModule, facts: JointGraphFacts, plan: Pl
                 copy.meta[REMAT_KEY] = RecomputeTag(r, first_use.get(r, ""), reasons.get(current.name, ""))
             env[current] = copy
 
-    for name, region in order:
-        if name in old_nodes and old_nodes[name].op not in ("placeholder", "output"):
-            emit(old_nodes[name], region)
     output = next(iter(bw.graph.find_nodes(op="output")))
-    for node in bw.graph.nodes:  # anything extraction kept that the schedule did not name
-        if node.op not in ("placeholder", "output") and node not in env:
+    live = _live_nodes(bw.graph, output)
+    for name, region in order:
+        if name in old_nodes and old_nodes[name] in live and old_nodes[name].op not in ("placeholder", "output"):
+            emit(old_nodes[name], region)
+    for node in bw.graph.nodes:  # anything live that the schedule did not name
+        if node in live and node.op not in ("placeholder", "output") and node not in env:
             emit(node, -1)
     env[output] = new_graph.node_copy(output, env.__getitem__)
     new_graph.lint()
     new_bw = fx.GraphModule(bw, new_graph)
     return new_bw, _summaries(new_bw, facts)
+
+
+def _live_nodes(graph: fx.Graph, output: fx.Node) -> set[fx.Node]:
+    """Nodes the output needs, plus mutations and collectives (kept for their effect).
+
+    Graph extraction keeps any node whose inputs exist in the backward, and its dead
+    code elimination keeps random ops (impure): a forward op such as CPU flash
+    attention (it takes a dropout probability) would otherwise be re-run, unused, at
+    the end of the backward, holding its recomputed inputs alive until then.
+    """
+    roots = [output] + [
+        n for n in graph.nodes
+        if n.op == "call_function" and (is_mutating_op(n) or getattr(n.target, "namespace", "") in _EFFECT_NAMESPACES)
+    ]
+    live: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in live:
+            continue
+        live.add(node)
+        stack.extend(node.all_input_nodes)
+    return live
 
 
 def _summaries(bw: fx.GraphModule, facts: JointGraphFacts) -> tuple[RegionSummary, ...]:

@@ -1,0 +1,52 @@
+"""Diagnostic: live bytes (measured vs simulated) right before each call of an op, e.g.
+
+    python tools/align_on_op.py llama 0.0069 aten::mm
+
+Measured values include the forward's calls; the simulated list is the backward's.
+"""
+import sys, torch
+sys.path.insert(0, "/work/main")
+import remat
+from remat.passes.schedule import memory_steps, partition_nodes
+from remat.cost_model.memory import simulate_memory
+from tests.models import ZOO
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+captured = []
+B = sys.modules["remat.backend"]; orig = B.make_plan
+def spy(facts, budget_bytes, **kw):
+    plan = orig(facts, budget_bytes, **kw); captured.append((facts, plan)); return plan
+B.make_plan = spy
+name, b = sys.argv[1], (None if sys.argv[2] == "none" else float(sys.argv[2]))
+anchor = sys.argv[3]  # op name substring to align on
+model, inputs = ZOO[name]()
+be = remat.backend(b, headroom_fraction=0.0)
+c = torch.compile(model, backend=be)
+def step():
+    for p in model.parameters(): p.grad = None
+    out = c(*inputs); out.float().sum().backward()
+step()
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    step()
+evs = []
+def walk(ev):
+    if ev.tag == _EventType.Allocation:
+        if ev.extra_fields.device.type == "cpu": evs.append((ev.start_time_ns, 0, ev.extra_fields.alloc_size, ""))
+    else:
+        evs.append((ev.start_time_ns, 1, 0, ev.name))
+    for ch in ev.children: walk(ch)
+for ev in prof.profiler.kineto_results.experimental_event_tree(): walk(ev)
+evs.sort()
+live = 0; meas = []
+for t, kind, size, nm in evs:
+    if kind == 0: live += size
+    elif nm == anchor: meas.append(live)
+facts, plan = captured[-1]
+part = partition_nodes(facts, set(plan.saved))
+steps, pinned = memory_steps(facts, part)
+sim = simulate_memory(steps, pinned)
+simv = [sim.timeline_bytes[i] - sum(b for _, b in s.allocs) for i, s in enumerate(steps) if s.phase == "backward" and facts.nodes.get(s.name.removesuffix("@r"), facts.nodes[facts.order[0]]).op in ("aten.mm.default",)]
+names = [s.name for s in steps if s.phase == "backward" and facts.nodes.get(s.name.removesuffix("@r"), facts.nodes[facts.order[0]]).op in ("aten.mm.default",)]
+print(names)
+print("measured before each:", [round(x/1e6,2) for x in meas])
+print("sim      before each:", [round(x/1e6,2) for x in simv])
