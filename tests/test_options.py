@@ -1,0 +1,160 @@
+"""Argument validation at the API boundary: bad input fails in ``remat.backend(...)`` with the
+value in the message, before ``torch.compile`` ever sees a model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import remat
+from remat.options import budget_from_env, make_options, validate_budget_gb
+
+
+class _NeverTraced(torch.nn.Module):
+    """A model whose forward fails loudly if anything traces or runs it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - must never run
+        raise AssertionError("the model was traced although the backend's arguments were invalid")
+
+
+@pytest.mark.parametrize(
+    ("budget_gb", "error", "shown"),
+    [
+        (0, ValueError, "budget_gb=0 "),
+        (0.0, ValueError, "budget_gb=0.0 "),
+        (-1, ValueError, "budget_gb=-1 "),
+        (-0.5, ValueError, "budget_gb=-0.5 "),
+        (math.nan, ValueError, "budget_gb=nan "),
+        (math.inf, ValueError, "budget_gb=inf "),
+        (-math.inf, ValueError, "budget_gb=-inf "),
+        ("8GB", ValueError, "budget_gb='8GB' "),
+        ("", ValueError, "budget_gb='' "),
+        (True, TypeError, "budget_gb=True "),
+        ([8], TypeError, "budget_gb=[8] "),
+    ],
+)
+def test_bad_budget_fails_before_tracing(budget_gb, error, shown):
+    model = _NeverTraced()
+    with pytest.raises(error) as info:
+        torch.compile(model, backend=remat.backend(budget_gb))(torch.ones(2))
+    assert shown in str(info.value)
+
+
+def test_string_budget_message_says_what_to_pass():
+    with pytest.raises(ValueError) as info:
+        remat.backend("8GB")
+    message = str(info.value)
+    assert "budget_gb='8GB' is a string" in message
+    assert "budget_gb=8" in message and "'auto'" in message
+    assert "1 GB = 1e9 bytes" in message
+
+
+def test_negative_budget_message_says_what_the_budget_bounds():
+    with pytest.raises(ValueError, match=r"budget_gb=-1 must be positive: it bounds the memory"):
+        remat.backend(-1)
+
+
+@pytest.mark.parametrize(
+    ("budget_gb", "expected_bytes"),
+    [(8, 8_000_000_000), (0.5, 500_000_000), (0.08, 80_000_000), (1e-6, 1_000), (24.0, 24_000_000_000)],
+)
+def test_budget_is_decimal_gb(budget_gb, expected_bytes):
+    backend = remat.backend(budget_gb)
+    assert backend.options.budget_bytes == expected_bytes
+    assert isinstance(backend.options.budget_bytes, int)
+    assert backend.options.budget_is_auto is False
+    assert backend.compiled_graphs == []
+
+
+def test_no_budget():
+    options = remat.backend().options
+    assert options.budget_bytes is None
+    assert options.planning_target_bytes() is None
+
+
+def test_headroom_sets_the_planning_target():
+    assert remat.backend(1, headroom_fraction=0.10).options.planning_target_bytes() == 900_000_000
+    assert remat.backend(1, headroom_fraction=0.0).options.planning_target_bytes() == 1_000_000_000
+
+
+@pytest.mark.parametrize("spelling", ["auto", "AUTO", " Auto "])
+def test_auto_budget_is_the_free_memory(spelling):
+    options = remat.backend(spelling).options
+    assert options.budget_is_auto is True
+    assert isinstance(options.budget_bytes, int) and options.budget_bytes > 0
+
+
+def test_auto_needs_the_free_memory():
+    with pytest.raises(ValueError, match="budget_gb='auto' needs the device's free memory"):
+        make_options("auto", free_bytes_for_auto=None)
+    assert make_options("auto", free_bytes_for_auto=123_456).budget_bytes == 123_456
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "shown"),
+    [
+        ({"hardware": "tpu"}, ValueError, "hardware='tpu'"),
+        ({"solver": "ilp"}, ValueError, "solver='ilp'"),
+        ({"best_effort": "yes"}, TypeError, "best_effort='yes'"),
+        ({"headroom_fraction": 0.95}, ValueError, "headroom_fraction=0.95"),
+        ({"headroom_fraction": -0.1}, ValueError, "headroom_fraction=-0.1"),
+        ({"headroom_fraction": True}, ValueError, "headroom_fraction=True"),
+    ],
+)
+def test_bad_option_shows_the_value(kwargs, error, shown):
+    with pytest.raises(error) as info:
+        remat.backend(1, **kwargs)
+    assert shown in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("8", 8.0), ("0.5", 0.5), (" 24 ", 24.0), ("1e-3", 0.001), ("auto", "auto"), ("AUTO", "auto"), ("", None), ("  ", None)],
+)
+def test_env_budget_parsing(raw, expected):
+    assert budget_from_env({remat.BUDGET_ENV_VAR: raw}) == expected
+
+
+def test_env_budget_unset_means_no_budget():
+    assert budget_from_env({}) is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [("8GB", "REMAT_BUDGET_GB='8GB' is not a number"), ("eight", "REMAT_BUDGET_GB='eight' is not a number"),
+     ("0", "budget_gb=0.0 must be positive"), ("-1", "budget_gb=-1.0 must be positive"),
+     ("nan", "budget_gb=nan is not a finite number"), ("inf", "budget_gb=inf is not a finite number")],
+)
+def test_env_budget_rejects_bad_values(raw, shown):
+    with pytest.raises(ValueError) as info:
+        budget_from_env({remat.BUDGET_ENV_VAR: raw})
+    assert shown in str(info.value)
+
+
+def test_env_budget_reads_the_process_environment(monkeypatch):
+    assert remat.BUDGET_ENV_VAR == "REMAT_BUDGET_GB"
+    monkeypatch.setenv("REMAT_BUDGET_GB", "0.25")
+    assert budget_from_env() == 0.25
+    monkeypatch.delenv("REMAT_BUDGET_GB")
+    assert budget_from_env() is None
+
+
+def test_validate_returns_floats():
+    assert validate_budget_gb(3) == 3.0 and isinstance(validate_budget_gb(3), float)
+    assert validate_budget_gb(None) is None
+
+
+def test_cache_key_changes_with_every_plan_option():
+    """Inductor's compile cache keys on the partitioner's uuid(): a stale plan must never be replayed."""
+    keys = {
+        remat.backend(None).partitioner.uuid(),
+        remat.backend(1).partitioner.uuid(),
+        remat.backend(2).partitioner.uuid(),
+        remat.backend(1, headroom_fraction=0.2).partitioner.uuid(),
+        remat.backend(1, best_effort=True).partitioner.uuid(),
+        remat.backend(1, hardware="h100").partitioner.uuid(),
+    }
+    assert len(keys) == 6
+    assert remat.backend(1).partitioner.uuid() == remat.backend(1.0).partitioner.uuid()
