@@ -36,6 +36,7 @@ from .errors import BudgetInfeasibleError
 from .options import BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.joint_graph import read_joint_graph
 from .passes.plan import Plan, make_plan
+from .passes.random_ops import split_dropout_outputs
 from .passes.rewrite import RegionSummary, place_recompute_regions
 
 log = logging.getLogger("remat")
@@ -165,6 +166,7 @@ class RematBackend:
 
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
         joint.graph.eliminate_dead_code()
+        split_dropout_outputs(joint.graph)
         joint.recompile()
         profile = get_profile(self.options.hardware, _device_of(joint_inputs))
         costs = annotate_costs(joint.graph, profile)

@@ -3,23 +3,39 @@
 ``annotate_costs`` writes one frozen ``NodeCost`` under ``node.meta[COST_KEY]``
 for every node of a graph and returns them by name. It never rewrites a graph.
 
-Time is a roofline: ``max(flops / peak_rate(dtype), bytes / bandwidth)`` plus
-the profile's kernel-launch floor for every op that launches a kernel (views and
-getitems launch none).
+Bytes. ``bytes_read`` / ``bytes_written`` are the traffic of the op run on its
+own (as eager PyTorch runs it): views, getitems and ``_unsafe_view`` move 0
+bytes; an input is charged the distinct elements it touches (an expanded bias
+counts once). ``fused_bytes_read`` / ``fused_bytes_written`` are the traffic
+once Inductor fuses the graph (``fusion.py``): an intermediate whose every
+reader is in the same kernel is never written or read back.
+
+Time is a roofline on a ``HardwareProfile``::
+
+    time = max(flops / peak_rate(dtype), bytes / bandwidth(working set)) + launches * launch_floor
+
+``unfused_time_s`` applies it to the op alone (its own kernel, unfused bytes).
+``est_time_s``, what the planner uses, applies it to the fused bytes, with one
+launch per fused kernel (charged to the kernel's last node). Given measured
+kernel times (``calibrate.measure_node_times``), ``est_time_s`` is the measured
+time instead; for a node Inductor fuses, that time is scaled by the fused-to-
+unfused roofline ratio, since the measurement ran the op as its own kernel.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional
 
 import torch
 from torch import fx
 
-from .flops import node_flops
+from .flops import TORCH_RULE, node_flops
+from .fusion import FusionGroups, find_fusion_groups, is_loop_op
 from .hardware import HardwareProfile
-from .tensors import is_aliasing_op, iter_tensors, node_val, value_nbytes
+from .phases import node_phases
+from .tensors import is_free_op, iter_tensors, node_val, op_name, touched_nbytes, value_nbytes
 
 COST_KEY = "remat_cost"
 
@@ -27,56 +43,143 @@ COST_KEY = "remat_cost"
 @dataclass(frozen=True)
 class NodeCost:
     flops: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    est_time_s: float = 0.0
+    bytes_read: int = 0                 # the op alone: distinct input bytes it touches (views: 0)
+    bytes_written: int = 0              # the op alone: bytes of its outputs
+    est_time_s: float = 0.0             # the estimate the planner uses (see time_source)
     has_flop_formula: bool = True
     flop_rule: str = ""
+    fused_bytes_read: int = 0           # once Inductor fuses: bytes loaded from memory
+    fused_bytes_written: int = 0        # once Inductor fuses: bytes stored to memory
+    launches: int = 0                   # kernel launches charged to this node
+    unfused_time_s: float = 0.0         # roofline of the op as its own kernel, as eager runs it
+    measured_time_s: Optional[float] = None   # calibration: the op's kernel timed on the device
+    time_source: str = ""               # "roofline", "roofline (fused)", "measured", "measured (fused-scaled)"
+    fusion_group: str = ""              # name of the first node of its fused kernel ("" outside one)
 
     def __add__(self, other: "NodeCost") -> "NodeCost":
-        return NodeCost(
-            flops=self.flops + other.flops,
-            bytes_read=self.bytes_read + other.bytes_read,
-            bytes_written=self.bytes_written + other.bytes_written,
-            est_time_s=self.est_time_s + other.est_time_s,
-            has_flop_formula=self.has_flop_formula and other.has_flop_formula,
-            flop_rule="sum",
-        )
+        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
+                if f.type in ("int", "float")}
+        # sums the records that were measured; None only when neither was
+        measured = None
+        if self.measured_time_s is not None or other.measured_time_s is not None:
+            measured = (self.measured_time_s or 0.0) + (other.measured_time_s or 0.0)
+        return NodeCost(**sums, has_flop_formula=self.has_flop_formula and other.has_flop_formula,
+                        flop_rule="sum", measured_time_s=measured, time_source="sum")
 
 
 ZERO_COST = NodeCost()
 
+_TENSOR_CORE_RULES = (TORCH_RULE, "remat formula: attention")
 
-def _out_dtype(node: fx.Node) -> Optional[torch.dtype]:
+
+def _compute_dtype(node: fx.Node) -> Optional[torch.dtype]:
+    """The dtype that sets the FLOP rate: the first floating input, else the output's."""
+    for arg in node.all_input_nodes:
+        for tensor in iter_tensors(node_val(arg)):
+            if tensor.dtype.is_floating_point:
+                return tensor.dtype
     for tensor in iter_tensors(node_val(node)):
         return tensor.dtype
     return None
 
 
+def _uses_tensor_cores(node: fx.Node, rule: str) -> bool:
+    """fp32 matmuls and convolutions run at the TF32 rate when torch allows it (CUDA profiles only)."""
+    if rule not in _TENSOR_CORE_RULES:
+        return False
+    if "convolution" in op_name(node):
+        return bool(torch.backends.cudnn.allow_tf32)
+    return torch.get_float32_matmul_precision() != "highest"
+
+
+def roofline_time_s(profile: HardwareProfile, flops: int, nbytes: int, launches: int,
+                    dtype: Optional[torch.dtype] = None, *, tensor_cores: bool = False,
+                    working_set_bytes: Optional[int] = None) -> float:
+    """max(compute time, memory time) + launch floors; memory at the bandwidth of the working set's level."""
+    compute_s = flops / profile.peak_flops_per_s(dtype, tensor_cores=tensor_cores)
+    memory_s = nbytes / profile.bandwidth_for(nbytes if working_set_bytes is None else working_set_bytes)
+    return max(compute_s, memory_s) + launches * profile.kernel_launch_s
+
+
 def estimate_node_cost(node: fx.Node, profile: HardwareProfile) -> NodeCost:
-    """The cost of running ``node`` once on ``profile``; zero for placeholders, views and getitems."""
-    if node.op != "call_function" or node.target is operator.getitem or is_aliasing_op(node):
-        return NodeCost(flop_rule="free")
+    """The cost of running ``node`` once, as its own kernel, on ``profile``; zero for free nodes."""
+    if is_free_op(node) or node.target is operator.getitem:
+        return NodeCost(flop_rule="free", time_source="roofline")
     estimate = node_flops(node)
     bytes_written = value_nbytes(node_val(node))
-    bytes_read = sum(value_nbytes(node_val(arg)) for arg in node.all_input_nodes)
-    compute_s = estimate.flops / profile.peak_flops_per_s(_out_dtype(node))
-    memory_s = (bytes_read + bytes_written) / profile.bandwidth_bytes_per_s
+    bytes_read = sum(touched_nbytes(t) for arg in node.all_input_nodes for t in iter_tensors(node_val(arg)))
+    dtype = _compute_dtype(node)
+    time_s = roofline_time_s(profile, estimate.flops, bytes_read + bytes_written, 1, dtype,
+                             tensor_cores=profile.name != "cpu" and _uses_tensor_cores(node, estimate.rule))
     return NodeCost(
-        flops=estimate.flops,
-        bytes_read=bytes_read,
-        bytes_written=bytes_written,
-        est_time_s=max(compute_s, memory_s) + profile.kernel_launch_s,
-        has_flop_formula=estimate.has_formula,
-        flop_rule=estimate.rule,
+        flops=estimate.flops, bytes_read=bytes_read, bytes_written=bytes_written, est_time_s=time_s,
+        has_flop_formula=estimate.has_formula, flop_rule=estimate.rule,
+        fused_bytes_read=bytes_read, fused_bytes_written=bytes_written, launches=1,
+        unfused_time_s=time_s, time_source="roofline",
     )
 
 
-def annotate_costs(graph: fx.Graph, profile: HardwareProfile) -> dict[str, NodeCost]:
-    """Write ``node.meta[COST_KEY]`` on every node; return the costs by node name."""
+def _fused_cost(node: fx.Node, base: NodeCost, groups: FusionGroups, group_bytes: Mapping[str, int],
+                profile: HardwareProfile) -> NodeCost:
+    gid = groups.group_of[node.name]
+    fused_read, fused_written = groups.bytes_read[node.name], groups.bytes_written[node.name]
+    launches = groups.launches[node.name]
+    time_s = roofline_time_s(
+        profile, base.flops, fused_read + fused_written, launches, _compute_dtype(node),
+        tensor_cores=profile.name != "cpu" and _uses_tensor_cores(node, base.flop_rule),
+        working_set_bytes=group_bytes[gid],
+    )
+    return NodeCost(
+        flops=base.flops, bytes_read=base.bytes_read, bytes_written=base.bytes_written, est_time_s=time_s,
+        has_flop_formula=base.has_flop_formula, flop_rule=base.flop_rule,
+        fused_bytes_read=fused_read, fused_bytes_written=fused_written, launches=launches,
+        unfused_time_s=base.unfused_time_s, time_source="roofline (fused)", fusion_group=gid,
+    )
+
+
+def _calibrated(node: fx.Node, cost: NodeCost, measured_s: float) -> NodeCost:
+    est, source = measured_s, "measured"
+    if is_loop_op(node) and cost.unfused_time_s > 0 and cost.time_source == "roofline (fused)":
+        est, source = measured_s * cost.est_time_s / cost.unfused_time_s, "measured (fused-scaled)"
+    fields_now = {f.name: getattr(cost, f.name) for f in fields(cost)}
+    fields_now.update(est_time_s=est, measured_time_s=measured_s, time_source=source)
+    return NodeCost(**fields_now)
+
+
+def annotate_costs(graph: fx.Graph, profile: HardwareProfile, *, fusion: bool = True,
+                   measured_times: Optional[Mapping[str, float]] = None) -> dict[str, NodeCost]:
+    """Write ``node.meta[COST_KEY]`` on every node; return the costs by node name.
+
+    ``fusion=False`` charges every op as its own kernel (eager). ``measured_times``
+    (node name -> seconds, from ``calibrate.measure_node_times``) replaces the
+    roofline wherever it has a time for the node.
+    """
+    groups = find_fusion_groups(graph) if fusion else None
+    group_bytes: dict[str, int] = {}
+    if groups is not None:
+        for name, gid in groups.group_of.items():
+            group_bytes[gid] = group_bytes.get(gid, 0) + groups.bytes_read[name] + groups.bytes_written[name]
     costs: dict[str, NodeCost] = {}
     for node in graph.nodes:
         cost = estimate_node_cost(node, profile)
+        if groups is not None and node.name in groups.group_of:
+            cost = _fused_cost(node, cost, groups, group_bytes, profile)
+        if measured_times is not None and node.name in measured_times and not is_free_op(node):
+            cost = _calibrated(node, cost, float(measured_times[node.name]))
         node.meta[COST_KEY] = cost
         costs[node.name] = cost
     return costs
+
+
+def phase_totals(graph: fx.Graph, costs: Mapping[str, NodeCost]) -> dict[str, NodeCost]:
+    """The summed cost of the forward and of the backward part of a joint graph."""
+    totals = {"forward": ZERO_COST, "backward": ZERO_COST}
+    for name, phase in node_phases(graph).items():
+        if name in costs:
+            totals[phase] = totals[phase] + costs[name]
+    return totals
+
+
+__all__ = [
+    "COST_KEY", "ZERO_COST", "NodeCost", "annotate_costs", "estimate_node_cost", "phase_totals", "roofline_time_s",
+]

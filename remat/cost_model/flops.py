@@ -1,74 +1,169 @@
 """FLOPs per FX node.
 
-Where ``torch.utils.flop_counter`` has a formula for the op (matmuls,
-convolutions, attention), that formula is used, so totals match
-``FlopCounterMode``. For every other op a documented estimate is used and the
-node is marked as having no formula: pointwise ops count one FLOP per output
-element, reductions one per input element, views and data movement zero.
+Rules, in the order they are tried (``FlopEstimate.rule`` names the one used):
+
+1. ``"flop_counter"``: the op has a formula in ``torch.utils.flop_counter``'s
+   registry (matmuls, convolutions, attention). Totals over these nodes equal
+   what ``FlopCounterMode`` counts for the same ops.
+2. ``"remat formula: ..."``: a formula of ours for a compute-heavy op torch's
+   registry lacks (``EXTRA_FLOP_FORMULAS``: the CPU flash-attention kernels,
+   counted like their CUDA siblings). ``FlopCounterMode(custom_mapping=
+   EXTRA_FLOP_FORMULAS)`` counts them the same way.
+3. Zero, exact by construction: views, getitems and data movement (copies,
+   fills, gathers, dtype casts) do no arithmetic.
+4. Estimates (``has_formula=False``): a composite op Inductor decomposes
+   (``native_layer_norm``, ``gelu_backward``, ...) counts the FLOPs of its
+   decomposition per element of its largest tensor (``COMPOSITE_FLOPS_PER_ELEMENT``);
+   a pointwise op counts 1 per output element; a reduction 1 per input element;
+   anything else 1 per output element.
+
+Sizes may be symbolic: ``node_flops_value`` keeps the SymInt (see ``symbolic.py``
+for the formula), ``node_flops`` evaluates it at its hint.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import fx
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
-from .tensors import concrete_int, is_aliasing_op, node_val, op_tags
+from .tensors import concrete_int, is_aliasing_op, iter_tensors, node_val, op_tags
 
-_DATA_MOVEMENT = {
+aten = torch.ops.aten
+
+TORCH_RULE = "flop_counter"
+
+
+def _sdpa_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_cpu_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+# Shape-based formulas, in the form FlopCounterMode's ``custom_mapping`` takes.
+# Causal masking is not discounted, as torch's own attention formulas do not.
+EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flop,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flop,
+}
+_EXTRA_WRAPPED = {packet: shape_wrapper(fn) for packet, fn in EXTRA_FLOP_FORMULAS.items()}
+
+# FLOPs per element of the op's largest tensor: the sum of rules 3-4 over the ops
+# Inductor's decomposition table turns it into, counting the full-size ops only
+# (terms on the reduced tensors, e.g. layer norm's rsqrt over rows, are dropped).
+# tests/test_cost_model.py re-derives every entry from the decomposition.
+COMPOSITE_FLOPS_PER_ELEMENT: dict[str, int] = {
+    "gelu": 5, "gelu_backward": 11, "silu": 4, "silu_backward": 6,
+    "_softmax": 5, "_log_softmax": 5, "_softmax_backward_data": 4, "_log_softmax_backward_data": 4,
+    "native_layer_norm": 5, "native_layer_norm_backward": 14,
+    "_native_batch_norm_legit_functional": 5, "native_batch_norm_backward": 9,
+    "native_dropout": 4, "native_dropout_backward": 2,
+    "sigmoid_backward": 3, "tanh_backward": 3, "threshold_backward": 2,
+}
+
+DATA_MOVEMENT_OPS = frozenset({
     "clone", "copy", "copy_", "_to_copy", "cat", "stack", "index", "index_select", "gather",
-    "scatter", "scatter_add", "embedding", "full", "empty", "zeros", "ones", "iota", "arange",
+    "scatter", "embedding", "full", "empty", "zeros", "ones", "iota", "arange",
     "constant_pad_nd", "slice_scatter", "select_scatter", "as_strided_scatter", "new_zeros",
     "new_empty", "new_ones", "full_like", "zeros_like", "empty_like", "ones_like", "empty_strided",
-    "index_put", "embedding_dense_backward", "lift_fresh_copy", "convert_element_type",
-}
+    "lift_fresh_copy", "convert_element_type", "scalar_tensor", "_unsafe_view", "slice_backward",
+    "select_backward", "masked_fill", "repeat", "tril", "triu", "flip", "roll",
+})
+REDUCTION_OPS = frozenset({
+    "sum", "mean", "amax", "amin", "var_mean", "var", "std", "any", "all", "max", "min",
+    "argmax", "argmin", "prod", "logsumexp", "norm", "linalg_vector_norm",
+})
 
 
 @dataclass(frozen=True)
 class FlopEstimate:
     flops: int
-    has_formula: bool   # True when the number came from torch's flop_counter registry or is exact by construction
+    has_formula: bool   # True for torch's and remat's formulas and for exact zeros; False for estimates
     rule: str           # which rule produced it, for the report
 
 
-def node_flops(node: fx.Node) -> FlopEstimate:
+@dataclass(frozen=True)
+class _FlopValue:
+    value: Any          # int, or SymInt under dynamic shapes
+    has_formula: bool
+    rule: str
+
+
+def _numel(value: Any) -> Any:
+    total: Any = 0
+    for tensor in iter_tensors(value):
+        total = total + tensor.numel()
+    return total
+
+
+def _largest_numel(node: fx.Node) -> Any:
+    """Element count of the largest tensor the node reads or writes (at the hint)."""
+    values = [node_val(node)] + [node_val(arg) for arg in node.all_input_nodes]
+    tensors = [t for v in values for t in iter_tensors(v)]
+    if not tensors:
+        return 0
+    return max((t.numel() for t in tensors), key=concrete_int)
+
+
+def _formula(node: fx.Node, formula: Callable[..., Any]) -> Any:
+    args = fx.node.map_arg(node.args, node_val)
+    kwargs = fx.node.map_arg(node.kwargs, node_val)
+    return formula(*args, **kwargs, out_val=node_val(node))
+
+
+def node_flops_value(node: fx.Node) -> _FlopValue:
+    """Like ``node_flops`` but the count may be a SymInt (its formula in the shape symbols)."""
     if node.op != "call_function":
-        return FlopEstimate(0, True, "not an op")
-    target = node.target
-    packet = getattr(target, "overloadpacket", None)
+        return _FlopValue(0, True, "not an op")
+    packet = getattr(node.target, "overloadpacket", None)
     if packet is None:
-        return FlopEstimate(0, True, "python builtin")
-    if packet in flop_registry:
-        args = fx.node.map_arg(node.args, lambda n: node_val(n))
-        kwargs = fx.node.map_arg(node.kwargs, lambda n: node_val(n))
-        try:
-            flops = flop_registry[packet](*args, **kwargs, out_val=node_val(node))
-            return FlopEstimate(concrete_int(flops), True, "flop_counter")
-        except Exception:  # a formula that cannot take these (symbolic) args: fall through
-            pass
+        return _FlopValue(0, True, "python builtin")
+    for registry, rule in ((flop_registry, TORCH_RULE), (_EXTRA_WRAPPED, "remat formula: attention")):
+        if packet in registry:
+            try:
+                return _FlopValue(_formula(node, registry[packet]), True, rule)
+            except Exception:  # a formula that cannot take these args: fall through to the estimates
+                break
     if is_aliasing_op(node):
-        return FlopEstimate(0, True, "view")
+        return _FlopValue(0, True, "view")
     name = packet.__name__.split(".")[-1]
-    if name in _DATA_MOVEMENT:
-        return FlopEstimate(0, True, "data movement")
-    out_elems = _numel(node_val(node))
-    tags = op_tags(node)
-    if torch.Tag.pointwise in tags:
-        return FlopEstimate(out_elems, False, "pointwise: 1 per output element")
-    if torch.Tag.reduction in tags or name in {"sum", "mean", "amax", "amin", "var_mean", "var", "any", "all", "max", "min", "argmax", "argmin", "prod", "logsumexp"}:
-        in_elems = sum(_numel(node_val(a)) for a in node.all_input_nodes)
-        return FlopEstimate(in_elems, False, "reduction: 1 per input element")
-    return FlopEstimate(out_elems, False, "default: 1 per output element")
+    if name in DATA_MOVEMENT_OPS:
+        return _FlopValue(0, True, "data movement")
+    if name in COMPOSITE_FLOPS_PER_ELEMENT:
+        per = COMPOSITE_FLOPS_PER_ELEMENT[name]
+        return _FlopValue(per * _largest_numel(node), False, f"composite: {per} per element of its decomposition")
+    if torch.Tag.pointwise in op_tags(node):
+        return _FlopValue(_numel(node_val(node)), False, "pointwise: 1 per output element")
+    if torch.Tag.reduction in op_tags(node) or name in REDUCTION_OPS:
+        in_elems: Any = 0
+        for arg in node.all_input_nodes:
+            in_elems = in_elems + _numel(node_val(arg))
+        return _FlopValue(in_elems, False, "reduction: 1 per input element")
+    return _FlopValue(_numel(node_val(node)), False, "default: 1 per output element")
 
 
-def _numel(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return concrete_int(value.numel())
-    if isinstance(value, (list, tuple)):
-        return sum(_numel(v) for v in value)
-    return 0
+def node_flops(node: fx.Node) -> FlopEstimate:
+    """FLOPs of running ``node`` once, evaluated at the size hints."""
+    value = node_flops_value(node)
+    return FlopEstimate(concrete_int(value.value), value.has_formula, value.rule)
 
 
-__all__ = ["FlopEstimate", "node_flops"]
+def ops_without_formula(nodes: Iterable[fx.Node]) -> Counter:
+    """How many nodes of each op ("aten.mul.Tensor") have estimated, not counted, FLOPs."""
+    counts: Counter = Counter()
+    for node in nodes:
+        if not node_flops_value(node).has_formula:
+            counts[str(node.target)] += 1
+    return counts
+
+
+__all__ = [
+    "COMPOSITE_FLOPS_PER_ELEMENT", "EXTRA_FLOP_FORMULAS", "FlopEstimate", "TORCH_RULE",
+    "node_flops", "node_flops_value", "ops_without_formula",
+]

@@ -1,48 +1,75 @@
 """Hardware profiles for the roofline time model.
 
-A ``HardwareProfile`` holds peak FLOP/s per dtype, memory bandwidth and a
-per-kernel launch floor. The GPU profiles are datasheet numbers (labelled as
-such in ``source``); the ``cpu`` profile is measured once on this machine with a
-matmul and a copy, and cached on disk. A missing or corrupt cache is rebuilt.
+A ``HardwareProfile`` holds peak FLOP/s per dtype, memory bandwidth (optionally
+by working-set size: a CPU streams a 1 MiB tensor from cache several times faster
+than a 100 MiB one) and a per-kernel launch floor.
+
+- ``a100``, ``h100``, ``h200``: datasheet numbers (SXM, dense, no sparsity),
+  labelled as such in ``source``.
+- ``cpu``: measured once on this machine (matmuls per dtype, copies at four
+  working-set sizes, a tiny op for the launch floor) and cached on disk under
+  ``$REMAT_CACHE_DIR`` (default ``~/.cache/remat``), keyed by host, thread count
+  and torch version. ``cuda``: the same measurement on the current CUDA device.
+  A missing, corrupt or implausible cache file is measured again and rewritten;
+  an unwritable cache directory only costs the caching.
+
+``get_profile("auto", device)`` picks the datasheet profile of a recognised GPU,
+the measured ``cuda`` profile of any other GPU, else ``cpu``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import socket
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
 CACHE_ENV_VAR = "REMAT_CACHE_DIR"
+CACHE_SCHEMA = 2
+DATASHEET_NAMES = ("a100", "h100", "h200")
+PROFILE_NAMES = ("auto", "cpu", "cuda") + DATASHEET_NAMES
 
 
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
-    flops_per_s: Mapping[str, float]          # dtype name -> peak FLOP/s
-    bandwidth_bytes_per_s: float
+    flops_per_s: Mapping[str, float]          # dtype name -> peak FLOP/s ("tf32": fp32 matmuls on tensor cores)
+    bandwidth_bytes_per_s: float              # main memory (DRAM / HBM)
     kernel_launch_s: float
-    source: str                                # "datasheet" or "measured on <host>"
+    source: str                               # "datasheet ..." or "measured on <host> ..."
     extra: Mapping[str, str] = field(default_factory=dict)
+    # (working-set bytes up to which it holds, bytes/s), ascending; beyond the last: bandwidth_bytes_per_s
+    bandwidth_levels: tuple[tuple[int, float], ...] = ()
 
-    def peak_flops_per_s(self, dtype: Optional[torch.dtype]) -> float:
+    def peak_flops_per_s(self, dtype: Optional[torch.dtype], *, tensor_cores: bool = False) -> float:
+        """Peak rate for ``dtype``; fp32 matmuls use the TF32 rate when ``tensor_cores`` and the profile has one."""
         key = str(dtype).replace("torch.", "") if dtype is not None else "float32"
+        if key == "float32" and tensor_cores and "tf32" in self.flops_per_s:
+            key = "tf32"
         return self.flops_per_s.get(key, self.flops_per_s["float32"])
+
+    def bandwidth_for(self, working_set_bytes: int) -> float:
+        """Bytes/s for a kernel that moves ``working_set_bytes`` in all."""
+        for limit, rate in self.bandwidth_levels:
+            if working_set_bytes <= limit:
+                return rate
+        return self.bandwidth_bytes_per_s
 
 
 def _datasheet(name: str, fp32: float, tf32: float, bf16: float, bandwidth: float) -> HardwareProfile:
     return HardwareProfile(
         name=name,
-        # fp32 matmuls on tensor cores run at the TF32 rate under torch's default
-        # "high" matmul precision only when enabled; we use the plain fp32 rate.
         flops_per_s={"float32": fp32, "tf32": tf32, "bfloat16": bf16, "float16": bf16, "float64": fp32 / 2},
         bandwidth_bytes_per_s=bandwidth,
         kernel_launch_s=4e-6,
-        source="datasheet (dense, no sparsity)",
+        source="datasheet (SXM, dense, no sparsity)",
     )
 
 
@@ -52,103 +79,210 @@ DATASHEET_PROFILES: dict[str, HardwareProfile] = {
     "h200": _datasheet("h200", 67e12, 495e12, 989e12, 4.8e12),
 }
 
+# A measurement outside these bounds is a broken clock or a machine under
+# another load, not hardware: it is measured again and never cached.
+_MAX_FLOPS_PER_THREAD = 2e12
+_MAX_BANDWIDTH = 2e13
+_MAX_LAUNCH_S = 1e-3
+
 
 def cache_dir() -> Path:
     root = os.environ.get(CACHE_ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "remat")
     return Path(root)
 
 
-def _measure_cpu_profile() -> HardwareProfile:
-    """Time a 512^3 fp32 matmul and a 32 MiB copy; best of several runs each."""
-    n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    src = torch.empty(8 << 20)  # 32 MiB of fp32
-    dst = torch.empty_like(src)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    def best_of(fn, reps: int = 7) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
+
+def time_call(fn: Callable[[], Any], device: torch.device, *, samples: int = 5, min_sample_s: float = 2e-3,
+              max_total_s: float = 1.0, reduce: str = "median") -> float:
+    """Seconds per call of ``fn``: the median (or ``reduce="min"``) of ``samples`` samples.
+
+    Each sample loops ``fn`` long enough (``min_sample_s``) that clock resolution
+    and one-off hiccups do not matter; the whole stays under about ``max_total_s``.
+    """
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, min(int(min_sample_s / once), 10_000))
+    samples = max(1, min(samples, int(max_total_s / (once * inner)) or 1))
+    per_call = []
+    for _ in range(samples):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(inner):
             fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        _sync(device)
+        per_call.append((time.perf_counter() - t0) / inner)
+    return min(per_call) if reduce == "min" else statistics.median(per_call)
 
-    mm_s = best_of(lambda: torch.mm(a, b))
-    copy_s = best_of(lambda: dst.copy_(src))
-    tiny = torch.ones(4)
-    launch_s = best_of(lambda: torch.add(tiny, tiny), reps=50)
-    fp32 = 2 * n**3 / mm_s
+
+def _measure_profile(device: torch.device) -> HardwareProfile:
+    """Matmuls per dtype (4096^3 on a GPU; 512^3, 256^3 for half types, on a CPU), copies at four sizes, a tiny op.
+
+    Each is the best of seven samples: a roofline wants what the hardware can do,
+    and on a shared machine the other samples measure the neighbours' load.
+    """
+    def best(fn: Callable[[], Any]) -> float:
+        return time_call(fn, device, samples=7, min_sample_s=5e-3, reduce="min")
+
+    flops: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        # CPUs without native half-precision matmul run it ~100x slower: a smaller one says as much
+        n = 4096 if device.type == "cuda" else (512 if dtype in (torch.float32, torch.float64) else 256)
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        try:
+            flops[str(dtype).replace("torch.", "")] = 2 * n**3 / best(lambda: torch.mm(a, b))
+        except RuntimeError:  # a dtype this device has no matmul kernel for
+            continue
+    levels = []
+    for numel in (1 << 15, 1 << 18, 1 << 21, 1 << 24):   # 128 KiB, 1 MiB, 8 MiB, 64 MiB of fp32
+        src = torch.randn(numel, device=device)
+        dst = torch.empty_like(src)
+        working_set = 2 * src.numel() * src.element_size()
+        levels.append((working_set, working_set / best(lambda: dst.copy_(src))))
+    tiny = torch.ones(4, device=device)
+    launch_s = best(lambda: torch.add(tiny, tiny))
+    threads = torch.get_num_threads()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{threads} threads"
     return HardwareProfile(
-        name="cpu",
-        flops_per_s={"float32": fp32, "bfloat16": fp32 / 2, "float16": fp32 / 4, "float64": fp32 / 2},
-        bandwidth_bytes_per_s=2 * src.numel() * src.element_size() / copy_s,
+        name=device.type,
+        flops_per_s=flops,
+        bandwidth_bytes_per_s=levels[-1][1],
         kernel_launch_s=launch_s,
-        source=f"measured on {os.uname().nodename} with {torch.get_num_threads()} threads",
+        source=f"measured on {socket.gethostname()} ({where}), torch {torch.__version__}",
+        bandwidth_levels=tuple(levels[:-1]),
     )
 
 
-def _profile_to_json(profile: HardwareProfile) -> dict:
+def check_plausible(profile: HardwareProfile, threads: int = 1) -> None:
+    """Raise ValueError naming the number when a profile cannot describe real hardware."""
+    rates = {"bandwidth_bytes_per_s": profile.bandwidth_bytes_per_s, "kernel_launch_s": profile.kernel_launch_s}
+    rates.update({f"flops_per_s[{k}]": v for k, v in profile.flops_per_s.items()})
+    rates.update({f"bandwidth_levels[{i}]": rate for i, (_, rate) in enumerate(profile.bandwidth_levels)})
+    for key, value in rates.items():
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{key}={value!r} is not a positive finite number")
+    if "float32" not in profile.flops_per_s:
+        raise ValueError("no float32 rate")
+    if profile.name == "cpu" and profile.flops_per_s["float32"] > _MAX_FLOPS_PER_THREAD * threads:
+        raise ValueError(f"float32 rate {profile.flops_per_s['float32']:.3g} FLOP/s is beyond any CPU with {threads} threads")
+    if any(rate > _MAX_BANDWIDTH for _, rate in profile.bandwidth_levels) or profile.bandwidth_bytes_per_s > _MAX_BANDWIDTH:
+        raise ValueError("bandwidth above 20 TB/s")
+    if profile.kernel_launch_s > _MAX_LAUNCH_S:
+        raise ValueError(f"launch floor {profile.kernel_launch_s * 1e6:.0f} us is above 1 ms")
+
+
+def profile_to_json(profile: HardwareProfile) -> dict:
     return {
+        "schema": CACHE_SCHEMA,
         "name": profile.name,
         "flops_per_s": dict(profile.flops_per_s),
         "bandwidth_bytes_per_s": profile.bandwidth_bytes_per_s,
+        "bandwidth_levels": [list(level) for level in profile.bandwidth_levels],
         "kernel_launch_s": profile.kernel_launch_s,
         "source": profile.source,
     }
 
 
-def _profile_from_json(data: dict) -> HardwareProfile:
+def profile_from_json(data: Any, threads: int = 1) -> HardwareProfile:
+    """Parse and check a cached profile; raises ValueError/KeyError/TypeError on anything off."""
+    if not isinstance(data, dict) or data.get("schema") != CACHE_SCHEMA:
+        raise ValueError("not a profile of the current schema")
     profile = HardwareProfile(
         name=str(data["name"]),
         flops_per_s={str(k): float(v) for k, v in data["flops_per_s"].items()},
         bandwidth_bytes_per_s=float(data["bandwidth_bytes_per_s"]),
         kernel_launch_s=float(data["kernel_launch_s"]),
         source=str(data["source"]),
+        bandwidth_levels=tuple((int(limit), float(rate)) for limit, rate in data["bandwidth_levels"]),
     )
-    if profile.bandwidth_bytes_per_s <= 0 or profile.peak_flops_per_s(torch.float32) <= 0:
-        raise ValueError("non-positive rates")
+    check_plausible(profile, threads)
+    return profile
+
+
+def write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)   # readers see the old file or the new one, never half of one
+
+
+def _profile_cache_path(device: torch.device) -> Path:
+    if device.type == "cuda":
+        what = torch.cuda.get_device_name(device).replace(" ", "_").replace("/", "_")
+    else:
+        what = f"{torch.get_num_threads()}threads"
+    torch_version = torch.__version__.split("+")[0]
+    return cache_dir() / f"profile_v{CACHE_SCHEMA}_{device.type}_{socket.gethostname()}_{what}_torch{torch_version}.json"
+
+
+def measured_profile(device: Union[str, torch.device] = "cpu", cache_path: Optional[Path] = None,
+                     measure: Callable[[torch.device], HardwareProfile] = _measure_profile) -> HardwareProfile:
+    """The measured profile of ``device``, read from the on-disk cache or measured and cached."""
+    device = torch.device(device)
+    path = cache_path or _profile_cache_path(device)
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    try:
+        return profile_from_json(json.loads(path.read_text()), threads)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing, corrupt or implausible: measure again
+    profile = measure(device)
+    try:
+        check_plausible(profile, threads)
+    except ValueError:
+        profile = measure(device)   # one retry: a clock glitch or a burst of load
+        check_plausible(profile, threads)
+    try:
+        write_atomically(path, json.dumps(profile_to_json(profile), indent=1))
+    except OSError:
+        pass  # an unwritable cache dir still gets a profile, just not a cached one
     return profile
 
 
 def cpu_profile(cache_path: Optional[Path] = None) -> HardwareProfile:
-    """The measured CPU profile, read from the on-disk cache or measured and cached."""
-    path = cache_path or cache_dir() / f"cpu_profile_{torch.get_num_threads()}threads.json"
-    try:
-        return _profile_from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # missing or corrupt: rebuild
-    profile = _measure_cpu_profile()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_profile_to_json(profile), indent=1))
-    except OSError:
-        pass  # a read-only home still gets a profile, just not a cached one
-    return profile
+    """The measured CPU profile (see ``measured_profile``)."""
+    return measured_profile("cpu", cache_path)
 
 
-def _cuda_profile_name() -> Optional[str]:
-    if not torch.cuda.is_available():
-        return None
-    device_name = torch.cuda.get_device_name().lower()
+def datasheet_name_for(device_name: str) -> Optional[str]:
+    """"NVIDIA H100 80GB HBM3" -> "h100"; None for a GPU without a datasheet profile."""
+    lowered = device_name.lower()
     for key in ("h200", "h100", "a100"):
-        if key in device_name:
+        if key in lowered:
             return key
     return None
 
 
-def get_profile(name: str = "auto", device: Optional[torch.device] = None) -> HardwareProfile:
-    """Resolve a profile name ("auto", "cpu", "a100", "h100", "h200").
+def get_profile(name: str = "auto", device: Optional[Union[str, torch.device]] = None) -> HardwareProfile:
+    """Resolve a profile name: "auto", "cpu", "cuda" (measured), "a100", "h100", "h200" (datasheet).
 
-    "auto" picks the GPU's datasheet profile when ``device`` is CUDA and
-    recognised, the H100 profile for an unrecognised CUDA device, else the CPU.
+    "auto" picks, for a CUDA ``device``, the datasheet profile of a recognised GPU
+    or else a measured one; for any other device (or None), the measured CPU.
     """
-    if name == "cpu":
-        return cpu_profile()
     if name in DATASHEET_PROFILES:
         return DATASHEET_PROFILES[name]
+    if name == "cpu":
+        return cpu_profile()
+    if name == "cuda":
+        return measured_profile(torch.device("cuda"))
     if name != "auto":
-        raise ValueError(f"unknown hardware profile {name!r}; use one of auto, cpu, {', '.join(DATASHEET_PROFILES)}")
+        raise ValueError(f"unknown hardware profile {name!r}; use one of {', '.join(PROFILE_NAMES)}")
+    device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda":
-        return DATASHEET_PROFILES[_cuda_profile_name() or "h100"]
+        known = datasheet_name_for(torch.cuda.get_device_name(device))
+        return DATASHEET_PROFILES[known] if known else measured_profile(device)
     return cpu_profile()
+
+
+__all__ = [
+    "CACHE_ENV_VAR", "DATASHEET_PROFILES", "PROFILE_NAMES", "HardwareProfile", "cache_dir", "check_plausible",
+    "cpu_profile", "datasheet_name_for", "get_profile", "measured_profile", "profile_from_json",
+    "profile_to_json", "time_call",
+]

@@ -41,6 +41,31 @@ def value_nbytes(value: Any) -> int:
     return sum(tensor_nbytes(t) for t in iter_tensors(value))
 
 
+def touched_numel(tensor: torch.Tensor) -> Any:
+    """Distinct elements a kernel reading ``tensor`` touches: dims with stride 0 count once.
+
+    An ``expand``-ed bias of shape (B, S, D) with strides (0, 0, 1) touches D
+    elements, not B·S·D. An int, or a SymInt under dynamic shapes.
+    """
+    if tensor.numel() == 0:
+        return 0
+    count: Any = 1
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        if isinstance(stride, int) and stride == 0:
+            continue
+        count = count * size
+    return count
+
+
+def touched_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes a kernel reads from ``tensor``'s storage (``touched_numel`` x itemsize), at the size hint."""
+    return concrete_int(touched_numel(tensor)) * tensor.element_size()
+
+
+def value_touched_nbytes(value: Any) -> int:
+    return sum(touched_nbytes(t) for t in iter_tensors(value))
+
+
 def node_val(node: fx.Node) -> Any:
     return node.meta.get("val")
 
@@ -67,6 +92,36 @@ def is_aliasing_op(node: fx.Node) -> bool:
     if schema is None:
         return False
     return any(ret.alias_info is not None and not ret.alias_info.is_write for ret in schema.returns)
+
+
+# Ops that return a new tensor object over the same memory but whose schema carries
+# no alias annotation: ``_unsafe_view`` is the view functionalization emits after a
+# fresh temporary; it copies nothing.
+_NO_COPY_NAMES = {"_unsafe_view"}
+
+
+def is_free_op(node: fx.Node) -> bool:
+    """True when running the node moves no bytes and launches no kernel.
+
+    Placeholders, outputs, getitems, views and aliases (``is_aliasing_op``),
+    ``_unsafe_view``, and ops that produce no tensor (``sym_size``, Python
+    arithmetic on SymInts) are free.
+    """
+    if node.op != "call_function" or node.target in _FREE_TARGETS:
+        return True
+    if getattr(node.target, "overloadpacket", None) is None:
+        return True  # a Python builtin (operator.mul on SymInts): no tensor work
+    if "val" in node.meta and not is_tensor_node(node) and not is_mutating_op(node):
+        return True  # sym_size, sym_numel, ...: reads metadata, computes no tensor
+    return is_aliasing_op(node) or op_name(node) in _NO_COPY_NAMES
+
+
+def op_name(node: fx.Node) -> str:
+    """The aten op's short name ("mm", "native_layer_norm"), or the target's name."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__.split(".")[-1]
+    return getattr(node.target, "__name__", str(node.target))
 
 
 def is_mutating_op(node: fx.Node) -> bool:

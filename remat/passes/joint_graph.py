@@ -91,11 +91,29 @@ def _placeholder_role(node: fx.Node) -> str:
     return "primal"
 
 
+def _randomness_disabled(node: fx.Node) -> bool:
+    """True for ops tagged random only through a ``dropout_p`` argument that is 0 here
+    (scaled-dot-product attention kernels): they are deterministic."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == "dropout_p":
+            if argument.name in node.kwargs:
+                value = node.kwargs[argument.name]
+            elif index < len(node.args):
+                value = node.args[index]
+            else:
+                value = argument.default_value
+            return isinstance(value, (int, float)) and float(value) == 0.0
+    return False
+
+
 def recompute_ban_reason(node: fx.Node) -> Optional[str]:
     """Why ``node`` may never be recomputed, or None if recomputing it is safe."""
     if node.op != "call_function":
         return None
-    if torch.Tag.nondeterministic_seeded in op_tags(node):
+    if torch.Tag.nondeterministic_seeded in op_tags(node) and not _randomness_disabled(node):
         return "random op: recomputing it would draw fresh random numbers (its seed is not replayed)"
     if is_mutating_op(node):
         return "mutates its input: recomputing it would apply the mutation twice"

@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import AbstractSet, Optional
 
-from ..cost_model.memory import MemorySimulation, simulate_memory
+from ..cost_model.memory import MemorySimulation, Step, simulate_memory
 from ..errors import BudgetInfeasibleError
 from ..units import format_bytes, format_seconds
 from .joint_graph import JointGraphFacts
 from .mincut import saved_cost_bytes, min_cut_saved
-from .schedule import Partition, memory_steps, partition_nodes
+from .schedule import Partition, memory_steps, partition_nodes, why_not_recomputable
 
 MAX_TRIES_PER_DROP = 24
 
@@ -65,13 +65,31 @@ class _Evaluated:
     partition: Partition
     simulation: MemorySimulation
     extra_time_s: float
+    steps: tuple[Step, ...]
 
 
 def evaluate(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> _Evaluated:
     partition = partition_nodes(facts, chosen_saved)
     steps, pinned = memory_steps(facts, partition)
     extra = sum(facts.nodes[n].cost.est_time_s for n in partition.recomputed)
-    return _Evaluated(frozenset(chosen_saved), partition, simulate_memory(steps, pinned), extra)
+    return _Evaluated(frozenset(chosen_saved), partition, simulate_memory(steps, pinned), extra, tuple(steps))
+
+
+def _held_only_by_saving(current: _Evaluated, storages: tuple[str, ...]) -> bool:
+    """True when these storages are live at the peak only because they are saved: in the
+    forward, every forward reader ran before the peak; in the backward, the first
+    backward reader runs after it. Dropping such a value can lower the peak."""
+    peak = current.simulation.peak_step
+    in_backward = current.steps[peak].phase == "backward"
+    wanted = set(storages)
+    for index, step in enumerate(current.steps):
+        if not wanted.intersection(step.uses):
+            continue
+        if in_backward and step.phase == "backward" and index <= peak:
+            return False
+        if not in_backward and step.phase == "forward" and index >= peak:
+            return False
+    return True
 
 
 def _droppable_at_peak(facts: JointGraphFacts, current: _Evaluated) -> list[str]:
@@ -79,34 +97,56 @@ def _droppable_at_peak(facts: JointGraphFacts, current: _Evaluated) -> list[str]
     forced = set(current.partition.forced)
     return [
         name for name in current.partition.saved
-        if name not in forced and any(sid in live for sid in facts.nodes[name].value_storages)
+        if name not in forced and why_not_recomputable(facts, name) is None
+        and any(sid in live for sid in facts.nodes[name].value_storages)
         and saved_cost_bytes(facts, name) > 0
+        and _held_only_by_saving(current, facts.nodes[name].value_storages)
     ]
 
 
-def greedy_reduce_peak(facts: JointGraphFacts, start: _Evaluated, budget_bytes: int) -> tuple[_Evaluated, list[str]]:
-    """Drop saved values until the simulated peak fits ``budget_bytes`` or nothing lowers it.
+def excess_bytes(simulation: MemorySimulation, target_bytes: int) -> int:
+    """Bytes above the target summed over every step: 0 exactly when the peak fits.
 
-    Returns the last plan and the drop sequence; the plan's peak is <= budget_bytes
-    or no single drop among the values live at the peak lowers it.
+    The greedy minimises this rather than the peak alone: repeated layers make
+    many steps peak at the same height, and a single drop lowers only one of them.
+    """
+    return sum(live - target_bytes for live in simulation.timeline_bytes if live > target_bytes)
+
+
+def greedy_reduce_peak(facts: JointGraphFacts, start: _Evaluated, budget_bytes: int) -> tuple[_Evaluated, list[str]]:
+    """Drop saved values until the simulated peak fits ``budget_bytes`` or no drop helps.
+
+    Each round ranks the saved values held live at the peak only by being saved,
+    by added recompute time per byte freed, and keeps the first drop that lowers
+    the bytes above the budget (``excess_bytes``). Then it re-adds dropped values,
+    last dropped first, wherever the plan still fits: that returns time the drops
+    no longer need. Returns the plan and the values it dropped; the plan's peak is
+    <= budget_bytes, or no single drop lowered the excess.
     """
     current = start
     dropped: list[str] = []
-    while current.simulation.peak_bytes > budget_bytes:
+    excess = excess_bytes(current.simulation, budget_bytes)
+    while excess > 0:
         ranked = []
         for name in _droppable_at_peak(facts, current):
-            candidate = evaluate_partition_only(facts, current.chosen - {name})
-            added_s = candidate - current.extra_time_s
+            added_s = evaluate_partition_only(facts, current.chosen - {name}) - current.extra_time_s
             ranked.append((added_s / max(saved_cost_bytes(facts, name), 1), name))
         ranked.sort()
         for _, name in ranked[:MAX_TRIES_PER_DROP]:
             trial = evaluate(facts, current.chosen - {name})
-            if trial.simulation.peak_bytes < current.simulation.peak_bytes:
-                current = trial
+            trial_excess = excess_bytes(trial.simulation, budget_bytes)
+            if trial_excess < excess:
+                current, excess = trial, trial_excess
                 dropped.append(name)
                 break
         else:
             break
+    if excess == 0:
+        for name in reversed(list(dropped)):
+            trial = evaluate(facts, current.chosen | {name})
+            if trial.simulation.peak_bytes <= budget_bytes and trial.extra_time_s < current.extra_time_s:
+                current = trial
+                dropped.remove(name)
     return current, dropped
 
 

@@ -30,6 +30,20 @@ class Partition:
     forced: Mapping[str, str]              # saved although not chosen: name -> reason
 
 
+def why_not_recomputable(facts: JointGraphFacts, name: str) -> str | None:
+    """The reason ``name`` must be saved rather than recomputed, or None if it may be recomputed."""
+    node = facts.nodes[name]
+    if node.recompute_ban is not None:
+        return node.recompute_ban
+    if node.is_sym:
+        return "symbolic size: saved as an int"
+    if node.is_getitem:
+        source = facts.nodes[node.inputs[0]]
+        if source.is_multi_output and source.recompute_ban is not None:
+            return source.recompute_ban  # save this output of the unrecomputable op, not the tuple
+    return None
+
+
 def partition_nodes(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Partition:
     """Close ``chosen_saved`` into a valid partition.
 
@@ -50,17 +64,17 @@ def partition_nodes(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> P
             continue
         if name in saved or name in recomputed:
             continue
-        reason = node.recompute_ban or ("symbolic size: saved as an int" if node.is_sym else None)
-        if reason is None and node.is_getitem:
-            source = facts.nodes[node.inputs[0]]
-            if source.is_multi_output and source.recompute_ban is not None:
-                reason = source.recompute_ban  # save this output of the unrecomputable op, not the tuple
+        reason = why_not_recomputable(facts, name)
         if reason is not None:
             saved.add(name)
             forced[name] = reason
             continue
         recomputed.add(name)
         stack.extend(node.inputs)
+    for name in saved - set(forced):
+        reason = why_not_recomputable(facts, name)
+        if reason is not None:
+            forced[name] = reason
     return Partition(frozenset(saved), frozenset(primals), frozenset(recomputed), forced)
 
 

@@ -1,0 +1,191 @@
+"""Calibration: time the real kernels of a graph's nodes on the current device.
+
+``calibrate(graph)`` runs every node that launches a kernel on its own, on
+random inputs built from the ``node.meta["val"]`` of its arguments (same shapes,
+strides, dtypes, on the device the graph was traced for, sizes at their hints),
+and keeps the median of a few timed samples (each sample loops the op long
+enough to read a clock; CUDA is synchronised around each sample). Integer inputs
+are zeros, so every index is in range; booleans are random.
+
+A node that cannot run on random inputs is skipped with the reason, and keeps
+its roofline estimate. Results are cached on disk by a hash of the graph (ops,
+arguments, shapes, strides, dtypes), the device (CPU host and thread count, or
+GPU name), the torch version and the repeat count, under
+``$REMAT_CACHE_DIR/calibration/<hash>.json``; a corrupt file is measured again.
+
+Use: ``annotate_costs(graph, profile, measured_times=measure_node_times(graph))``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from torch import fx
+
+from .hardware import write_atomically, cache_dir, time_call
+from .tensors import concrete_int, is_free_op, iter_tensors, node_val
+
+log = logging.getLogger("remat.calibrate")
+
+CALIBRATION_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    times_s: Mapping[str, float]           # node name -> median seconds per run
+    skipped: Mapping[str, str]             # node name -> why it was not timed
+    graph_hash: str
+    device: str
+    from_cache: bool = False
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+
+def _concrete(value: Any) -> Any:
+    """Meta values and constants with SymInts evaluated at their hints."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hinted = concrete_int(value) if isinstance(value, torch.SymInt) else value.node.hint
+        return hinted
+    if isinstance(value, (list, tuple)):
+        return type(value)(_concrete(v) for v in value)
+    return value
+
+
+def _describe(value: Any) -> Any:
+    """A JSON-able description of an argument for the graph hash."""
+    if isinstance(value, fx.Node):
+        return {"node": value.name, "val": _describe(node_val(value))}
+    if isinstance(value, torch.Tensor):
+        return [str(value.dtype), str(value.device.type), list(_concrete(tuple(value.shape))),
+                list(_concrete(tuple(value.stride())))]
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _describe(v) for k, v in value.items()}
+    return repr(_concrete(value))
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{socket.gethostname()}:{torch.get_num_threads()}threads"
+
+
+def graph_hash(graph: fx.Graph, device: torch.device, repeats: int) -> str:
+    digest = hashlib.sha256()
+    digest.update(f"schema={CALIBRATION_SCHEMA};torch={torch.__version__};{_device_key(device)};r={repeats}".encode())
+    for node in graph.nodes:
+        entry = [node.name, node.op, str(node.target), _describe(node.args), _describe(node.kwargs),
+                 _describe(node_val(node))]
+        digest.update(json.dumps(entry, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:32]
+
+
+def graph_device(graph: fx.Graph) -> torch.device:
+    """The device of the graph's first tensor value (CPU when it has none)."""
+    for node in graph.nodes:
+        for tensor in iter_tensors(node_val(node)):
+            return torch.device(tensor.device.type, tensor.device.index)
+    return torch.device("cpu")
+
+
+def random_tensor(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real tensor with ``like``'s shape, strides and dtype; floats random, ints zero, bools random."""
+    shape, stride = _concrete(tuple(like.shape)), _concrete(tuple(like.stride()))
+    span = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(s > 0 for s in shape) else 0
+    if like.dtype.is_floating_point or like.dtype.is_complex:
+        base = torch.randn(span, device=device).to(like.dtype)
+    elif like.dtype == torch.bool:
+        base = torch.rand(span, device=device) < 0.5
+    else:
+        base = torch.zeros(span, dtype=like.dtype, device=device)
+    return base.as_strided(shape, stride)
+
+
+def _real_args(node: fx.Node, device: torch.device) -> tuple[tuple, dict]:
+    def realize(arg: fx.Node) -> Any:
+        value = node_val(arg)
+        if isinstance(value, torch.Tensor):
+            return random_tensor(value, device)
+        if isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(random_tensor(v, device) for v in value)
+        if value is None and arg.op == "get_attr":
+            raise ValueError("a get_attr argument with no meta value")
+        return _concrete(value)
+
+    args = fx.node.map_arg(node.args, realize)
+    kwargs = fx.node.map_arg(node.kwargs, realize)
+    return _concrete(args), {k: _concrete(v) for k, v in kwargs.items()}
+
+
+def _no_fake_mode():
+    """Real kernels must run outside any FakeTensorMode the caller (the partitioner) may be under."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - older torch
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
+
+
+def _time_node(node: fx.Node, device: torch.device, repeats: int) -> float:
+    args, kwargs = _real_args(node, device)
+    target = node.target
+    return time_call(lambda: target(*args, **kwargs), device, samples=repeats, min_sample_s=1e-3,
+                     max_total_s=0.25)
+
+
+def _measure(graph: fx.Graph, device: torch.device, repeats: int) -> tuple[dict[str, float], dict[str, str]]:
+    times: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    with _no_fake_mode(), torch.no_grad():
+        for node in graph.nodes:
+            if is_free_op(node):
+                continue
+            try:
+                times[node.name] = _time_node(node, device, repeats)
+            except Exception as error:  # noqa: BLE001 - any op may refuse random inputs; it keeps its roofline
+                skipped[node.name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+    return times, skipped
+
+
+def calibrate(graph: fx.Graph, *, device: Optional[Union[str, torch.device]] = None, repeats: int = 5,
+              use_cache: bool = True, cache_path: Optional[Path] = None) -> Calibration:
+    """Time every kernel node of ``graph`` on ``device`` (default: the graph's), or read the cached times."""
+    device = torch.device(device) if device is not None else graph_device(graph)
+    key = graph_hash(graph, device, repeats)
+    path = cache_path or cache_dir() / "calibration" / f"{key}.json"
+    if use_cache:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("schema") == CALIBRATION_SCHEMA and data.get("graph_hash") == key:
+                times = {str(k): float(v) for k, v in data["times_s"].items()}
+                return Calibration(times, dict(data.get("skipped", {})), key, str(device), from_cache=True)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # missing or corrupt: measure again
+    times, skipped = _measure(graph, device, repeats)
+    if skipped:
+        log.info("calibration skipped %d nodes: %s", len(skipped), ", ".join(sorted(skipped)[:10]))
+    if use_cache:
+        payload = {"schema": CALIBRATION_SCHEMA, "graph_hash": key, "device": _device_key(device),
+                   "torch": torch.__version__, "pid": os.getpid(), "times_s": times, "skipped": skipped}
+        try:
+            write_atomically(path, json.dumps(payload, indent=1))
+        except OSError:
+            pass
+    return Calibration(times, skipped, key, str(device))
+
+
+def measure_node_times(graph: fx.Graph, **kwargs: Any) -> dict[str, float]:
+    """Measured seconds per kernel node (``calibrate(graph, **kwargs).times_s``)."""
+    return dict(calibrate(graph, **kwargs).times_s)
+
+
+__all__ = ["Calibration", "calibrate", "graph_device", "graph_hash", "measure_node_times", "random_tensor"]

@@ -1,0 +1,235 @@
+"""Which nodes Inductor fuses into one kernel, and so which tensors reach memory.
+
+Inductor turns pointwise ops, reductions and the composites it decomposes into
+loops, inlines pointwise producers into their consumers and fuses loops that
+feed each other into one kernel. An intermediate whose every reader is in the
+same kernel never reaches memory; matmuls, convolutions and attention run as
+library calls ("extern" kernels) that read and write memory in full.
+
+``find_fusion_groups`` approximates that with one greedy pass in graph order,
+the way Inductor's scheduler fuses producer into consumer:
+
+- A *loop* node (``is_loop_op``) joins the group of each loop producer it reads
+  when (a) both are in the same phase (forward and backward are separate
+  graphs), (b) the producer is pointwise, or both iterate over the same number
+  of elements (a reduction fuses with a consumer only over its own loop),
+  (c) the merged group would not depend on itself through an outside node
+  (that would be a cycle: Inductor cannot fuse across an extern kernel that
+  sits between them) and (d) it stays under ``MAX_GROUP_SIZE`` nodes
+  (Inductor's ``max_fusion_size``).
+- Views, getitems and ``_unsafe_view`` are transparent: a reader of a view
+  reads the tensor under it.
+- A node's output is *materialized* (written) when a reader is outside its
+  group or it is a graph output. A group reads each outside tensor once.
+- Each group, and each extern node, is one kernel launch, charged to its last node.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import fx
+
+from .flops import COMPOSITE_FLOPS_PER_ELEMENT, DATA_MOVEMENT_OPS, REDUCTION_OPS
+from .phases import node_phases
+from .tensors import concrete_int, is_free_op, iter_tensors, node_val, op_name, op_tags, tensor_nbytes, touched_nbytes
+
+MAX_GROUP_SIZE = 64
+
+# Ops Inductor lowers to a loop of its own that a consumer can absorb (beyond
+# pointwise-tagged ops, reductions and the composites it decomposes).
+_LOOP_OPS = frozenset({
+    "clone", "_to_copy", "convert_element_type", "full", "full_like", "zeros", "ones", "zeros_like",
+    "ones_like", "scalar_tensor", "iota", "arange", "where", "constant_pad_nd", "slice_scatter",
+    "select_scatter", "index", "gather", "embedding", "tril", "triu", "rand", "rand_like", "randn",
+    "inductor_random", "cat", "slice_backward", "select_backward", "masked_fill", "repeat", "flip",
+    "_low_memory_max_pool_with_offsets", "_low_memory_max_pool_offsets_to_indices",
+})
+# Ops that write scattered outputs: their inputs can fuse in, nothing fuses after them.
+_SCATTER_OPS = frozenset({"index_put", "_unsafe_masked_index_put_accumulate", "scatter_add", "scatter",
+                          "embedding_dense_backward", "index_add", "scatter_reduce"})
+
+
+def is_loop_op(node: fx.Node) -> bool:
+    """True when Inductor computes the node in a generated loop it can fuse with others."""
+    if node.op != "call_function" or is_free_op(node):
+        return False
+    name = op_name(node)
+    if name in _SCATTER_OPS:
+        return False
+    return (
+        torch.Tag.pointwise in op_tags(node)
+        or name in REDUCTION_OPS
+        or name in COMPOSITE_FLOPS_PER_ELEMENT
+        or name in _LOOP_OPS
+        or (name in DATA_MOVEMENT_OPS and name not in {"copy_", "copy", "lift_fresh_copy"})
+    )
+
+
+def _is_pointwise_like(node: fx.Node) -> bool:
+    return is_loop_op(node) and op_name(node) not in REDUCTION_OPS and torch.Tag.reduction not in op_tags(node)
+
+
+def _loop_numel(node: fx.Node) -> int:
+    sizes = [concrete_int(t.numel()) for v in [node_val(node)] + [node_val(a) for a in node.all_input_nodes]
+             for t in iter_tensors(v)]
+    return max(sizes, default=0)
+
+
+@dataclass(frozen=True)
+class FusionGroups:
+    """The result of ``find_fusion_groups``; every mapping is keyed by node name."""
+
+    group_of: Mapping[str, str]               # kernel node -> its group's id (the name of its first node)
+    members: Mapping[str, tuple[str, ...]]    # group id -> member names in graph order
+    bytes_read: Mapping[str, int]             # kernel node -> bytes it reads from memory once fused
+    bytes_written: Mapping[str, int]          # kernel node -> bytes of its outputs that reach memory
+    launches: Mapping[str, int]               # kernel node -> 1 for the last node of each kernel, else 0
+
+    def kernel_count(self) -> int:
+        return sum(self.launches.values())
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """The node that produced the memory ``node``'s value lives in (through views and getitems)."""
+    while node.op == "call_function" and is_free_op(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """Nodes that read ``node``'s value, looking through views and getitems of it."""
+    found: list[fx.Node] = []
+    for user in node.users:
+        if user.op == "call_function" and is_free_op(user) and user.all_input_nodes and user.all_input_nodes[0] is node:
+            found.extend(_readers(user))
+        else:
+            found.append(user)
+    return found
+
+
+class _Grouper:
+    def __init__(self, graph: fx.Graph) -> None:
+        self.nodes = list(graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.phase = node_phases(graph)
+        self.ancestors: dict[fx.Node, int] = {}   # bitset over node indices, including the node
+        self.group: dict[fx.Node, int] = {}       # kernel node -> group id (index of its first node)
+        self.members: dict[int, list[fx.Node]] = {}
+
+    def _bits(self, nodes) -> int:
+        bits = 0
+        for n in nodes:
+            bits |= 1 << self.index[n]
+        return bits
+
+    def _creates_cycle(self, merged: list[fx.Node]) -> bool:
+        inside = self._bits(merged)
+        for member in merged:
+            for arg in member.all_input_nodes:
+                producer = _source(arg)   # a view of a member is the member's memory, not an outside node
+                if not (inside >> self.index[producer]) & 1 and self.ancestors[producer] & inside:
+                    return True
+        return False
+
+    def _can_join(self, producer: fx.Node, node: fx.Node) -> bool:
+        if producer not in self.group or not is_loop_op(producer):
+            return False
+        if self.phase[producer.name] != self.phase[node.name]:
+            return False
+        return _is_pointwise_like(producer) or _loop_numel(producer) == _loop_numel(node)
+
+    def add(self, node: fx.Node) -> None:
+        self.ancestors[node] = (1 << self.index[node])
+        for arg in node.all_input_nodes:
+            self.ancestors[node] |= self.ancestors[arg]
+        if node.op != "call_function" or is_free_op(node):
+            return
+        candidates: list[int] = []
+        if is_loop_op(node):
+            for arg in node.all_input_nodes:
+                producer = _source(arg)
+                if self._can_join(producer, node) and self.group[producer] not in candidates:
+                    candidates.append(self.group[producer])
+        chosen = self._choose(candidates, node)
+        gid = min(chosen) if chosen else self.index[node]
+        merged = [m for g in chosen for m in self.members.pop(g)] + [node]
+        merged.sort(key=self.index.__getitem__)
+        self.members[gid] = merged
+        for member in merged:
+            self.group[member] = gid
+
+    def _choose(self, candidates: list[int], node: fx.Node) -> list[int]:
+        """All candidate groups if they merge without a cycle, else the largest single one that does."""
+        def fits(groups: list[int]) -> bool:
+            merged = [m for g in groups for m in self.members[g]] + [node]
+            return len(merged) <= MAX_GROUP_SIZE and not self._creates_cycle(merged)
+
+        if candidates and fits(candidates):
+            return candidates
+        for gid in sorted(candidates, key=lambda g: -len(self.members[g])):
+            if fits([gid]):
+                return [gid]
+        return []
+
+
+def _output_slots(node: fx.Node) -> list[tuple[Any, list[fx.Node]]]:
+    """(tensor, readers) per output of ``node``; a tuple-valued node has one slot per getitem index."""
+    value = node_val(node)
+    if isinstance(value, torch.Tensor):
+        return [(value, _readers(node))]
+    slots: dict[int, list[fx.Node]] = {}
+    for user in node.users:
+        if user.target is operator.getitem:
+            slots.setdefault(int(user.args[1]), []).extend(_readers(user))
+        else:
+            slots.setdefault(-1, []).append(user)
+    out: list[tuple[Any, list[fx.Node]]] = []
+    if isinstance(value, (list, tuple)):
+        for index, readers in slots.items():
+            if index >= 0 and index < len(value) and isinstance(value[index], torch.Tensor):
+                out.append((value[index], readers))
+            elif index == -1:
+                out.extend((t, readers) for t in iter_tensors(value))
+    return out
+
+
+def find_fusion_groups(graph: fx.Graph) -> FusionGroups:
+    """Group the graph's kernel nodes as Inductor would fuse them; see the module docstring."""
+    grouper = _Grouper(graph)
+    for node in graph.nodes:
+        grouper.add(node)
+    group = {n.name: grouper.members[gid][0].name for n, gid in grouper.group.items()}
+    members = {grouper.members[gid][0].name: tuple(m.name for m in ms) for gid, ms in grouper.members.items()}
+    bytes_read: dict[str, int] = {}
+    bytes_written: dict[str, int] = {}
+    launches: dict[str, int] = {}
+    seen_reads: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        if node not in grouper.group:
+            continue
+        gid = group[node.name]
+        seen = seen_reads.setdefault(gid, set())
+        read = 0
+        for arg in node.all_input_nodes:
+            source = _source(arg)
+            if source in grouper.group and group[source.name] == gid:
+                continue  # computed in this kernel: never loaded
+            if arg.name in seen:
+                continue  # this kernel already loaded it
+            seen.add(arg.name)
+            read += sum(touched_nbytes(t) for t in iter_tensors(node_val(arg)))
+        bytes_read[node.name] = read
+        written = 0
+        for tensor, readers in _output_slots(node):
+            if any(r not in grouper.group or group[r.name] != gid for r in readers):
+                written += tensor_nbytes(tensor)
+        bytes_written[node.name] = written
+        launches[node.name] = int(members[gid][-1] == node.name)
+    return FusionGroups(group, members, bytes_read, bytes_written, launches)
+
+
+__all__ = ["MAX_GROUP_SIZE", "FusionGroups", "find_fusion_groups", "is_loop_op"]
