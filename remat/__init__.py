@@ -8,12 +8,15 @@ from .backend import CompiledGraph, RematBackend, backend, register
 from .errors import BudgetInfeasibleError, RematError, UnsupportedGraphError
 from .measure import PeakMeasurement, measure_peak_bytes
 from .options import BUDGET_ENV_VAR, RematOptions
+from .pareto import ParetoCurve, ParetoPoint, pareto
 from .passes.plan import Plan
 
 __all__ = [
     "BUDGET_ENV_VAR",
     "BudgetInfeasibleError",
     "CompiledGraph",
+    "ParetoCurve",
+    "ParetoPoint",
     "PeakMeasurement",
     "Plan",
     "RematBackend",
@@ -22,6 +25,7 @@ __all__ = [
     "UnsupportedGraphError",
     "backend",
     "measure_peak_bytes",
+    "pareto",
 ]
 
 register()

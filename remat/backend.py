@@ -13,6 +13,11 @@ Private APIs used, all here (verified on torch 2.13.0; see README "Torch version
   keeps AOTAutograd's calling conventions: saved-tensor order, symbol bindings).
   ``default_partition`` handles joint graphs with no backward work.
 - ``torch._dynamo.register_backend`` and ``torch._guards.CompileContext``.
+- For tracing without codegen (``trace_joint_facts``, used by ``remat.pareto``):
+  ``torch._dynamo.backends.common.aot_autograd``, ``torch._inductor.compile_fx.partition_fn``
+  (Inductor's joint-graph passes, then the configured partitioner),
+  ``torch._inductor.decomposition.select_decomp_table``, ``make_boxed_func``,
+  ``torch._inductor.virtualized.V.set_fake_mode``, ``torch._guards.detect_fake_mode``.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from .cost_model.costs import annotate_costs
 from .cost_model.hardware import get_profile
 from .errors import BudgetInfeasibleError
 from .options import BudgetSpec, RematOptions, budget_from_env, make_options
-from .passes.joint_graph import read_joint_graph
+from .passes.joint_graph import JointGraphFacts, read_joint_graph
 from .passes.plan import Plan, make_plan
 from .passes.random_ops import split_dropout_outputs
 from .passes.rewrite import RegionSummary, place_recompute_regions
@@ -108,6 +113,68 @@ def _partition_with_plan(joint: fx.GraphModule, plan: Plan, num_fwd_outputs: int
     return _extract_fwd_bwd_modules(joint, saved_values, saved_sym_nodes=sym_nodes, num_fwd_outputs=num_fwd_outputs)
 
 
+def read_facts(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int, hardware: str):
+    """Prepare a joint graph for planning (dead code out, dropout split) and read its facts."""
+    joint.graph.eliminate_dead_code()
+    split_dropout_outputs(joint.graph)
+    joint.recompile()
+    profile = get_profile(hardware, _device_of(joint_inputs))
+    costs = annotate_costs(joint.graph, profile)
+    return read_joint_graph(joint.graph, costs, num_fwd_outputs), profile
+
+
+def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], *, hardware: str = "auto") -> list[JointGraphFacts]:
+    """Trace ``model`` once, as torch.compile with Inductor would, and return the facts of
+    every joint graph, without planning or generating code.
+
+    The joint graphs are the ones Inductor hands a partitioner (its decompositions and
+    joint-graph passes applied). Only the forward runs, uncompiled; gradients are not touched.
+    Resets Dynamo afterwards so the trace leaves no compiled code behind.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch import config as functorch_config
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import default_partition
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
+
+    captured: list[JointGraphFacts] = []
+
+    class CapturingPartitioner(CustomPartitionerFn):
+        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+            facts, _ = read_facts(gm, joint_inputs, int(kwargs["num_fwd_outputs"]), hardware)
+            captured.append(facts)
+            return default_partition(gm, joint_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"],
+                                     static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
+
+        def uuid(self) -> Any:
+            return None
+
+    def partition_with_fake_mode(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        # Inductor's joint-graph passes read the fake mode from its virtualized context.
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            return inductor_partition_fn(gm, joint_inputs, **kwargs)
+
+    tracer = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm),
+        bw_compiler=lambda gm, _: make_boxed_func(gm),
+        partition_fn=partition_with_fake_mode,
+        decompositions=select_decomp_table(),
+    )
+    torch._dynamo.reset()
+    try:
+        with inductor_config.patch(custom_partitioner_fn=CapturingPartitioner()), \
+                functorch_config.patch(enable_autograd_cache=False):
+            torch.compile(model, backend=tracer)(*example_inputs)
+    finally:
+        torch._dynamo.reset()
+    return captured
+
+
 class _PartitionerCacheKey:
     """What a pickled partitioner becomes: Inductor pickles its config, this
     partitioner included, into the compile-cache key; the key is our uuid."""
@@ -165,12 +232,7 @@ class RematBackend:
         from torch._functorch.partitioners import default_partition
 
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
-        joint.graph.eliminate_dead_code()
-        split_dropout_outputs(joint.graph)
-        joint.recompile()
-        profile = get_profile(self.options.hardware, _device_of(joint_inputs))
-        costs = annotate_costs(joint.graph, profile)
-        facts = read_joint_graph(joint.graph, costs, num_fwd_outputs)
+        facts, profile = read_facts(joint, joint_inputs, num_fwd_outputs, self.options.hardware)
         if not any(n.role == "backward" for n in facts.nodes.values()):
             return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                      static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))

@@ -1,0 +1,42 @@
+"""remat.pareto: one trace, a plan per budget, the knee marked."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import remat
+from remat.pareto import render_table
+
+
+class Tanh8(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_pareto_traces_once_and_orders_points():
+    torch.manual_seed(0)
+    model = Tanh8()
+    x = torch.randn(2048, 128)
+    curves = remat.pareto(model, (x,), n_points=6, hardware="h100")
+    assert len(curves) == 1
+    curve = curves[0]
+    points = curve.points
+    assert len(points) >= 3
+    peaks = [p.predicted_peak_bytes for p in points]
+    times = [p.est_extra_time_s for p in points]
+    assert peaks == sorted(peaks, reverse=True), "points run from the largest budget down"
+    assert all(p.predicted_peak_bytes <= p.budget_bytes for p in points)
+    assert times[-1] > times[0], "the smallest peak costs more recompute time than the largest"
+    assert sum(p.is_knee for p in points) == 1
+    assert curve.min_feasible_bytes <= peaks[-1] or curve.min_feasible_bytes <= points[-1].budget_bytes
+    table = render_table(curve)
+    assert "knee" in table and "predicted, not measured" in table
+    # The trace leaves no gradients behind.
+    assert all(p.grad is None for p in model.parameters())
