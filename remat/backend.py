@@ -260,7 +260,8 @@ class RematBackend:
         if self.options.dump_dir is not None:
             from .dump import write_dump
 
-            dump_path = write_dump(Path(self.options.dump_dir) / graph_id, graph_id, plan, regions, fw, bw, facts, profile)
+            dump_path = write_dump(Path(self.options.dump_dir) / graph_id, graph_id, plan, regions, fw, bw, facts, profile,
+                                   pareto_points=self.options.pareto_points)
         record = CompiledGraph(graph_id, _current_compile_id(), plan, regions, dump_path)
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
@@ -289,6 +290,7 @@ def backend(
     solver: str = "greedy",
     best_effort: bool = False,
     headroom_fraction: float = 0.10,
+    pareto_points: int = 0,
 ) -> RematBackend:
     """A torch.compile backend that fits each compiled forward+backward under ``budget_gb``.
 
@@ -299,12 +301,13 @@ def backend(
     tracing; a budget no plan can meet raises ``BudgetInfeasibleError`` at compile
     time (or, with ``best_effort=True``, warns and runs the smallest-peak plan).
     The plan keeps its simulated peak ``headroom_fraction`` under the budget.
+    ``pareto_points > 0`` adds each graph's Pareto curve (that many budgets) to its dump.
     ``hardware`` picks the cost profile ("auto", "cpu", "a100", "h100", "h200").
     """
     needs_free = isinstance(budget_gb, str) and budget_gb.strip().lower() == "auto"
     options = make_options(
         budget_gb, dump_dir=dump_dir, hardware=hardware, solver=solver, best_effort=best_effort,
-        headroom_fraction=headroom_fraction, free_bytes_for_auto=_free_device_bytes() if needs_free else None,
+        headroom_fraction=headroom_fraction, pareto_points=pareto_points, free_bytes_for_auto=_free_device_bytes() if needs_free else None,
     )
     return RematBackend(options)
 

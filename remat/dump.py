@@ -51,6 +51,7 @@ def write_dump(
     bw: fx.GraphModule,
     facts: JointGraphFacts,
     profile: HardwareProfile,
+    pareto_points: int = 0,
 ) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "forward.py").write_text(
@@ -62,5 +63,13 @@ def write_dump(
         + annotated_code(bw, regions)
     )
     (directory / "plan.json").write_text(dumps_plan(plan_to_json(plan, graph_id, regions, profile)))
-    (directory / "report.md").write_text(render_report(plan, graph_id, regions, profile))
+    report = render_report(plan, graph_id, regions, profile)
+    if pareto_points > 0:
+        from .pareto import curve_for_graph, plot_curve, render_table
+
+        curve = curve_for_graph(facts, 0, n_points=pareto_points)
+        png = plot_curve(curve, directory / "pareto.png")
+        report += "\n## Pareto curve\n\n" + render_table(curve)
+        report += f"\nPlot: `{png.name}`\n" if png else "\n(Install matplotlib, the `plot` extra, for pareto.png.)\n"
+    (directory / "report.md").write_text(report)
     return str(directory)

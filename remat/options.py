@@ -37,6 +37,7 @@ class RematOptions:
     # The planner keeps the simulated peak this fraction under the budget: Inductor
     # fuses and reorders kernels after planning, which the simulator models only in part.
     headroom_fraction: float = 0.10
+    pareto_points: int = 0          # > 0: the dump adds a Pareto curve of this many budgets per graph
 
     def planning_target_bytes(self) -> Optional[int]:
         """The simulated peak the plan must meet so the measured peak meets the budget."""
@@ -109,6 +110,7 @@ def make_options(
     solver: str = "greedy",
     best_effort: bool = False,
     headroom_fraction: float = 0.10,
+    pareto_points: int = 0,
     free_bytes_for_auto: Optional[int] = None,
 ) -> RematOptions:
     """Validate every user-facing argument and build the frozen options record."""
@@ -121,6 +123,8 @@ def make_options(
         raise TypeError(f"best_effort={best_effort!r} must be a bool.")
     if isinstance(headroom_fraction, bool) or not isinstance(headroom_fraction, (int, float)) or not 0.0 <= headroom_fraction < 0.9:
         raise ValueError(f"headroom_fraction={headroom_fraction!r} must be a number in [0, 0.9).")
+    if isinstance(pareto_points, bool) or not isinstance(pareto_points, int) or pareto_points < 0:
+        raise ValueError(f"pareto_points={pareto_points!r} must be a non-negative int (0 turns the curve off).")
     budget_bytes: Optional[int]
     if budget == "auto":
         if free_bytes_for_auto is None:
@@ -138,4 +142,5 @@ def make_options(
         solver=solver,
         best_effort=best_effort,
         headroom_fraction=float(headroom_fraction),
+        pareto_points=pareto_points,
     )
