@@ -15,8 +15,10 @@ Time is a roofline on a ``HardwareProfile``::
     time = max(flops / peak_rate(dtype), bytes / bandwidth(working set)) + launches * launch_floor
 
 ``unfused_time_s`` applies it to the op alone (its own kernel, unfused bytes).
-``est_time_s``, what the planner uses, applies it to the fused bytes, with one
-launch per fused kernel (charged to the kernel's last node). Given measured
+``est_time_s``, what the planner uses, applies it once per fused kernel (the
+kernel's summed FLOPs and fused bytes, one launch) and shares that time among
+the kernel's nodes in proportion to each node's own roofline; the launch is
+charged to the kernel's last node. Given measured
 kernel times (``calibrate.measure_node_times``), ``est_time_s`` is the measured
 time instead; for a node Inductor fuses, that time is scaled by the fused-to-
 unfused roofline ratio, since the measurement ran the op as its own kernel.
@@ -119,22 +121,47 @@ def estimate_node_cost(node: fx.Node, profile: HardwareProfile) -> NodeCost:
     )
 
 
-def _fused_cost(node: fx.Node, base: NodeCost, groups: FusionGroups, group_bytes: Mapping[str, int],
-                profile: HardwareProfile) -> NodeCost:
-    gid = groups.group_of[node.name]
-    fused_read, fused_written = groups.bytes_read[node.name], groups.bytes_written[node.name]
-    launches = groups.launches[node.name]
-    time_s = roofline_time_s(
-        profile, base.flops, fused_read + fused_written, launches, _compute_dtype(node),
-        tensor_cores=profile.name != "cpu" and _uses_tensor_cores(node, base.flop_rule),
-        working_set_bytes=group_bytes[gid],
-    )
-    return NodeCost(
-        flops=base.flops, bytes_read=base.bytes_read, bytes_written=base.bytes_written, est_time_s=time_s,
-        has_flop_formula=base.has_flop_formula, flop_rule=base.flop_rule,
-        fused_bytes_read=fused_read, fused_bytes_written=fused_written, launches=launches,
-        unfused_time_s=base.unfused_time_s, time_source="roofline (fused)", fusion_group=gid,
-    )
+def _fused_costs(graph: fx.Graph, base: Mapping[str, NodeCost], groups: FusionGroups,
+                 profile: HardwareProfile) -> dict[str, NodeCost]:
+    """Costs of the kernel nodes once fused: one roofline per fused kernel, shared among its nodes.
+
+    A kernel's time is ``max(sum of compute, sum of memory time) + one launch``;
+    each node gets the part in proportion to its own ``max(compute, memory)``,
+    so the nodes of a kernel add up to exactly the kernel's roofline.
+    """
+    nodes = {n.name: n for n in graph.nodes}
+    compute: dict[str, float] = {}
+    nbytes: dict[str, int] = {}
+    for name, gid in groups.group_of.items():
+        node, cost = nodes[name], base[name]
+        rate = profile.peak_flops_per_s(_compute_dtype(node), tensor_cores=profile.name != "cpu"
+                                        and _uses_tensor_cores(node, cost.flop_rule))
+        compute[name] = cost.flops / rate
+        nbytes[name] = groups.bytes_read[name] + groups.bytes_written[name]
+    group_compute: dict[str, float] = {}
+    group_bytes: dict[str, int] = {}
+    for name, gid in groups.group_of.items():
+        group_compute[gid] = group_compute.get(gid, 0.0) + compute[name]
+        group_bytes[gid] = group_bytes.get(gid, 0) + nbytes[name]
+    own = {name: max(compute[name], nbytes[name] / profile.bandwidth_for(group_bytes[gid]))
+           for name, gid in groups.group_of.items()}
+    own_total: dict[str, float] = {}
+    for name, gid in groups.group_of.items():
+        own_total[gid] = own_total.get(gid, 0.0) + own[name]
+    fused: dict[str, NodeCost] = {}
+    for name, gid in groups.group_of.items():
+        kernel_s = max(group_compute[gid], group_bytes[gid] / profile.bandwidth_for(group_bytes[gid]))
+        share = own[name] / own_total[gid] if own_total[gid] > 0 else 1.0 / len(groups.members[gid])
+        launches = groups.launches[name]
+        cost = base[name]
+        fused[name] = NodeCost(
+            flops=cost.flops, bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
+            est_time_s=kernel_s * share + launches * profile.kernel_launch_s,
+            has_flop_formula=cost.has_flop_formula, flop_rule=cost.flop_rule,
+            fused_bytes_read=groups.bytes_read[name], fused_bytes_written=groups.bytes_written[name],
+            launches=launches, unfused_time_s=cost.unfused_time_s, time_source="roofline (fused)", fusion_group=gid,
+        )
+    return fused
 
 
 def _calibrated(node: fx.Node, cost: NodeCost, measured_s: float) -> NodeCost:
@@ -154,16 +181,11 @@ def annotate_costs(graph: fx.Graph, profile: HardwareProfile, *, fusion: bool = 
     (node name -> seconds, from ``calibrate.measure_node_times``) replaces the
     roofline wherever it has a time for the node.
     """
-    groups = find_fusion_groups(graph) if fusion else None
-    group_bytes: dict[str, int] = {}
-    if groups is not None:
-        for name, gid in groups.group_of.items():
-            group_bytes[gid] = group_bytes.get(gid, 0) + groups.bytes_read[name] + groups.bytes_written[name]
+    base = {node.name: estimate_node_cost(node, profile) for node in graph.nodes}
+    fused = _fused_costs(graph, base, find_fusion_groups(graph), profile) if fusion else {}
     costs: dict[str, NodeCost] = {}
     for node in graph.nodes:
-        cost = estimate_node_cost(node, profile)
-        if groups is not None and node.name in groups.group_of:
-            cost = _fused_cost(node, cost, groups, group_bytes, profile)
+        cost = fused.get(node.name, base[node.name])
         if measured_times is not None and node.name in measured_times and not is_free_op(node):
             cost = _calibrated(node, cost, float(measured_times[node.name]))
         node.meta[COST_KEY] = cost

@@ -208,10 +208,14 @@ def profile_from_json(data: Any, threads: int = 1) -> HardwareProfile:
 
 
 def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)   # readers see the old file or the new one, never half of one
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)   # readers see the old file or the new one, never half of one
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _profile_cache_path(device: torch.device) -> Path:

@@ -1,0 +1,130 @@
+"""Calibration: real kernel times per node, cached by graph hash, usable as est_time_s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from remat.cost_model.calibrate import calibrate, graph_device, graph_hash, measure_node_times, random_tensor
+from remat.cost_model.costs import annotate_costs
+from remat.cost_model.hardware import HardwareProfile
+from remat.cost_model.tensors import is_free_op
+
+ROUND = HardwareProfile(name="round", flops_per_s={"float32": 1e12}, bandwidth_bytes_per_s=1e11,
+                        kernel_launch_s=1e-6, source="test")
+
+
+def block(x, w, idx):
+    h = (x @ w).relu() * 2             # an extern matmul, then a fused pointwise pair
+    return h.t().sum(0), torch.embedding(w, idx)   # a view, a reduction, an integer-indexed gather
+
+
+def inputs(n=64):
+    return torch.randn(n, n), torch.randn(n, n), torch.randint(0, n, (8,))
+
+
+def traced(n=64):
+    return make_fx(block, tracing_mode="fake")(*inputs(n)).graph
+
+
+def kernel_names(graph):
+    return {n.name for n in graph.nodes if n.op == "call_function" and not is_free_op(n)}
+
+
+def test_every_kernel_node_is_timed_and_views_are_not(tmp_path):
+    graph = traced()
+    result = calibrate(graph, cache_path=tmp_path / "c.json", repeats=3)
+    assert set(result.times_s) == kernel_names(graph) and not result.skipped
+    assert all(0 < t < 1.0 for t in result.times_s.values())
+    assert not result.from_cache and result.device == "cpu"
+
+
+def test_second_call_reads_the_cache_and_a_corrupt_cache_is_measured_again(tmp_path):
+    graph, path = traced(), tmp_path / "c.json"
+    first = calibrate(graph, cache_path=path, repeats=3)
+    second = calibrate(graph, cache_path=path, repeats=3)
+    assert second.from_cache and second.times_s == first.times_s and second.graph_hash == first.graph_hash
+    path.write_text("{ not json")
+    third = calibrate(graph, cache_path=path, repeats=3)
+    assert not third.from_cache and set(third.times_s) == set(first.times_s)
+    assert json.loads(path.read_text())["graph_hash"] == first.graph_hash
+
+
+def test_default_cache_location_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    graph = traced()
+    result = calibrate(graph, repeats=3)
+    assert (tmp_path / "calibration" / f"{result.graph_hash}.json").exists()
+    assert calibrate(graph, repeats=3).from_cache
+
+
+def test_graph_hash_changes_with_shapes_repeats_and_ops():
+    cpu = torch.device("cpu")
+    base = graph_hash(traced(64), cpu, 5)
+    assert base == graph_hash(traced(64), cpu, 5)
+    assert base != graph_hash(traced(32), cpu, 5)
+    assert base != graph_hash(traced(64), cpu, 3)
+    other = make_fx(lambda x, w, idx: ((x @ w).sigmoid() * 2, idx), tracing_mode="fake")(*inputs()).graph
+    assert base != graph_hash(other, cpu, 5)
+
+
+def test_a_node_that_fails_on_random_inputs_is_skipped_with_the_reason(tmp_path):
+    # Cholesky of a random (not positive definite) matrix raises at run time.
+    graph = make_fx(lambda a: torch.ops.aten.linalg_cholesky_ex(a, check_errors=True)[0].relu(),
+                    tracing_mode="fake")(torch.randn(8, 8)).graph
+    result = calibrate(graph, cache_path=tmp_path / "c.json", repeats=3)
+    (name,) = [n.name for n in graph.nodes if "cholesky" in str(n.target)]
+    assert result.skipped[name].startswith("_LinAlgError: linalg.cholesky_ex: ") and "not positive-definite" in result.skipped[name]
+    assert name not in result.times_s and any("relu" in n for n in result.times_s)
+
+
+RANDOM_TENSOR_CASES = [
+    ("contiguous float", torch.empty(3, 4), lambda t: t.std() > 0),
+    ("transposed", torch.empty(4, 3).t(), lambda t: t.stride() == (1, 3)),
+    ("expanded (stride 0)", torch.empty(1, 4).expand(5, 4), lambda t: t.stride() == (0, 1)),
+    ("int64 indices are in range", torch.empty(6, dtype=torch.long), lambda t: bool((t == 0).all())),
+    ("bool", torch.empty(100, dtype=torch.bool), lambda t: t.dtype == torch.bool),
+    ("half", torch.empty(2, 2, dtype=torch.float16), lambda t: t.dtype == torch.float16),
+    ("empty", torch.empty(0, 3), lambda t: t.shape == (0, 3)),
+]
+
+
+@pytest.mark.parametrize("like,check", [c[1:] for c in RANDOM_TENSOR_CASES], ids=[c[0] for c in RANDOM_TENSOR_CASES])
+def test_random_tensor_matches_layout(like, check):
+    real = random_tensor(like, torch.device("cpu"))
+    assert real.shape == like.shape and real.dtype == like.dtype and real.stride() == like.stride()
+    assert check(real)
+
+
+def test_measured_times_become_est_time_s(tmp_path):
+    graph = traced()
+    times = measure_node_times(graph, cache_path=tmp_path / "c.json", repeats=3)
+    roofline = annotate_costs(graph, ROUND)
+    costs = annotate_costs(graph, ROUND, measured_times=times)
+    mm = next(n.name for n in graph.nodes if n.target is torch.ops.aten.mm.default)
+    relu = next(n.name for n in graph.nodes if n.target is torch.ops.aten.relu.default)
+    assert costs[mm].est_time_s == costs[mm].measured_time_s == times[mm] and costs[mm].time_source == "measured"
+    # relu runs fused with the multiply: its measured (standalone) time shrinks by the roofline's fusion saving
+    scale = roofline[relu].est_time_s / roofline[relu].unfused_time_s
+    assert scale < 1
+    assert costs[relu].est_time_s == pytest.approx(times[relu] * scale)
+    assert costs[relu].time_source == "measured (fused-scaled)"
+    for name, cost in costs.items():
+        if name not in times:
+            assert cost.est_time_s == roofline[name].est_time_s and cost.measured_time_s is None
+
+
+def test_graph_device_is_read_from_meta():
+    assert graph_device(traced()) == torch.device("cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_calibration_on_cuda(tmp_path):
+    cuda_inputs = [t.cuda() for t in inputs()]
+    graph = make_fx(block, tracing_mode="fake")(*cuda_inputs).graph
+    result = calibrate(graph, cache_path=tmp_path / "c.json", repeats=3)
+    assert result.device.startswith("cuda") and set(result.times_s) == kernel_names(graph)

@@ -1,0 +1,517 @@
+"""Cost model: FLOPs, bytes, fusion, roofline time, symbolic sizes.
+
+Sizes are chosen so expected numbers are exact: a 512x512 fp32 tensor is 1 MiB,
+a 512x512x512 matmul is 2*512^3 FLOPs. Graphs are traced with make_fx in fake
+mode, or captured from AOTAutograd without compiling anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from models import ZOO
+from remat.cost_model.costs import COST_KEY, NodeCost, annotate_costs, estimate_node_cost, phase_totals, roofline_time_s
+from remat.cost_model.flops import (
+    COMPOSITE_FLOPS_PER_ELEMENT,
+    EXTRA_FLOP_FORMULAS,
+    TORCH_RULE,
+    node_flops,
+    ops_without_formula,
+)
+from remat.cost_model.fusion import MAX_GROUP_SIZE, find_fusion_groups
+from remat.cost_model.hardware import DATASHEET_PROFILES, HardwareProfile
+from remat.cost_model.phases import node_phases
+from remat.cost_model.symbolic import (
+    evaluate,
+    format_expr,
+    largest_value_that_fits,
+    node_bytes_read_expr,
+    node_bytes_written_expr,
+    node_flops_expr,
+    shape_hints,
+    symbol_sources,
+)
+from remat.cost_model.tensors import is_free_op
+
+aten = torch.ops.aten
+MiB = 1 << 20
+N = 512
+
+# A round profile so expected times are arithmetic: 1 TFLOP/s, 100 GB/s, 1 us per kernel.
+ROUND = HardwareProfile(name="round", flops_per_s={"float32": 1e12}, bandwidth_bytes_per_s=1e11,
+                        kernel_launch_s=1e-6, source="test")
+
+
+def trace(fn, *inputs) -> fx.Graph:
+    return make_fx(fn, tracing_mode="fake")(*inputs).graph
+
+
+def the_node(graph: fx.Graph, op_name: str) -> fx.Node:
+    found = [n for n in graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] == op_name]
+    assert len(found) == 1, f"{op_name}: {[str(n.target) for n in graph.nodes]}"
+    return found[0]
+
+
+def m(*shape):
+    return torch.randn(*shape)
+
+
+# ---------------------------------------------------------------- FLOPs and bytes, one op at a time
+
+ONE_OP_CASES = [
+    # id, fn, inputs, op, flops, bytes_read, bytes_written, rule
+    ("mm 512^3 fp32", torch.mm, (m(N, N), m(N, N)), "mm", 2 * N**3, 2 * MiB, MiB, TORCH_RULE),
+    ("addmm", torch.addmm, (m(N), m(N, N), m(N, N)), "addmm", 2 * N**3, 2 * MiB + 4 * N, MiB, TORCH_RULE),
+    ("bmm", torch.bmm, (m(4, 128, 64), m(4, 64, 32)), "bmm", 2 * 4 * 128 * 64 * 32,
+     4 * (4 * 128 * 64 + 4 * 64 * 32), 4 * 4 * 128 * 32, TORCH_RULE),
+    ("conv2d 3x3", lambda x, w: F.conv2d(x, w, padding=1), (m(8, 16, 32, 32), m(32, 16, 3, 3)), "convolution",
+     2 * (8 * 32 * 32 * 32) * (16 * 3 * 3), 4 * (8 * 16 * 32 * 32 + 32 * 16 * 9), 4 * 8 * 32 * 32 * 32, TORCH_RULE),
+    ("sdpa on cpu", F.scaled_dot_product_attention, (m(2, 4, 128, 32), m(2, 4, 128, 32), m(2, 4, 128, 32)),
+     "_scaled_dot_product_flash_attention_for_cpu", 2 * (2 * 2 * 4 * 128 * 32 * 128),
+     3 * 4 * 2 * 4 * 128 * 32, 4 * 2 * 4 * 128 * 32 + 4 * 2 * 4 * 128, "remat formula: attention"),
+    ("relu: pointwise", torch.relu, (m(N, N),), "relu", N * N, MiB, MiB, "pointwise: 1 per output element"),
+    ("sum over rows: reduction", lambda x: x.sum(dim=1), (m(N, N),), "sum", N * N, MiB, 4 * N,
+     "reduction: 1 per input element"),
+    ("gelu: composite", F.gelu, (m(N, N),), "gelu", 5 * N * N, MiB, MiB, "composite: 5 per element of its decomposition"),
+    ("clone: data movement", torch.clone, (m(N, N),), "clone", 0, MiB, MiB, "data movement"),
+    ("expanded bias is read once", lambda x, b: x + b.expand(N, N), (m(N, N), m(N)), "add", N * N, MiB + 4 * N, MiB,
+     "pointwise: 1 per output element"),
+]
+
+
+@pytest.mark.parametrize("fn,inputs,op,flops,read,written,rule",
+                         [case[1:] for case in ONE_OP_CASES], ids=[case[0] for case in ONE_OP_CASES])
+def test_one_op_flops_and_bytes(fn, inputs, op, flops, read, written, rule):
+    node = the_node(trace(fn, *inputs), op)
+    cost = estimate_node_cost(node, ROUND)
+    assert (cost.flops, cost.bytes_read, cost.bytes_written, cost.flop_rule) == (flops, read, written, rule)
+
+
+VIEW_CASES = [
+    ("t", lambda x: x.t()), ("view", lambda x: x.view(N * N)), ("expand", lambda x: x[:1].expand(N, N)),
+    ("transpose", lambda x: x.transpose(0, 1)), ("unsqueeze", lambda x: x.unsqueeze(0)),
+    ("slice", lambda x: x[:, : N // 2]), ("split", lambda x: x.split(N // 2)[1]),
+]
+
+
+@pytest.mark.parametrize("fn", [c[1] for c in VIEW_CASES], ids=[c[0] for c in VIEW_CASES])
+def test_views_and_getitems_cost_nothing(fn):
+    graph = trace(fn, m(N, N))
+    ops = [n for n in graph.nodes if n.op == "call_function"]
+    assert ops
+    for node in ops:
+        assert is_free_op(node), node.format_node()
+        assert estimate_node_cost(node, ROUND) == NodeCost(flop_rule="free", time_source="roofline")
+
+
+# ---------------------------------------------------------------- roofline time
+
+def test_roofline_mm_is_compute_bound_and_relu_memory_bound():
+    graph = trace(lambda a, b: torch.mm(a, b).relu(), m(N, N), m(N, N))
+    mm = estimate_node_cost(the_node(graph, "mm"), ROUND)
+    relu = estimate_node_cost(the_node(graph, "relu"), ROUND)
+    assert math.isclose(mm.est_time_s, 2 * N**3 / 1e12 + 1e-6)          # 2.68e-4 s compute > 3 MiB / 1e11
+    assert math.isclose(relu.est_time_s, 2 * MiB / 1e11 + 1e-6)         # 2 MiB of traffic
+    assert mm.est_time_s == mm.unfused_time_s and mm.launches == 1
+
+
+def test_bandwidth_level_by_working_set():
+    cached = HardwareProfile(name="round", flops_per_s={"float32": 1e12}, bandwidth_bytes_per_s=1e11,
+                             kernel_launch_s=0.0, source="test", bandwidth_levels=((MiB, 1e12),))
+    small = estimate_node_cost(the_node(trace(torch.relu, m(256, 256)), "relu"), cached)   # 512 KiB: cache
+    large = estimate_node_cost(the_node(trace(torch.relu, m(N, N)), "relu"), cached)       # 2 MiB: memory
+    assert math.isclose(small.est_time_s, (MiB // 2) / 1e12)
+    assert math.isclose(large.est_time_s, 2 * MiB / 1e11)
+
+
+def test_fp32_matmul_uses_tf32_rate_only_when_torch_allows_it():
+    big = 4 * N   # 2048^3: compute-bound on an H100 even at the TF32 rate
+    node = the_node(trace(torch.mm, m(big, big), m(big, big)), "mm")
+    h100 = DATASHEET_PROFILES["h100"]
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        highest = estimate_node_cost(node, h100).est_time_s
+        torch.set_float32_matmul_precision("high")
+        high = estimate_node_cost(node, h100).est_time_s
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert math.isclose(highest, 2 * big**3 / 67e12 + 4e-6)
+    assert math.isclose(high, 2 * big**3 / 495e12 + 4e-6)
+
+
+def test_roofline_time_formula():
+    assert roofline_time_s(ROUND, 2 * 10**12, 10**9, 3) == pytest.approx(2.0 + 3e-6)       # compute bound
+    assert roofline_time_s(ROUND, 10**6, 10**12, 0) == pytest.approx(10.0)                # memory bound
+
+
+def test_node_cost_adds_up():
+    a = NodeCost(flops=1, bytes_read=2, bytes_written=3, est_time_s=0.5, fused_bytes_read=1, launches=1)
+    b = NodeCost(flops=10, bytes_read=20, bytes_written=30, est_time_s=0.25, has_flop_formula=False,
+                 measured_time_s=0.1, launches=1)
+    total = a + b
+    assert (total.flops, total.bytes_read, total.bytes_written, total.launches) == (11, 22, 33, 2)
+    assert total.est_time_s == 0.75 and total.measured_time_s == 0.1 and not total.has_flop_formula
+
+
+# ---------------------------------------------------------------- fusion-aware traffic
+
+def fused(graph: fx.Graph, name: str):
+    costs = annotate_costs(graph, ROUND)
+    return {n.name: costs[n.name] for n in graph.nodes}
+
+
+def test_pointwise_chain_before_a_matmul_is_one_kernel_writing_only_its_end():
+    graph = trace(lambda x, w: (x.relu() * 2 + 1) @ w, m(N, N), m(N, N))
+    costs = annotate_costs(graph, ROUND)
+    relu, mul, add, mm = (the_node(graph, op).name for op in ("relu", "mul", "add", "mm"))
+    chain = [costs[relu], costs[mul], costs[add]]
+    assert [c.fused_bytes_read for c in chain] == [MiB, 0, 0]          # x loaded once
+    assert [c.fused_bytes_written for c in chain] == [0, 0, MiB]       # only what the matmul reads
+    assert [c.launches for c in chain] == [0, 0, 1]
+    assert sum(c.bytes_read + c.bytes_written for c in chain) == 6 * MiB   # unfused: each op reads and writes
+    assert costs[relu].fusion_group == costs[add].fusion_group == relu
+    assert costs[mm].fused_bytes_read == 2 * MiB and costs[mm].launches == 1
+    assert sum(c.est_time_s for c in chain) == pytest.approx(2 * MiB / 1e11 + 1e-6)
+    assert sum(c.unfused_time_s for c in chain) == pytest.approx(6 * MiB / 1e11 + 3e-6)
+
+
+def test_softmax_is_one_kernel_reading_its_input_once():
+    def softmax(x):
+        e = (x - x.amax(-1, keepdim=True)).exp()
+        return e / e.sum(-1, keepdim=True)
+
+    graph = trace(softmax, m(N, N))
+    groups = find_fusion_groups(graph)
+    assert len(groups.members) == 1 and groups.kernel_count() == 1
+    assert sum(groups.bytes_read.values()) == MiB and sum(groups.bytes_written.values()) == MiB
+
+
+def test_residual_after_a_matmul_reads_the_saved_value():
+    graph = trace(lambda x, w: (lambda h: (h @ w) + h)(x.relu()), m(N, N), m(N, N))
+    groups = find_fusion_groups(graph)
+    relu, add = the_node(graph, "relu").name, the_node(graph, "add").name
+    assert groups.group_of[relu] != groups.group_of[add]      # add needs the matmul, which needs relu
+    assert groups.bytes_written[relu] == MiB and groups.bytes_read[add] == 2 * MiB
+
+
+def test_graph_outputs_are_written_even_inside_a_group():
+    graph = trace(lambda x: (lambda r: (r, r * 2))(x.relu()), m(N, N))
+    groups = find_fusion_groups(graph)
+    relu, mul = the_node(graph, "relu").name, the_node(graph, "mul").name
+    assert groups.group_of[relu] == groups.group_of[mul]
+    assert (groups.bytes_written[relu], groups.bytes_written[mul]) == (MiB, MiB)   # both are graph outputs
+
+
+def test_forward_and_backward_never_share_a_kernel():
+    graph = trace(lambda x: x.relu() * 2, m(N, N))
+    the_node(graph, "relu").meta["partitioner_tag"] = "is_forward"
+    the_node(graph, "mul").meta["partitioner_tag"] = "is_backward"
+    groups = find_fusion_groups(graph)
+    assert groups.kernel_count() == 2 and groups.bytes_written[the_node(graph, "relu").name] == MiB
+
+
+def test_groups_stop_at_the_size_limit():
+    def chain(x):
+        for _ in range(MAX_GROUP_SIZE + 6):
+            x = x * 1.5
+        return x
+
+    groups = find_fusion_groups(trace(chain, m(8, 8)))
+    assert sorted(len(ms) for ms in groups.members.values()) == [6, MAX_GROUP_SIZE]
+
+
+def test_annotate_writes_meta_and_fusion_can_be_turned_off():
+    graph = trace(lambda x: x.relu() * 2, m(N, N))
+    costs = annotate_costs(graph, ROUND, fusion=False)
+    for node in graph.nodes:
+        assert node.meta[COST_KEY] is costs[node.name]
+    assert all(c.est_time_s == c.unfused_time_s for c in costs.values())
+    assert sum(c.launches for c in costs.values()) == 2
+
+
+# ---------------------------------------------------------------- composite estimates = their decomposition
+
+def _composite_examples():
+    x, g, w, b = m(8, 16), m(8, 16), m(16), m(16)
+    xc, wc, rm, rv = m(4, 6, 5, 5), m(6), m(6), torch.rand(6)
+    return {
+        "gelu": (aten.gelu.default, (x,)), "gelu_backward": (aten.gelu_backward.default, (g, x)),
+        "silu": (aten.silu.default, (x,)), "silu_backward": (aten.silu_backward.default, (g, x)),
+        "_softmax": (aten._softmax.default, (x, -1, False)), "_log_softmax": (aten._log_softmax.default, (x, -1, False)),
+        "_softmax_backward_data": (aten._softmax_backward_data.default, (g, x, -1, torch.float32)),
+        "_log_softmax_backward_data": (aten._log_softmax_backward_data.default, (g, x, -1, torch.float32)),
+        "native_layer_norm": (aten.native_layer_norm.default, (x, [16], w, b, 1e-5)),
+        "native_layer_norm_backward": (aten.native_layer_norm_backward.default,
+                                       (g, x, [16], m(8, 1), m(8, 1), w, b, [True, True, True])),
+        "_native_batch_norm_legit_functional": (aten._native_batch_norm_legit_functional.default,
+                                                (xc, wc, wc, rm, rv, True, 0.1, 1e-5)),
+        "native_batch_norm_backward": (aten.native_batch_norm_backward.default,
+                                       (m(4, 6, 5, 5), xc, wc, rm, rv, rm, rv, True, 1e-5, [True, True, True])),
+        "native_dropout": (aten.native_dropout.default, (x, 0.1, True)),
+        "native_dropout_backward": (aten.native_dropout_backward.default, (g, x > 0, 1.1)),
+        "sigmoid_backward": (aten.sigmoid_backward.default, (g, x)),
+        "tanh_backward": (aten.tanh_backward.default, (g, x)),
+        "threshold_backward": (aten.threshold_backward.default, (g, x, 0.0)),
+    }
+
+
+@pytest.fixture(scope="module")
+def inductor_decompositions():
+    import torch._inductor.lowering  # noqa: F401  (some decompositions consult it)
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSITE_FLOPS_PER_ELEMENT))
+def test_composite_table_matches_inductor_decomposition(name, inductor_decompositions):
+    op, args = _composite_examples()[name]
+    big = max(a.numel() for a in args if isinstance(a, torch.Tensor))
+    whole = make_fx(lambda *a: op(*a))(*args).graph
+    assert node_flops(the_node(whole, op.overloadpacket.__name__)).flops == COMPOSITE_FLOPS_PER_ELEMENT[name] * big
+    decomposed = make_fx(lambda *a: op(*a), decomposition_table=inductor_decompositions)(*args).graph
+    full_size = 0
+    for node in decomposed.nodes:
+        if node.op != "call_function":
+            continue
+        sizes = [t.numel() for v in [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
+                 for t in ([v] if isinstance(v, torch.Tensor) else [])]
+        if sizes and max(sizes) == big:   # the full-size ops; those over reduced rows are lower order
+            full_size += node_flops(node).flops
+    assert full_size == COMPOSITE_FLOPS_PER_ELEMENT[name] * big
+
+
+# ---------------------------------------------------------------- FLOP totals = FlopCounterMode on the zoo
+
+def capture_joint(model: nn.Module, inputs, decompositions) -> fx.GraphModule:
+    """The joint forward+backward graph AOTAutograd builds (no compile: compilers return the graph)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module
+    from torch._functorch.partitioners import default_partition
+
+    box = {}
+
+    def partition(joint, joint_inputs, **kwargs):
+        box["joint"] = joint
+        return default_partition(joint, joint_inputs, **kwargs)
+
+    compiled = aot_module(model, fw_compiler=lambda g, _: make_boxed_func(g), bw_compiler=lambda g, _: make_boxed_func(g),
+                          partition_fn=partition, decompositions=decompositions)
+    compiled(*inputs).sum().backward()
+    return box["joint"]
+
+
+def flop_counter_counts(model: nn.Module, inputs, custom_mapping=None) -> dict[str, Counter]:
+    counts = {}
+    fwd = FlopCounterMode(display=False, custom_mapping=custom_mapping)
+    with fwd:
+        out = model(*inputs)
+    bwd = FlopCounterMode(display=False, custom_mapping=custom_mapping)
+    loss = out.sum()
+    with bwd:
+        loss.backward()
+    for phase, mode in (("forward", fwd), ("backward", bwd)):
+        counts[phase] = Counter({str(op): n for op, n in mode.get_flop_counts()["Global"].items()})
+    return counts
+
+
+def graph_counts(graph: fx.Graph, rules) -> dict[str, Counter]:
+    counts = {"forward": Counter(), "backward": Counter()}
+    phases = node_phases(graph)
+    for node in graph.nodes:
+        estimate = node_flops(node)
+        if estimate.rule in rules:
+            counts[phases[node.name]][str(node.target.overloadpacket)] += estimate.flops
+    return counts
+
+
+def without_extra_formulas(counts: dict[str, Counter]) -> dict[str, Counter]:
+    extra = {str(op) for op in EXTRA_FLOP_FORMULAS}
+    return {phase: Counter({op: n for op, n in c.items() if op not in extra}) for phase, c in counts.items()}
+
+
+@pytest.fixture(scope="module", params=sorted(ZOO))
+def zoo_joint(request, inductor_decompositions):
+    """(name, joint graph as the backend sees it, after Inductor's decompositions,
+    FlopCounterMode's counts with remat's extra formulas registered)."""
+    model, inputs = ZOO[request.param]()
+    joint = capture_joint(model, inputs, inductor_decompositions)
+    model, inputs = ZOO[request.param]()
+    return request.param, joint.graph, flop_counter_counts(model, inputs, EXTRA_FLOP_FORMULAS)
+
+
+def test_flops_equal_flop_counter_mode_per_phase_and_op(zoo_joint):
+    name, graph, counted = zoo_joint
+    ours = graph_counts(graph, {TORCH_RULE})
+    plain = without_extra_formulas(counted)   # what FlopCounterMode counts with torch's registry alone
+    for phase in ("forward", "backward"):
+        assert +ours[phase] == +plain[phase], f"{name} {phase}"
+        assert sum(plain[phase].values()) > 0
+
+
+def test_flops_with_remat_formulas_equal_flop_counter_mode_with_them(zoo_joint):
+    name, graph, counted = zoo_joint
+    ours = graph_counts(graph, {TORCH_RULE, "remat formula: attention"})
+    totals = phase_totals(graph, annotate_costs(graph, ROUND))
+    phases = node_phases(graph)
+    for phase in ("forward", "backward"):
+        assert +ours[phase] == +counted[phase], f"{name} {phase}"
+        estimated = sum(node_flops(n).flops for n in graph.nodes if phases[n.name] == phase and not node_flops(n).has_formula)
+        assert totals[phase].flops == sum(counted[phase].values()) + estimated
+
+
+def test_ops_without_formula_are_listed(zoo_joint):
+    name, graph, _ = zoo_joint
+    missing = ops_without_formula(graph.nodes)
+    assert all(not node_flops(n).has_formula for n in graph.nodes if str(n.target) in missing)
+    assert not any(op.startswith(("aten.mm", "aten.addmm", "aten.bmm", "aten.convolution")) for op in missing)
+
+
+def test_flop_totals_also_match_without_decompositions():
+    """Eager's ops, undecomposed (batch norm, max pool as single nodes): the same counts."""
+    model, inputs = ZOO["cnn"]()
+    graph = capture_joint(model, inputs, {}).graph
+    model, inputs = ZOO["cnn"]()
+    assert graph_counts(graph, {TORCH_RULE}) == without_extra_formulas(flop_counter_counts(model, inputs))
+
+
+def test_phases_follow_autograd_tags(zoo_joint):
+    name, graph, _ = zoo_joint
+    phases = node_phases(graph)
+    for node in graph.nodes:
+        tag = node.meta.get("partitioner_tag")
+        if tag:
+            assert phases[node.name] == ("forward" if tag == "is_forward" else "backward")
+        if node.op == "placeholder" and node.name.startswith("tangents"):
+            assert phases[node.name] == "backward"
+
+
+def test_phases_fall_back_to_tangent_dependency():
+    graph = make_fx(lambda primals, tangents: (primals.relu(), tangents * primals.sin()))(m(4), m(4)).graph
+    phases = node_phases(graph)
+    assert phases[the_node(graph, "relu").name] == "forward"
+    assert phases[the_node(graph, "sin").name] == "forward"
+    assert phases[the_node(graph, "mul").name] == "backward"
+
+
+# ---------------------------------------------------------------- symbolic sizes
+
+FORMAT_CASES = [
+    (sympy.Integer(0), "", "0"),
+    (sympy.Integer(1024), "bytes", "1024 bytes"),
+    (3 * sympy.Symbol("s0") * sympy.Symbol("s1") * 256, "bytes", "768·s0·s1 bytes"),
+    (4 * sympy.Symbol("s0") ** 2 + 3 * sympy.Symbol("s0") + 5, "FLOPs", "4·s0^2 + 3·s0 + 5 FLOPs"),
+    (sympy.Symbol("s1") * sympy.Symbol("s0"), "", "s0·s1"),
+    (1024 * sympy.Symbol("s0") - 8, "bytes", "1024·s0 - 8 bytes"),
+]
+
+
+@pytest.mark.parametrize("expr,unit,text", FORMAT_CASES)
+def test_format_expr(expr, unit, text):
+    assert format_expr(expr, unit) == text
+
+
+FITS_CASES = [
+    # expr, limit, hints(s1), expected largest s0
+    (768 * sympy.Symbol("s0") * sympy.Symbol("s1"), 1_000_000, 10, 130),     # 768*10*130 = 998400
+    (768 * sympy.Symbol("s0") * sympy.Symbol("s1"), 7679, 10, None),         # even s0=1 needs 7680
+    (sympy.Symbol("s0") ** 2, 10**6, 1, 1000),
+    (sympy.Integer(5), 10, 1, 1 << 40),                                       # never grows: the search cap
+]
+
+
+@pytest.mark.parametrize("expr,limit,s1,expected", FITS_CASES)
+def test_largest_value_that_fits(expr, limit, s1, expected):
+    s0, s1_sym = sympy.Symbol("s0"), sympy.Symbol("s1")
+    assert largest_value_that_fits(expr, s0, limit, {s1_sym: s1}) == expected
+
+
+class TwoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+@pytest.fixture(scope="module")
+def dynamic_joint():
+    """The joint graph of TwoLinear on x of shape (6, 10, 256), dims 0 and 1 marked dynamic."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition
+
+    box = {}
+
+    def partition(joint, joint_inputs, **kwargs):
+        box["joint"] = joint
+        return default_partition(joint, joint_inputs, **kwargs)
+
+    backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g), bw_compiler=lambda g, _: make_boxed_func(g),
+                           partition_fn=partition)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = TwoLinear(), torch.randn(6, 10, 256)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(x, 1)
+    torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
+    torch._dynamo.reset()
+    return box["joint"].graph
+
+
+def _batch_and_seq(graph):
+    names = {src: sym for sym, src in symbol_sources(graph).items()}
+    batch = next(sym for src, sym in names.items() if src.endswith("size()[0]"))
+    seq = next(sym for src, sym in names.items() if src.endswith("size()[1]"))
+    return batch, seq
+
+
+def test_symbolic_costs_evaluate_to_the_numbers_at_the_hint(dynamic_joint):
+    hints = shape_hints(dynamic_joint)
+    assert sorted(hints.values()) == [6, 10]
+    symbolic_nodes = 0
+    for node in dynamic_joint.nodes:
+        cost = estimate_node_cost(node, ROUND)
+        flops, read, written = node_flops_expr(node), node_bytes_read_expr(node), node_bytes_written_expr(node)
+        assert (evaluate(flops, hints), evaluate(read, hints), evaluate(written, hints)) == (
+            cost.flops, cost.bytes_read, cost.bytes_written), node.format_node()
+        symbolic_nodes += bool(flops.free_symbols or written.free_symbols)
+    assert symbolic_nodes >= 6
+
+
+def test_symbolic_formulas_read_as_expected(dynamic_joint):
+    batch, seq = _batch_and_seq(dynamic_joint)
+    b_s = "·".join(sorted([batch, seq]))
+    first_addmm = next(n for n in dynamic_joint.nodes if n.target is aten.addmm.default)
+    gelu = the_node(dynamic_joint, "gelu")
+    assert format_expr(node_flops_expr(first_addmm), "FLOPs") == f"{2 * 256 * 512}·{b_s} FLOPs"
+    assert format_expr(node_bytes_written_expr(first_addmm), "bytes") == f"{512 * 4}·{b_s} bytes"
+    # the input (B·S·256 fp32) plus the weight (256·512) and bias (512), fp32
+    assert format_expr(node_bytes_read_expr(first_addmm), "bytes") == f"{256 * 4}·{b_s} + {(256 * 512 + 512) * 4} bytes"
+    assert format_expr(node_flops_expr(gelu), "FLOPs") == f"{5 * 512}·{b_s} FLOPs"
+
+
+def test_symbolic_flops_at_another_size_equal_a_static_trace(dynamic_joint):
+    batch, seq = _batch_and_seq(dynamic_joint)
+    hints = {sym: {batch: 3, seq: 7}[str(sym)] for sym in shape_hints(dynamic_joint)}
+    total = sum(evaluate(node_flops_expr(n), hints) for n in dynamic_joint.nodes)
+    torch.manual_seed(0)
+    static = capture_joint(TwoLinear(), (torch.randn(3, 7, 256),), {}).graph
+    assert total == sum(node_flops(n).flops for n in static.nodes)
+
+
+def test_annotate_costs_works_on_symbolic_graphs(dynamic_joint):
+    costs = annotate_costs(dynamic_joint, ROUND)
+    assert sum(c.flops for c in costs.values()) == sum(node_flops(n).flops for n in dynamic_joint.nodes)
+    assert all(c.est_time_s >= 0 for c in costs.values())

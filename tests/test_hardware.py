@@ -1,0 +1,167 @@
+"""Hardware profiles: datasheet numbers, choice by name and device, the measured profile's disk cache."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from remat.cost_model import hardware
+from remat.cost_model.hardware import (
+    CACHE_ENV_VAR,
+    DATASHEET_PROFILES,
+    HardwareProfile,
+    check_plausible,
+    datasheet_name_for,
+    get_profile,
+    measured_profile,
+    profile_from_json,
+    profile_to_json,
+)
+
+DATASHEET = [
+    # name, fp32, tf32, bf16 FLOP/s, HBM bytes/s (SXM, dense)
+    ("a100", 19.5e12, 156e12, 312e12, 2.039e12),
+    ("h100", 67e12, 495e12, 989e12, 3.35e12),
+    ("h200", 67e12, 495e12, 989e12, 4.8e12),
+]
+
+
+@pytest.mark.parametrize("name,fp32,tf32,bf16,bandwidth", DATASHEET)
+def test_datasheet_profiles(name, fp32, tf32, bf16, bandwidth):
+    profile = get_profile(name)
+    assert profile is DATASHEET_PROFILES[name]
+    assert profile.peak_flops_per_s(torch.float32) == fp32
+    assert profile.peak_flops_per_s(torch.float32, tensor_cores=True) == tf32
+    assert profile.peak_flops_per_s(torch.bfloat16) == profile.peak_flops_per_s(torch.float16) == bf16
+    assert profile.bandwidth_bytes_per_s == bandwidth
+    assert profile.source.startswith("datasheet")
+
+
+@pytest.mark.parametrize("device_name,expected", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA GeForce RTX 4090", None), ("Tesla V100-SXM2-16GB", None),
+])
+def test_datasheet_name_for_device(device_name, expected):
+    assert datasheet_name_for(device_name) == expected
+
+
+def test_unknown_profile_name_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="unknown hardware profile 'tpu'.*auto, cpu, cuda, a100, h100, h200"):
+        get_profile("tpu")
+
+
+def fake_profile(**overrides) -> HardwareProfile:
+    fields = dict(name="cpu", flops_per_s={"float32": 1e11, "float64": 5e10}, bandwidth_bytes_per_s=2e10,
+                  kernel_launch_s=2e-6, source="fake", bandwidth_levels=((1 << 20, 8e10),))
+    fields.update(overrides)
+    return HardwareProfile(**fields)
+
+
+class Counting:
+    """A stand-in for the real measurement: returns a fixed profile and counts calls."""
+
+    def __init__(self, *profiles: HardwareProfile) -> None:
+        self.profiles = list(profiles) or [fake_profile()]
+        self.calls = 0
+
+    def __call__(self, device):
+        self.calls += 1
+        return self.profiles[min(self.calls, len(self.profiles)) - 1]
+
+
+def test_missing_cache_is_measured_then_read_back(tmp_path):
+    path = tmp_path / "sub" / "profile.json"
+    measure = Counting()
+    first = measured_profile("cpu", path, measure=measure)
+    second = measured_profile("cpu", path, measure=measure)
+    assert measure.calls == 1 and first == second == fake_profile()
+    assert json.loads(path.read_text())["schema"] == hardware.CACHE_SCHEMA
+
+
+CORRUPT_FILES = [
+    ("not json", "{{{ garbage"),
+    ("binary", b"\x00\xff\xfe".decode("latin-1")),
+    ("a list", "[1, 2, 3]"),
+    ("old schema", json.dumps({**profile_to_json(fake_profile()), "schema": 1})),
+    ("missing key", json.dumps({k: v for k, v in profile_to_json(fake_profile()).items() if k != "flops_per_s"})),
+    ("nan bandwidth", json.dumps({**profile_to_json(fake_profile()), "bandwidth_bytes_per_s": float("nan")})),
+    ("negative rate", json.dumps({**profile_to_json(fake_profile()), "flops_per_s": {"float32": -1.0}})),
+    ("implausible: 1.45 TFLOP/s on one CPU thread",
+     json.dumps({**profile_to_json(fake_profile()), "flops_per_s": {"float32": 1.45e13}})),
+    ("implausible launch floor", json.dumps({**profile_to_json(fake_profile()), "kernel_launch_s": 0.17})),
+]
+
+
+@pytest.mark.parametrize("content", [c[1] for c in CORRUPT_FILES], ids=[c[0] for c in CORRUPT_FILES])
+def test_corrupt_cache_is_rebuilt_not_fatal(tmp_path, content):
+    path = tmp_path / "profile.json"
+    path.write_text(content)
+    measure = Counting()
+    assert measured_profile("cpu", path, measure=measure) == fake_profile()
+    assert measure.calls == 1
+    assert profile_from_json(json.loads(path.read_text())) == fake_profile()   # rewritten, valid
+
+
+def test_cache_path_that_is_a_directory_still_gives_a_profile(tmp_path):
+    measure = Counting()
+    assert measured_profile("cpu", tmp_path, measure=measure) == fake_profile()   # unreadable and unwritable
+    assert measure.calls == 1
+    assert list(tmp_path.parent.glob(f".{tmp_path.name}.*.tmp")) == []             # no temporary file left
+
+
+def test_implausible_measurement_is_retried_once(tmp_path):
+    measure = Counting(fake_profile(kernel_launch_s=5.0), fake_profile())
+    assert measured_profile("cpu", tmp_path / "p.json", measure=measure) == fake_profile()
+    assert measure.calls == 2
+
+
+def test_two_implausible_measurements_fail_loudly(tmp_path):
+    measure = Counting(fake_profile(kernel_launch_s=5.0))
+    with pytest.raises(ValueError, match="launch floor"):
+        measured_profile("cpu", tmp_path / "p.json", measure=measure)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    path = hardware._profile_cache_path(torch.device("cpu"))
+    assert path.parent == tmp_path
+    assert f"{torch.get_num_threads()}threads" in path.name and "v2" in path.name
+    path.write_text(json.dumps(profile_to_json(fake_profile(source="from the env dir"))))
+    assert get_profile("cpu").source == "from the env dir"
+    assert get_profile("auto").source == "from the env dir"
+    assert get_profile("auto", torch.device("cpu")).source == "from the env dir"
+
+
+def test_bandwidth_levels_pick_the_first_that_holds_the_working_set():
+    profile = fake_profile(bandwidth_levels=((1 << 20, 8e10), (1 << 24, 4e10)))
+    assert profile.bandwidth_for(1000) == 8e10
+    assert profile.bandwidth_for(1 << 20) == 8e10
+    assert profile.bandwidth_for((1 << 20) + 1) == 4e10
+    assert profile.bandwidth_for(1 << 30) == 2e10
+
+
+def test_check_plausible_names_the_bad_number():
+    with pytest.raises(ValueError, match=r"flops_per_s\[float32\]=nan"):
+        check_plausible(fake_profile(flops_per_s={"float32": math.nan}))
+
+
+def test_real_cpu_measurement_is_plausible(tmp_path):
+    """One real measurement (a few seconds): every rate positive and within what a CPU can do."""
+    profile = measured_profile("cpu", tmp_path / "real.json")
+    check_plausible(profile, torch.get_num_threads())
+    assert {"float32", "float64"} <= set(profile.flops_per_s)
+    assert len(profile.bandwidth_levels) == 3 and profile.kernel_launch_s < 1e-3
+    assert profile.source.startswith("measured on")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_on_cuda_picks_the_datasheet_or_a_measured_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    profile = get_profile("auto", torch.device("cuda"))
+    known = datasheet_name_for(torch.cuda.get_device_name())
+    assert profile.name == (known or "cuda")
