@@ -4,7 +4,8 @@
     step = torch.compile(model, backend=remat.backend(budget_gb=0.08, dump_dir="remat_dump"))
 """
 
-from .backend import CompiledGraph, RematBackend, backend, register
+from .backend import CompiledGraph, RematBackend, backend
+from .backend import register as _register
 from .errors import BudgetInfeasibleError, RematError, UnsupportedGraphError
 from .measure import PeakMeasurement, measure_peak_bytes
 from .options import BUDGET_ENV_VAR, RematOptions
@@ -28,4 +29,4 @@ __all__ = [
     "pareto",
 ]
 
-register()
+_register()

@@ -14,6 +14,8 @@ EXPECTED_PUBLIC = {
     "BUDGET_ENV_VAR",
     "BudgetInfeasibleError",
     "CompiledGraph",
+    "ParetoCurve",
+    "ParetoPoint",
     "PeakMeasurement",
     "Plan",
     "RematBackend",
@@ -22,6 +24,7 @@ EXPECTED_PUBLIC = {
     "UnsupportedGraphError",
     "backend",
     "measure_peak_bytes",
+    "pareto",
 }
 
 
