@@ -24,7 +24,10 @@ from remat.cost_model.flops import (
     COMPOSITE_FLOPS_PER_ELEMENT,
     EXTRA_FLOP_FORMULAS,
     TORCH_RULE,
+    RANDOM_VALUES_PER_ELEMENT,
+    TRANSCENDENTALS_PER_ELEMENT,
     node_flops,
+    node_special_ops,
     ops_without_formula,
 )
 from remat.cost_model.fusion import MAX_GROUP_SIZE, find_fusion_groups
@@ -113,6 +116,26 @@ def test_views_and_getitems_cost_nothing(fn):
         assert estimate_node_cost(node, ROUND) == NodeCost(flop_rule="free", time_source="roofline")
 
 
+SPECIAL_CASES = [
+    # id, fn, inputs, op, transcendentals, random values
+    ("exp", torch.exp, (m(N, N),), "exp", N * N, 0),
+    ("erf", torch.erf, (m(N, N),), "erf", N * N, 0),
+    ("gelu: one erf per element", F.gelu, (m(N, N),), "gelu", N * N, 0),
+    ("softmax", lambda x: x.softmax(-1), (m(N, N),), "_softmax", N * N, 0),
+    ("rand", lambda x: torch.rand_like(x), (m(N, N),), "rand_like", 0, N * N),
+    ("dropout: one draw per element", lambda x: torch.ops.aten.native_dropout(x, 0.1, True), (m(N, N),),
+     "native_dropout", 0, N * N),
+    ("mul: neither", lambda x: x * 2, (m(N, N),), "mul", 0, 0),
+]
+
+
+@pytest.mark.parametrize("fn,inputs,op,transcendentals,randoms", [c[1:] for c in SPECIAL_CASES],
+                         ids=[c[0] for c in SPECIAL_CASES])
+def test_special_functions_and_random_numbers(fn, inputs, op, transcendentals, randoms):
+    node = the_node(trace(fn, *inputs), op)
+    assert node_special_ops(node) == (transcendentals, randoms)
+
+
 # ---------------------------------------------------------------- roofline time
 
 def test_roofline_mm_is_compute_bound_and_relu_memory_bound():
@@ -122,6 +145,16 @@ def test_roofline_mm_is_compute_bound_and_relu_memory_bound():
     assert math.isclose(mm.est_time_s, 2 * N**3 / 1e12 + 1e-6)          # 2.68e-4 s compute > 3 MiB / 1e11
     assert math.isclose(relu.est_time_s, 2 * MiB / 1e11 + 1e-6)         # 2 MiB of traffic
     assert mm.est_time_s == mm.unfused_time_s and mm.launches == 1
+
+
+def test_special_functions_are_charged_at_their_own_rate():
+    slow_exp = HardwareProfile(name="round", flops_per_s={"float32": 1e12}, bandwidth_bytes_per_s=1e11,
+                               kernel_launch_s=1e-6, source="test", transcendentals_per_s=1e9)
+    exp = estimate_node_cost(the_node(trace(torch.exp, m(N, N)), "exp"), slow_exp)
+    assert exp.transcendentals == N * N
+    assert math.isclose(exp.est_time_s, N * N / 1e12 + N * N / 1e9 + 1e-6)   # 2.6e-4 s: above 2 MiB / 1e11
+    assert math.isclose(estimate_node_cost(the_node(trace(torch.exp, m(N, N)), "exp"), ROUND).est_time_s,
+                        2 * MiB / 1e11 + 1e-6)                                # rate 0: not charged
 
 
 def test_bandwidth_level_by_working_set():
@@ -289,6 +322,20 @@ def test_composite_table_matches_inductor_decomposition(name, inductor_decomposi
         if sizes and max(sizes) == big:   # the full-size ops; those over reduced rows are lower order
             full_size += node_flops(node).flops
     assert full_size == COMPOSITE_FLOPS_PER_ELEMENT[name] * big
+
+
+@pytest.mark.parametrize("name", sorted(set(COMPOSITE_FLOPS_PER_ELEMENT)))
+def test_composite_special_ops_match_inductor_decomposition(name, inductor_decompositions):
+    op, args = _composite_examples()[name]
+    big = max(a.numel() for a in args if isinstance(a, torch.Tensor))
+    whole = the_node(make_fx(lambda *a: op(*a))(*args).graph, op.overloadpacket.__name__)
+    decomposed = make_fx(lambda *a: op(*a), decomposition_table=inductor_decompositions)(*args).graph
+    specials = [node_special_ops(n) for n in decomposed.nodes
+                if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() == big]
+    expected = (sum(t for t, _ in specials), sum(r for _, r in specials))
+    assert node_special_ops(whole) == expected
+    assert TRANSCENDENTALS_PER_ELEMENT.get(name, 0) * big == expected[0]
+    assert RANDOM_VALUES_PER_ELEMENT.get(name, 0) * big == expected[1]
 
 
 # ---------------------------------------------------------------- FLOP totals = FlopCounterMode on the zoo

@@ -22,21 +22,22 @@ from remat.cost_model.hardware import (
 )
 
 DATASHEET = [
-    # name, fp32, tf32, bf16 FLOP/s, HBM bytes/s (SXM, dense)
-    ("a100", 19.5e12, 156e12, 312e12, 2.039e12),
-    ("h100", 67e12, 495e12, 989e12, 3.35e12),
-    ("h200", 67e12, 495e12, 989e12, 4.8e12),
+    # name, fp32, tf32, bf16 FLOP/s, HBM bytes/s (SXM, dense), special functions/s (16 per clock per SM)
+    ("a100", 19.5e12, 156e12, 312e12, 2.039e12, 16 * 108 * 1.41e9),
+    ("h100", 67e12, 495e12, 989e12, 3.35e12, 16 * 132 * 1.98e9),
+    ("h200", 67e12, 495e12, 989e12, 4.8e12, 16 * 132 * 1.98e9),
 ]
 
 
-@pytest.mark.parametrize("name,fp32,tf32,bf16,bandwidth", DATASHEET)
-def test_datasheet_profiles(name, fp32, tf32, bf16, bandwidth):
+@pytest.mark.parametrize("name,fp32,tf32,bf16,bandwidth,special", DATASHEET)
+def test_datasheet_profiles(name, fp32, tf32, bf16, bandwidth, special):
     profile = get_profile(name)
     assert profile is DATASHEET_PROFILES[name]
     assert profile.peak_flops_per_s(torch.float32) == fp32
     assert profile.peak_flops_per_s(torch.float32, tensor_cores=True) == tf32
     assert profile.peak_flops_per_s(torch.bfloat16) == profile.peak_flops_per_s(torch.float16) == bf16
     assert profile.bandwidth_bytes_per_s == bandwidth
+    assert profile.transcendentals_per_s == profile.random_values_per_s == pytest.approx(special)
     assert profile.source.startswith("datasheet")
 
 
@@ -89,6 +90,7 @@ CORRUPT_FILES = [
     ("missing key", json.dumps({k: v for k, v in profile_to_json(fake_profile()).items() if k != "flops_per_s"})),
     ("nan bandwidth", json.dumps({**profile_to_json(fake_profile()), "bandwidth_bytes_per_s": float("nan")})),
     ("negative rate", json.dumps({**profile_to_json(fake_profile()), "flops_per_s": {"float32": -1.0}})),
+    ("negative special rate", json.dumps({**profile_to_json(fake_profile()), "random_values_per_s": -1.0})),
     ("implausible: 1.45 TFLOP/s on one CPU thread",
      json.dumps({**profile_to_json(fake_profile()), "flops_per_s": {"float32": 1.45e13}})),
     ("implausible launch floor", json.dumps({**profile_to_json(fake_profile()), "kernel_launch_s": 0.17})),
@@ -129,7 +131,7 @@ def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
     path = hardware._profile_cache_path(torch.device("cpu"))
     assert path.parent == tmp_path
-    assert f"{torch.get_num_threads()}threads" in path.name and "v2" in path.name
+    assert f"{torch.get_num_threads()}threads" in path.name and f"v{hardware.CACHE_SCHEMA}" in path.name
     path.write_text(json.dumps(profile_to_json(fake_profile(source="from the env dir"))))
     assert get_profile("cpu").source == "from the env dir"
     assert get_profile("auto").source == "from the env dir"
@@ -144,6 +146,12 @@ def test_bandwidth_levels_pick_the_first_that_holds_the_working_set():
     assert profile.bandwidth_for(1 << 30) == 2e10
 
 
+def test_special_ops_time():
+    profile = fake_profile(transcendentals_per_s=1e9, random_values_per_s=5e8)
+    assert profile.special_ops_s(2_000, 1_000) == pytest.approx(2e-6 + 2e-6)
+    assert fake_profile().special_ops_s(10**9, 10**9) == 0.0     # rates of 0: not charged
+
+
 def test_check_plausible_names_the_bad_number():
     with pytest.raises(ValueError, match=r"flops_per_s\[float32\]=nan"):
         check_plausible(fake_profile(flops_per_s={"float32": math.nan}))
@@ -155,6 +163,7 @@ def test_real_cpu_measurement_is_plausible(tmp_path):
     check_plausible(profile, torch.get_num_threads())
     assert {"float32", "float64"} <= set(profile.flops_per_s)
     assert len(profile.bandwidth_levels) == 3 and profile.kernel_launch_s < 1e-3
+    assert profile.transcendentals_per_s > 0 and profile.random_values_per_s > 0
     assert profile.source.startswith("measured on")
 
 

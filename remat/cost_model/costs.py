@@ -12,7 +12,8 @@ reader is in the same kernel is never written or read back.
 
 Time is a roofline on a ``HardwareProfile``::
 
-    time = max(flops / peak_rate(dtype), bytes / bandwidth(working set)) + launches * launch_floor
+    compute = flops / peak_rate(dtype) + transcendentals / special_rate + random_values / rng_rate
+    time = max(compute, bytes / bandwidth(working set)) + launches * launch_floor
 
 ``unfused_time_s`` applies it to the op alone (its own kernel, unfused bytes).
 ``est_time_s``, what the planner uses, applies it once per fused kernel (the
@@ -33,7 +34,7 @@ from typing import Mapping, Optional
 import torch
 from torch import fx
 
-from .flops import TORCH_RULE, node_flops
+from .flops import TORCH_RULE, node_flops, node_special_ops
 from .fusion import FusionGroups, find_fusion_groups, is_loop_op
 from .hardware import HardwareProfile
 from .phases import node_phases
@@ -57,6 +58,8 @@ class NodeCost:
     measured_time_s: Optional[float] = None   # calibration: the op's kernel timed on the device
     time_source: str = ""               # "roofline", "roofline (fused)", "measured", "measured (fused-scaled)"
     fusion_group: str = ""              # name of the first node of its fused kernel ("" outside one)
+    transcendentals: int = 0            # special-function evaluations (exp, erf, tanh, ...)
+    random_values: int = 0              # random numbers drawn
 
     def __add__(self, other: "NodeCost") -> "NodeCost":
         sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
@@ -96,9 +99,15 @@ def _uses_tensor_cores(node: fx.Node, rule: str) -> bool:
 
 def roofline_time_s(profile: HardwareProfile, flops: int, nbytes: int, launches: int,
                     dtype: Optional[torch.dtype] = None, *, tensor_cores: bool = False,
-                    working_set_bytes: Optional[int] = None) -> float:
-    """max(compute time, memory time) + launch floors; memory at the bandwidth of the working set's level."""
+                    working_set_bytes: Optional[int] = None, transcendentals: int = 0,
+                    random_values: int = 0) -> float:
+    """max(compute time, memory time) + launch floors; memory at the bandwidth of the working set's level.
+
+    Compute time is FLOPs at the dtype's peak plus special functions and random
+    numbers at their own rates (they share the same execution units).
+    """
     compute_s = flops / profile.peak_flops_per_s(dtype, tensor_cores=tensor_cores)
+    compute_s += profile.special_ops_s(transcendentals, random_values)
     memory_s = nbytes / profile.bandwidth_for(nbytes if working_set_bytes is None else working_set_bytes)
     return max(compute_s, memory_s) + launches * profile.kernel_launch_s
 
@@ -108,16 +117,18 @@ def estimate_node_cost(node: fx.Node, profile: HardwareProfile) -> NodeCost:
     if is_free_op(node) or node.target is operator.getitem:
         return NodeCost(flop_rule="free", time_source="roofline")
     estimate = node_flops(node)
+    transcendentals, random_values = node_special_ops(node)
     bytes_written = value_nbytes(node_val(node))
     bytes_read = sum(touched_nbytes(t) for arg in node.all_input_nodes for t in iter_tensors(node_val(arg)))
     dtype = _compute_dtype(node)
     time_s = roofline_time_s(profile, estimate.flops, bytes_read + bytes_written, 1, dtype,
-                             tensor_cores=profile.name != "cpu" and _uses_tensor_cores(node, estimate.rule))
+                             tensor_cores=profile.name != "cpu" and _uses_tensor_cores(node, estimate.rule),
+                             transcendentals=transcendentals, random_values=random_values)
     return NodeCost(
         flops=estimate.flops, bytes_read=bytes_read, bytes_written=bytes_written, est_time_s=time_s,
         has_flop_formula=estimate.has_formula, flop_rule=estimate.rule,
         fused_bytes_read=bytes_read, fused_bytes_written=bytes_written, launches=1,
-        unfused_time_s=time_s, time_source="roofline",
+        unfused_time_s=time_s, time_source="roofline", transcendentals=transcendentals, random_values=random_values,
     )
 
 
@@ -136,7 +147,7 @@ def _fused_costs(graph: fx.Graph, base: Mapping[str, NodeCost], groups: FusionGr
         node, cost = nodes[name], base[name]
         rate = profile.peak_flops_per_s(_compute_dtype(node), tensor_cores=profile.name != "cpu"
                                         and _uses_tensor_cores(node, cost.flop_rule))
-        compute[name] = cost.flops / rate
+        compute[name] = cost.flops / rate + profile.special_ops_s(cost.transcendentals, cost.random_values)
         nbytes[name] = groups.bytes_read[name] + groups.bytes_written[name]
     group_compute: dict[str, float] = {}
     group_bytes: dict[str, int] = {}
@@ -160,6 +171,7 @@ def _fused_costs(graph: fx.Graph, base: Mapping[str, NodeCost], groups: FusionGr
             has_flop_formula=cost.has_flop_formula, flop_rule=cost.flop_rule,
             fused_bytes_read=groups.bytes_read[name], fused_bytes_written=groups.bytes_written[name],
             launches=launches, unfused_time_s=cost.unfused_time_s, time_source="roofline (fused)", fusion_group=gid,
+            transcendentals=cost.transcendentals, random_values=cost.random_values,
         )
     return fused
 

@@ -17,6 +17,10 @@ Rules, in the order they are tried (``FlopEstimate.rule`` names the one used):
    a pointwise op counts 1 per output element; a reduction 1 per input element;
    anything else 1 per output element.
 
+Apart from FLOPs, ``node_special_ops`` counts special-function evaluations
+(exp, erf, tanh, ...) and random numbers drawn, which the roofline charges at
+their own rates.
+
 Sizes may be symbolic: ``node_flops_value`` keeps the SymInt (see ``symbolic.py``
 for the formula), ``node_flops`` evaluates it at its hint.
 """
@@ -65,6 +69,24 @@ COMPOSITE_FLOPS_PER_ELEMENT: dict[str, int] = {
     "_native_batch_norm_legit_functional": 5, "native_batch_norm_backward": 9,
     "native_dropout": 4, "native_dropout_backward": 2,
     "sigmoid_backward": 3, "tanh_backward": 3, "threshold_backward": 2,
+}
+
+# Special-function evaluations and random numbers per element of the op's
+# largest tensor. A CPU evaluates an exp or draws a random number an order of
+# magnitude slower than it adds, so the roofline charges these at their own
+# measured rates (``HardwareProfile.transcendentals_per_s`` / ``random_values_per_s``),
+# as XLA's cost analysis counts "transcendentals" apart from FLOPs. Composites
+# count the special functions of their decomposition (gelu_backward: erf and exp).
+TRANSCENDENTALS_PER_ELEMENT: dict[str, int] = {
+    "exp": 1, "exp2": 1, "expm1": 1, "log": 1, "log2": 1, "log10": 1, "log1p": 1, "erf": 1, "erfc": 1,
+    "erfinv": 1, "tanh": 1, "sigmoid": 1, "sin": 1, "cos": 1, "tan": 1, "asin": 1, "acos": 1, "atan": 1,
+    "atan2": 1, "sinh": 1, "cosh": 1, "asinh": 1, "acosh": 1, "atanh": 1, "lgamma": 1, "digamma": 1,
+    "gelu": 1, "gelu_backward": 2, "silu": 1, "silu_backward": 1, "_softmax": 1, "_log_softmax": 1,
+    "_log_softmax_backward_data": 1, "logsumexp": 1, "softplus": 2, "elu": 1, "mish": 2, "logit": 1,
+}
+RANDOM_VALUES_PER_ELEMENT: dict[str, int] = {
+    "rand": 1, "randn": 1, "rand_like": 1, "randn_like": 1, "inductor_random": 1, "native_dropout": 1,
+    "bernoulli": 1, "normal": 1, "uniform": 1, "randint": 1, "randint_like": 1, "exponential": 1,
 }
 
 DATA_MOVEMENT_OPS = frozenset({
@@ -154,6 +176,25 @@ def node_flops(node: fx.Node) -> FlopEstimate:
     return FlopEstimate(concrete_int(value.value), value.has_formula, value.rule)
 
 
+def node_special_ops_value(node: fx.Node) -> tuple[Any, Any]:
+    """(transcendental evaluations, random values) of ``node``; SymInts under dynamic shapes."""
+    packet = getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
+    if packet is None:
+        return 0, 0
+    name = packet.__name__.split(".")[-1]
+    per_t, per_r = TRANSCENDENTALS_PER_ELEMENT.get(name, 0), RANDOM_VALUES_PER_ELEMENT.get(name, 0)
+    if not per_t and not per_r:
+        return 0, 0
+    elements = _largest_numel(node)
+    return per_t * elements, per_r * elements
+
+
+def node_special_ops(node: fx.Node) -> tuple[int, int]:
+    """(transcendental evaluations, random values) of running ``node`` once, at the size hints."""
+    transcendentals, randoms = node_special_ops_value(node)
+    return concrete_int(transcendentals), concrete_int(randoms)
+
+
 def ops_without_formula(nodes: Iterable[fx.Node]) -> Counter:
     """How many nodes of each op ("aten.mul.Tensor") have estimated, not counted, FLOPs."""
     counts: Counter = Counter()
@@ -164,6 +205,7 @@ def ops_without_formula(nodes: Iterable[fx.Node]) -> Counter:
 
 
 __all__ = [
-    "COMPOSITE_FLOPS_PER_ELEMENT", "EXTRA_FLOP_FORMULAS", "FlopEstimate", "TORCH_RULE",
-    "node_flops", "node_flops_value", "ops_without_formula",
+    "COMPOSITE_FLOPS_PER_ELEMENT", "EXTRA_FLOP_FORMULAS", "RANDOM_VALUES_PER_ELEMENT", "TORCH_RULE",
+    "TRANSCENDENTALS_PER_ELEMENT", "FlopEstimate", "node_flops", "node_flops_value", "node_special_ops",
+    "node_special_ops_value", "ops_without_formula",
 ]

@@ -7,7 +7,8 @@ than a 100 MiB one) and a per-kernel launch floor.
 - ``a100``, ``h100``, ``h200``: datasheet numbers (SXM, dense, no sparsity),
   labelled as such in ``source``.
 - ``cpu``: measured once on this machine (matmuls per dtype, copies at four
-  working-set sizes, a tiny op for the launch floor) and cached on disk under
+  working-set sizes, exp and rand for the special-function and random-number
+  rates, a tiny op for the launch floor) and cached on disk under
   ``$REMAT_CACHE_DIR`` (default ``~/.cache/remat``), keyed by host, thread count
   and torch version. ``cuda``: the same measurement on the current CUDA device.
   A missing, corrupt or implausible cache file is measured again and rewritten;
@@ -32,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 
 CACHE_ENV_VAR = "REMAT_CACHE_DIR"
-CACHE_SCHEMA = 2
+CACHE_SCHEMA = 3
 DATASHEET_NAMES = ("a100", "h100", "h200")
 PROFILE_NAMES = ("auto", "cpu", "cuda") + DATASHEET_NAMES
 
@@ -47,6 +48,8 @@ class HardwareProfile:
     extra: Mapping[str, str] = field(default_factory=dict)
     # (working-set bytes up to which it holds, bytes/s), ascending; beyond the last: bandwidth_bytes_per_s
     bandwidth_levels: tuple[tuple[int, float], ...] = ()
+    transcendentals_per_s: float = 0.0        # fp32 exp/erf/tanh evaluations per second (0: not charged)
+    random_values_per_s: float = 0.0          # fp32 uniform random numbers drawn per second (0: not charged)
 
     def peak_flops_per_s(self, dtype: Optional[torch.dtype], *, tensor_cores: bool = False) -> float:
         """Peak rate for ``dtype``; fp32 matmuls use the TF32 rate when ``tensor_cores`` and the profile has one."""
@@ -54,6 +57,15 @@ class HardwareProfile:
         if key == "float32" and tensor_cores and "tf32" in self.flops_per_s:
             key = "tf32"
         return self.flops_per_s.get(key, self.flops_per_s["float32"])
+
+    def special_ops_s(self, transcendentals: int, random_values: int) -> float:
+        """Seconds to evaluate that many special functions and draw that many random numbers."""
+        seconds = 0.0
+        if transcendentals and self.transcendentals_per_s > 0:
+            seconds += transcendentals / self.transcendentals_per_s
+        if random_values and self.random_values_per_s > 0:
+            seconds += random_values / self.random_values_per_s
+        return seconds
 
     def bandwidth_for(self, working_set_bytes: int) -> float:
         """Bytes/s for a kernel that moves ``working_set_bytes`` in all."""
@@ -63,20 +75,28 @@ class HardwareProfile:
         return self.bandwidth_bytes_per_s
 
 
-def _datasheet(name: str, fp32: float, tf32: float, bf16: float, bandwidth: float) -> HardwareProfile:
+def _datasheet(name: str, fp32: float, tf32: float, bf16: float, bandwidth: float, sms: int,
+               boost_hz: float) -> HardwareProfile:
+    # Special functions run on the SFUs: 16 results per clock per SM on compute
+    # capability 8.x/9.x (CUDA C++ Programming Guide, arithmetic instruction
+    # throughput). Philox, which draws Inductor's and torch's random numbers,
+    # takes about as many integer instructions per value (64/clock/SM) as that.
+    sfu_rate = 16 * sms * boost_hz
     return HardwareProfile(
         name=name,
         flops_per_s={"float32": fp32, "tf32": tf32, "bfloat16": bf16, "float16": bf16, "float64": fp32 / 2},
         bandwidth_bytes_per_s=bandwidth,
         kernel_launch_s=4e-6,
-        source="datasheet (SXM, dense, no sparsity)",
+        source="datasheet (SXM, dense, no sparsity; special functions and RNG from SM count x clock)",
+        transcendentals_per_s=sfu_rate,
+        random_values_per_s=sfu_rate,
     )
 
 
 DATASHEET_PROFILES: dict[str, HardwareProfile] = {
-    "a100": _datasheet("a100", 19.5e12, 156e12, 312e12, 2.039e12),
-    "h100": _datasheet("h100", 67e12, 495e12, 989e12, 3.35e12),
-    "h200": _datasheet("h200", 67e12, 495e12, 989e12, 4.8e12),
+    "a100": _datasheet("a100", 19.5e12, 156e12, 312e12, 2.039e12, sms=108, boost_hz=1.41e9),
+    "h100": _datasheet("h100", 67e12, 495e12, 989e12, 3.35e12, sms=132, boost_hz=1.98e9),
+    "h200": _datasheet("h200", 67e12, 495e12, 989e12, 4.8e12, sms=132, boost_hz=1.98e9),
 }
 
 # A measurement outside these bounds is a broken clock or a machine under
@@ -147,8 +167,13 @@ def _measure_profile(device: torch.device) -> HardwareProfile:
         dst = torch.empty_like(src)
         working_set = 2 * src.numel() * src.element_size()
         levels.append((working_set, working_set / best(lambda: dst.copy_(src))))
+    # exp and rand over 64K fp32 (256 KiB, cache-resident): their compute rate, not memory's
+    special = torch.randn(1 << 16, device=device)
+    transcendentals_s = best(lambda: torch.exp(special))
+    random_s = best(lambda: torch.rand(1 << 16, device=device))
     tiny = torch.ones(4, device=device)
-    launch_s = best(lambda: torch.add(tiny, tiny))
+    # the floor of one op called the way an FX graph calls it (an OpOverload), output allocation included
+    launch_s = best(lambda: torch.ops.aten.add.Tensor(tiny, tiny))
     threads = torch.get_num_threads()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{threads} threads"
     return HardwareProfile(
@@ -158,6 +183,8 @@ def _measure_profile(device: torch.device) -> HardwareProfile:
         kernel_launch_s=launch_s,
         source=f"measured on {socket.gethostname()} ({where}), torch {torch.__version__}",
         bandwidth_levels=tuple(levels[:-1]),
+        transcendentals_per_s=special.numel() / transcendentals_s,
+        random_values_per_s=special.numel() / random_s,
     )
 
 
@@ -169,6 +196,10 @@ def check_plausible(profile: HardwareProfile, threads: int = 1) -> None:
     for key, value in rates.items():
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{key}={value!r} is not a positive finite number")
+    for key in ("transcendentals_per_s", "random_values_per_s"):
+        value = getattr(profile, key)
+        if not (math.isfinite(value) and value >= 0):   # 0: not charged
+            raise ValueError(f"{key}={value!r} is not a finite number >= 0")
     if "float32" not in profile.flops_per_s:
         raise ValueError("no float32 rate")
     if profile.name == "cpu" and profile.flops_per_s["float32"] > _MAX_FLOPS_PER_THREAD * threads:
@@ -187,6 +218,8 @@ def profile_to_json(profile: HardwareProfile) -> dict:
         "bandwidth_bytes_per_s": profile.bandwidth_bytes_per_s,
         "bandwidth_levels": [list(level) for level in profile.bandwidth_levels],
         "kernel_launch_s": profile.kernel_launch_s,
+        "transcendentals_per_s": profile.transcendentals_per_s,
+        "random_values_per_s": profile.random_values_per_s,
         "source": profile.source,
     }
 
@@ -202,6 +235,8 @@ def profile_from_json(data: Any, threads: int = 1) -> HardwareProfile:
         kernel_launch_s=float(data["kernel_launch_s"]),
         source=str(data["source"]),
         bandwidth_levels=tuple((int(limit), float(rate)) for limit, rate in data["bandwidth_levels"]),
+        transcendentals_per_s=float(data["transcendentals_per_s"]),
+        random_values_per_s=float(data["random_values_per_s"]),
     )
     check_plausible(profile, threads)
     return profile
