@@ -245,6 +245,32 @@ def test_graph_outputs_are_written_even_inside_a_group():
     assert (groups.bytes_written[relu], groups.bytes_written[mul]) == (MiB, MiB)   # both are graph outputs
 
 
+def test_reduction_epilogue_over_its_result_is_fused():
+    def batch_norm_like(x, running):
+        mean = x.mean(0)
+        return x - mean, running * 0.9 + mean * 0.1     # normalize, and update the running stat
+
+    graph = trace(batch_norm_like, m(N, N), m(N))
+    groups = find_fusion_groups(graph)
+    assert groups.kernel_count() == 1
+    assert sum(groups.bytes_read.values()) == MiB + 4 * N          # x once, the running stat once
+
+
+def test_siblings_reading_the_same_tensor_share_a_kernel():
+    graph = trace(lambda x, w: (lambda h: ((h * 2) @ w, (h * 3) @ w))(x @ w), m(N, N), m(N, N))
+    groups = find_fusion_groups(graph)
+    muls = [n.name for n in graph.nodes if n.target is aten.mul.Tensor]
+    assert len(muls) == 2 and groups.group_of[muls[0]] == groups.group_of[muls[1]]
+    assert sum(groups.bytes_read[n] for n in muls) == MiB             # the matmul's output, loaded once
+
+
+def test_siblings_sharing_only_a_scalar_stay_apart():
+    graph = trace(lambda x, y, z: (lambda s: (y * s, z * s))(x.sum()), m(16), m(N, N), m(N, N))
+    groups = find_fusion_groups(graph)
+    muls = [n.name for n in graph.nodes if n.target is aten.mul.Tensor]
+    assert groups.group_of[muls[0]] != groups.group_of[muls[1]]
+
+
 def test_forward_and_backward_never_share_a_kernel():
     graph = trace(lambda x: x.relu() * 2, m(N, N))
     the_node(graph, "relu").meta["partitioner_tag"] = "is_forward"

@@ -12,16 +12,25 @@ the way Inductor's scheduler fuses producer into consumer:
 - A *loop* node (``is_loop_op``) joins the group of each loop producer it reads
   when (a) both are in the same phase (forward and backward are separate
   graphs), (b) the producer is pointwise, or both iterate over the same number
-  of elements (a reduction fuses with a consumer only over its own loop),
+  of elements, or the producer is a reduction and the node loops over its
+  result (batch norm's running-stat update over channels, in the reduction's
+  outer loop),
   (c) the merged group would not depend on itself through an outside node
   (that would be a cycle: Inductor cannot fuse across an extern kernel that
   sits between them) and (d) it stays under ``MAX_GROUP_SIZE`` nodes
   (Inductor's ``max_fusion_size``).
+- A loop node also joins the groups of earlier loop nodes that read the same
+  full-size tensor over the same number of elements, where that makes no cycle
+  (horizontal fusion: q and k scaled in one kernel, both reading the qkv matmul).
 - Views, getitems and ``_unsafe_view`` are transparent: a reader of a view
   reads the tensor under it.
 - A node's output is *materialized* (written) when a reader is outside its
   group or it is a graph output. A group reads each outside tensor once.
 - Each group, and each extern node, is one kernel launch, charged to its last node.
+
+Not modelled: horizontal fusion of kernels that share no input (Inductor bumps
+all of batch norm's ``num_batches_tracked`` counters in one kernel), so the
+kernel count errs high by a few tiny kernels.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ _LOOP_OPS = frozenset({
     "ones_like", "scalar_tensor", "iota", "arange", "where", "constant_pad_nd", "slice_scatter",
     "select_scatter", "index", "gather", "embedding", "tril", "triu", "rand", "rand_like", "randn",
     "inductor_random", "cat", "slice_backward", "select_backward", "masked_fill", "repeat", "flip",
-    "_low_memory_max_pool_with_offsets", "_low_memory_max_pool_offsets_to_indices",
+    "_low_memory_max_pool_with_offsets", "_low_memory_max_pool_offsets_to_indices", "inductor_lookup_seed",
 })
 # Ops that write scattered outputs: their inputs can fuse in, nothing fuses after them.
 _SCATTER_OPS = frozenset({"index_put", "_unsafe_masked_index_put_accumulate", "scatter_add", "scatter",
@@ -74,9 +83,12 @@ def _is_pointwise_like(node: fx.Node) -> bool:
 
 
 def _loop_numel(node: fx.Node) -> int:
-    sizes = [concrete_int(t.numel()) for v in [node_val(node)] + [node_val(a) for a in node.all_input_nodes]
-             for t in iter_tensors(v)]
-    return max(sizes, default=0)
+    """Elements the node's loop runs over: its output's for pointwise-like ops (inputs broadcast
+    or are gathered into it), the largest tensor it touches for reductions and the rest."""
+    values = [node_val(node)]
+    if not _is_pointwise_like(node):
+        values += [node_val(a) for a in node.all_input_nodes]
+    return max((concrete_int(t.numel()) for v in values for t in iter_tensors(v)), default=0)
 
 
 @dataclass(frozen=True)
@@ -140,7 +152,10 @@ class _Grouper:
             return False
         if self.phase[producer.name] != self.phase[node.name]:
             return False
-        return _is_pointwise_like(producer) or _loop_numel(producer) == _loop_numel(node)
+        if _is_pointwise_like(producer) or _loop_numel(producer) == _loop_numel(node):
+            return True
+        # a reduction's epilogue: a loop over the reduced result runs in the reduction's outer loop
+        return _loop_numel(node) in {concrete_int(t.numel()) for t in iter_tensors(node_val(producer))}
 
     def add(self, node: fx.Node) -> None:
         self.ancestors[node] = (1 << self.index[node])
@@ -155,12 +170,33 @@ class _Grouper:
                 if self._can_join(producer, node) and self.group[producer] not in candidates:
                     candidates.append(self.group[producer])
         chosen = self._choose(candidates, node)
+        if is_loop_op(node):
+            chosen += self._siblings(node, chosen)
         gid = min(chosen) if chosen else self.index[node]
         merged = [m for g in chosen for m in self.members.pop(g)] + [node]
         merged.sort(key=self.index.__getitem__)
         self.members[gid] = merged
         for member in merged:
             self.group[member] = gid
+
+    def _siblings(self, node: fx.Node, chosen: list[int]) -> list[int]:
+        """Groups of earlier loop nodes that read the same tensor over the same loop (horizontal fusion)."""
+        extra: list[int] = []
+        loop = _loop_numel(node)
+        if loop <= 1:
+            return extra  # a scalar (a seed lookup) is inlined into each reader, not gathered into one kernel
+        for arg in node.all_input_nodes:
+            if sum(concrete_int(t.numel()) for t in iter_tensors(node_val(arg))) < loop:
+                continue  # sharing a scalar (a seed, a count) is no reason to fuse
+            for reader in _readers(_source(arg)):
+                gid = self.group.get(reader)
+                if (gid is None or gid in chosen or gid in extra or not is_loop_op(reader)
+                        or self.phase[reader.name] != self.phase[node.name] or _loop_numel(reader) != loop):
+                    continue
+                merged = [m for g in chosen + extra + [gid] for m in self.members[g]] + [node]
+                if len(merged) <= MAX_GROUP_SIZE and not self._creates_cycle(merged):
+                    extra.append(gid)
+        return extra
 
     def _choose(self, candidates: list[int], node: fx.Node) -> list[int]:
         """All candidate groups if they merge without a cycle, else the largest single one that does."""
