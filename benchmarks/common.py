@@ -371,6 +371,27 @@ class Sweep:
         self._rounds(self.live, reps, one)
 
 
+def source_info() -> dict[str, Any]:
+    """The commit measured, and the files under remat/ that differed from it (others edit them concurrently).
+    Outside a git checkout (a ``git archive`` snapshot) the commit comes from ``$REMAT_SOURCE_COMMIT``."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.rstrip("\n")
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD").strip()
+    if not commit:  # a `git archive` snapshot: the commit it was taken from, if the runner said
+        return {"commit": os.environ.get("REMAT_SOURCE_COMMIT", "unknown"), "remat_files_modified_from_commit": [],
+                "snapshot": str(root)}
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "remat").splitlines()]
+    return {"commit": commit, "remat_files_modified_from_commit": dirty}
+
+
 def machine_info(device: torch.device) -> dict[str, Any]:
     info = {
         "host": platform.node(),

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import remat  # noqa: E402
 from remat.metrics import MonitorOptions, StepMetrics, check_step  # noqa: E402
 from common import (  # noqa: E402
-    MODELS, STEP_SEED, CountingInductor, ModelSpec, Point, Sweep, has_attention, machine_info,
+    MODELS, STEP_SEED, CountingInductor, ModelSpec, Point, Sweep, has_attention, machine_info, source_info,
     selective_context_fn, with_checkpointed_blocks,
 )
 
@@ -145,7 +145,7 @@ def run_model(spec: ModelSpec, device: torch.device, config: SweepConfig) -> tup
     post_hoc_monitor_checks(sweep.points, inductor)
     result = {
         "model": spec.name, "description": spec.description, "device": str(device), "torch": torch.__version__,
-        "machine": machine_info(device), "command": " ".join(sys.argv), "units": "bytes and seconds; 1 GB = 1e9 bytes",
+        "machine": machine_info(device), "source": source_info(), "command": " ".join(sys.argv), "units": "bytes and seconds; 1 GB = 1e9 bytes",
         "settings": {**asdict(config), "peak_measurements": config.peak_rounds + 1, "step_seed": STEP_SEED,
                      "grad_rel_tol": spec.grad_rel_tol, "dominance_time_factor": DOMINANCE_TIME_FACTOR,
                      "merge_fraction": MERGE_FRACTION},
@@ -272,6 +272,9 @@ def render_markdown(result: dict[str, Any], points: list[Point]) -> str:
         + (f", GPU {m['gpu']} (CUDA {m['cuda']}, fp32 matmul precision {m['float32_matmul_precision']})" if "gpu" in m else "")
         + f"; {m['platform']}",
         f"- torch {result['torch']}, Python {m['python']}; command: `{result['command']}`; wall time {result['wall_s']:.0f} s",
+        f"- source: commit {result['source']['commit'][:12]}"
+        + (f", with uncommitted changes to {', '.join(result['source']['remat_files_modified_from_commit'])}"
+           if result['source']['remat_files_modified_from_commit'] else ", remat/ as committed"),
         f"- peak: memory allocated during one forward + backward above what was resident at step start "
         f"(DESIGN.md; {'CUDA allocator' if result['device'].startswith('cuda') else 'CPU profiler'}), the largest of "
         f"{result['settings']['peak_measurements']} measurements, in MB (1 MB = 1e6 bytes; 1 GB = 1e9 bytes)",
