@@ -4,6 +4,12 @@
     python benchmarks/pareto.py --quick                  # smoke run: tiny GPT, fewer points -> /tmp
     python benchmarks/pareto.py --device cuda            # gpt-h200 on one GPU (< 8 min on an H200)
 
+``--device cuda`` has not been run yet (no GPU was lent to the session that wrote it). It
+shares every line with the CPU path except the model (``gpt-h200``: ~0.34 B parameters,
+activations of an estimated 10 GB at batch 8 x 2048 tokens), TF32 matmuls, CUDA events for the
+times and the CUDA allocator for the peak; compiles stop starting after 5 minutes
+(``--max-minutes``) so that the measurements of what compiled finish inside 8.
+
 Methods, all compiled from the same parameters: plain ``backend="inductor"``; PyTorch's
 ``torch._functorch.config.activation_memory_budget`` at 0.8 / 0.5 / 0.3 / 0.1 / 0.0; full
 per-block ``torch.utils.checkpoint`` (use_reentrant=False) under torch.compile; every k-th
@@ -13,7 +19,7 @@ budget to plain Inductor's measured peak, at 50% of that peak, and at each basel
 measured peak (budgets within 1% of each other are planned once, at the smallest).
 
 Per point: the measured peak above the memory resident at step start (DESIGN.md's method,
-``remat.measure_peak_bytes``; the largest of ``--peak-rounds`` measurements), the median
+``remat.measure_peak_bytes``; the largest of ``--peak-rounds`` + 1 measurements), the median
 step, forward and backward time over ``--reps`` steps (runs interleaved A B C A B C, each
 round in a rotated order), the gradients against plain Inductor with the same seed, and
 for remat the plan's predicted peak and extra time next to the measured ones. Writes
@@ -468,14 +474,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="default benchmarks/results (with --quick: /tmp/remat-pareto-quick)")
     parser.add_argument("--max-minutes", type=float, default=None,
-                        help="per model, start no compile after this many minutes (default: 6 on cuda, none on cpu)")
+                        help="per model, start no compile after this many minutes (default: 5 on cuda, none on cpu); "
+                             "points not compiled by then are listed as skipped")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     models = (args.models or ("gpt-tiny" if args.quick else "gpt-h200" if cuda else "gpt,cnn,gpt-deep")).split(",")
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"--models={args.models!r}: unknown {unknown}; choose from {sorted(MODELS)}")
-    base = QUICK if args.quick else SweepConfig(reps=10 if cuda else 31, max_minutes=6.0 if cuda else None)
+    base = QUICK if args.quick else SweepConfig(reps=10 if cuda else 31, max_minutes=5.0 if cuda else None)
     overrides = {k: v for k, v in (("reps", args.reps), ("peak_rounds", args.peak_rounds),
                                    ("sweep_points", args.sweep_points), ("max_minutes", args.max_minutes)) if v is not None}
     for key, value in overrides.items():

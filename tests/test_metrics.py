@@ -215,3 +215,30 @@ def test_a_serialized_backward_warns_with_the_graph_and_numbers(tiny, caplog):
     assert f"the baseline backward {baseline * 1e3:.3f} ms" in m.warnings[0]
     assert "serializing the backward" in m.warnings[0]
     assert [r.getMessage() for r in caplog.records] == list(m.warnings)
+
+
+# ---- CUDA: events for the times, the allocator for the peak (no compile) ----------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_times_and_peak_without_a_backend():
+    """A 1 MiB tensor made in the forward and kept through the backward, whose gradient
+    (1 MiB) the backward allocates: the allocator's peak above the start is 2 MiB plus the
+    loss scalars; the three times come from CUDA events and add up."""
+    x = torch.ones(512, 512, device="cuda", requires_grad=True)      # 512 x 512 fp32 = 1 MiB, resident
+    monitor = StepMonitor(None, "cuda")
+    held = []
+
+    def forward():
+        y = x * 2.0
+        held.append(y)
+        return y.sum()
+
+    monitor.step(forward, measure_peak=True)
+    m = monitor.last
+    assert m.graph_ids == () and m.predicted_peak_bytes is None and m.warnings == ()
+    assert not m.profiled
+    assert 2 * (1 << 20) <= m.peak_bytes < 2 * (1 << 20) + 64 * 1024
+    assert m.forward_s > 0 and m.backward_s > 0
+    assert m.step_s == pytest.approx(m.forward_s + m.backward_s, rel=1e-3, abs=1e-5)
