@@ -298,19 +298,92 @@ def flop_check(make_model: Callable[[], tuple], graph: fx.Graph) -> dict[str, An
 # ---------------------------------------------------------------- one model
 
 
+def per_node_metrics(graph: fx.Graph, nodes: list[str], in_context: dict[str, float], roofline: dict,
+                     calibrated_s: dict[str, float], repeatability: float) -> dict[str, Any]:
+    """Spearman of each estimate against the in-context times, overall and by kind of node."""
+    measured = [in_context[n] for n in nodes]
+    metrics: dict[str, Any] = {
+        "nodes": len(nodes),
+        "spearman_measurement_repeatability": repeatability,
+        "spearman_roofline_unfused": spearman([roofline[n].unfused_time_s for n in nodes], measured),
+        "spearman_roofline_fused": spearman([roofline[n].est_time_s for n in nodes], measured),
+        "spearman_calibrated": spearman([calibrated_s[n] for n in nodes], measured),
+        "median_ratio_roofline_unfused": statistics.median(roofline[n].unfused_time_s / in_context[n] for n in nodes),
+        "median_ratio_calibrated": statistics.median(calibrated_s[n] / in_context[n] for n in nodes),
+        "by_kind": {},
+    }
+    wanted = set(nodes)
+    for kind, pick in (("extern", lambda n: not is_loop_op(n)), ("loop", is_loop_op)):
+        chosen = [n.name for n in graph.nodes if n.name in wanted and pick(n)]
+        if len(chosen) > 2:
+            measured_kind = [in_context[n] for n in chosen]
+            metrics["by_kind"][kind] = {
+                "nodes": len(chosen),
+                "spearman_roofline_unfused": spearman([roofline[n].unfused_time_s for n in chosen], measured_kind),
+                "spearman_calibrated": spearman([calibrated_s[n] for n in chosen], measured_kind),
+            }
+    return metrics
+
+
+def phase_sums(graph: fx.Graph, roofline: dict, calibrated: dict, calibrated_s: dict[str, float],
+               in_context: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per phase, the summed estimates (op alone and fused) and the summed in-context times."""
+    phases = node_phases(graph)
+    sums: dict[str, dict[str, float]] = {}
+    for phase in ("forward", "backward"):
+        names = [n.name for n in graph.nodes if phases[n.name] == phase]
+        sums[phase] = {
+            "roofline_unfused_s": sum(roofline[n].unfused_time_s for n in names),
+            "roofline_fused_s": sum(roofline[n].est_time_s for n in names),
+            "calibrated_unfused_s": sum(calibrated_s.get(n, roofline[n].unfused_time_s) for n in names),
+            "calibrated_fused_s": sum(calibrated[n].est_time_s for n in names),
+            "in_context_sum_s": sum(in_context.get(n, 0.0) for n in names),
+        }
+    return sums
+
+
+def whole_graph_totals(name: str, make_model: Callable[[], tuple], sums: dict, device: torch.device,
+                       repeats: int, compiled: bool) -> dict[str, Any]:
+    """Measured eager (and Inductor) forward/backward times and the sums' relative errors against them."""
+    print(f"[{name}] timing eager forward/backward", flush=True)
+    eager_model, eager_inputs = make_model()
+    eager = phase_times(lambda: eager_model(*eager_inputs).sum(), device, repeats)
+    totals: dict[str, Any] = {"eager_s": eager}
+    for phase in ("forward", "backward"):
+        totals[f"{phase}_vs_eager"] = {
+            "roofline_unfused": relative_error(sums[phase]["roofline_unfused_s"], eager[phase]),
+            "calibrated_unfused": relative_error(sums[phase]["calibrated_unfused_s"], eager[phase]),
+            "in_context_sum": relative_error(sums[phase]["in_context_sum_s"], eager[phase]),
+        }
+    if compiled:
+        print(f"[{name}] compiling with Inductor", flush=True)
+        inductor = compiled_phase_times(make_model, device, repeats)
+        totals["inductor_s"] = inductor
+        for phase in ("forward", "backward"):
+            totals[f"{phase}_vs_inductor"] = {
+                "roofline_fused": relative_error(sums[phase]["roofline_fused_s"], inductor[phase]),
+                "calibrated_fused": relative_error(sums[phase]["calibrated_fused_s"], inductor[phase]),
+            }
+    return totals
+
+
+def fusion_summary(graph: fx.Graph) -> dict[str, int]:
+    groups = find_fusion_groups(graph)
+    nodes = {n.name: n for n in graph.nodes}
+    loops = sum(1 for members in groups.members.values() if any(is_loop_op(nodes[m]) for m in members))
+    return {"predicted_kernels": groups.kernel_count(), "predicted_loop_kernels": loops}
+
+
 def run_model(name: str, device: torch.device, profile_name: str, repeats: int, compiled: bool) -> dict[str, Any]:
     def make_model():
         model, inputs = ZOO[name]()
         return model.to(device).train(), tuple(t.to(device) for t in inputs)
 
     print(f"[{name}] tracing the joint graph", flush=True)
-    model, inputs = make_model()
     t0 = time.perf_counter()
-    joint, joint_args = capture_joint(model, inputs)
-    graph = joint.graph
-    trace_s = time.perf_counter() - t0
+    joint, joint_args = capture_joint(*make_model())
+    graph, trace_s = joint.graph, time.perf_counter() - t0
     profile = get_profile(profile_name, device)
-    phases = node_phases(graph)
 
     print(f"[{name}] calibrating {len(graph.nodes)} nodes", flush=True)
     t0 = time.perf_counter()
@@ -322,62 +395,8 @@ def run_model(name: str, device: torch.device, profile_name: str, repeats: int, 
     print(f"[{name}] timing the joint graph in context", flush=True)
     in_context, graph_run_s, repeatability = time_in_context(joint, joint_args, device, repeats)
     nodes = [n.name for n in graph.nodes if n.name in in_context and n.name in calibration.times_s]
-    targets = {n.name: n.target for n in graph.nodes}
-    measured = [in_context[n] for n in nodes]
-    per_node = {
-        "nodes": len(nodes),
-        "spearman_measurement_repeatability": repeatability,
-        "spearman_roofline_unfused": spearman([roofline[n].unfused_time_s for n in nodes], measured),
-        "spearman_roofline_fused": spearman([roofline[n].est_time_s for n in nodes], measured),
-        "spearman_calibrated": spearman([calibration.times_s[n] for n in nodes], measured),
-        "median_ratio_roofline_unfused": statistics.median(roofline[n].unfused_time_s / in_context[n] for n in nodes),
-        "median_ratio_calibrated": statistics.median(calibration.times_s[n] / in_context[n] for n in nodes),
-    }
-    by_kind = {}
-    for kind, pick in (("extern", lambda n: not is_loop_op(n)), ("loop", is_loop_op)):
-        chosen = [n.name for n in graph.nodes if n.name in nodes and pick(n)]
-        if len(chosen) > 2:
-            by_kind[kind] = {
-                "nodes": len(chosen),
-                "spearman_roofline_unfused": spearman([roofline[n].unfused_time_s for n in chosen],
-                                                      [in_context[n] for n in chosen]),
-                "spearman_calibrated": spearman([calibration.times_s[n] for n in chosen], [in_context[n] for n in chosen]),
-            }
-    per_node["by_kind"] = by_kind
-
-    sums: dict[str, dict[str, float]] = {}
-    for phase in ("forward", "backward"):
-        in_phase = [n for n in graph.nodes if phases[n.name] == phase]
-        sums[phase] = {
-            "roofline_unfused_s": sum(roofline[n.name].unfused_time_s for n in in_phase),
-            "roofline_fused_s": sum(roofline[n.name].est_time_s for n in in_phase),
-            "calibrated_unfused_s": sum(calibration.times_s.get(n.name, roofline[n.name].unfused_time_s) for n in in_phase),
-            "calibrated_fused_s": sum(calibrated[n.name].est_time_s for n in in_phase),
-            "in_context_sum_s": sum(in_context.get(n.name, 0.0) for n in in_phase),
-        }
-
-    print(f"[{name}] timing eager forward/backward", flush=True)
-    eager_model, eager_inputs = make_model()
-    eager = phase_times(lambda: eager_model(*eager_inputs).sum(), device, repeats)
-    totals: dict[str, Any] = {"eager_s": eager}
-    for phase in ("forward", "backward"):
-        totals[f"{phase}_vs_eager"] = {
-            "roofline_unfused": relative_error(sums[phase]["roofline_unfused_s"], eager[phase]),
-            "calibrated_unfused": relative_error(sums[phase]["calibrated_unfused_s"], eager[phase]),
-            "in_context_sum": relative_error(sums[phase]["in_context_sum_s"], eager[phase]),
-        }
-    groups = find_fusion_groups(graph)
-    loop_kernels = sum(1 for gid, members in groups.members.items()
-                       if any(is_loop_op(n) for n in graph.nodes if n.name in set(members)))
-    if compiled:
-        print(f"[{name}] compiling with Inductor", flush=True)
-        inductor = compiled_phase_times(make_model, device, repeats)
-        totals["inductor_s"] = inductor
-        for phase in ("forward", "backward"):
-            totals[f"{phase}_vs_inductor"] = {
-                "roofline_fused": relative_error(sums[phase]["roofline_fused_s"], inductor[phase]),
-                "calibrated_fused": relative_error(sums[phase]["calibrated_fused_s"], inductor[phase]),
-            }
+    sums = phase_sums(graph, roofline, calibrated, calibration.times_s, in_context)
+    targets, phases = {n.name: n.target for n in graph.nodes}, node_phases(graph)
     return {
         "model": name,
         "graph_nodes": len(graph.nodes),
@@ -385,10 +404,10 @@ def run_model(name: str, device: torch.device, profile_name: str, repeats: int, 
         "calibrate_s": calibrate_s,
         "calibration_skipped": dict(calibration.skipped),
         "joint_graph_run_s": graph_run_s,
-        "per_node": per_node,
+        "per_node": per_node_metrics(graph, nodes, in_context, roofline, calibration.times_s, repeatability),
         "phase_sums": sums,
-        "totals": totals,
-        "fusion": {"predicted_kernels": groups.kernel_count(), "predicted_loop_kernels": loop_kernels},
+        "totals": whole_graph_totals(name, make_model, sums, device, repeats, compiled),
+        "fusion": fusion_summary(graph),
         "flops": flop_check(make_model, graph),
         "node_rows": [
             {"node": n, "op": str(targets[n]), "phase": phases[n], "in_context_s": in_context[n],
@@ -423,29 +442,37 @@ def pct(x: float) -> str:
     return f"{100 * x:+.0f}%"
 
 
-def write_markdown(path: Path, payload: dict[str, Any]) -> None:
+def _load(values: Any) -> str:
+    return "/".join(f"{v:.1f}" for v in values) if values else "-"
+
+
+def _header(payload: dict[str, Any]) -> list[str]:
     m = payload["machine"]
-    lines = [
+    return [
         f"# Cost model accuracy on {payload['device']}",
         "",
         f"Machine: {m.get('gpu', m['cpu'])}, {m['cpu_count']} cores, torch {m['torch']} "
-        f"({m['torch_threads']} threads), host `{m['host']}`; load average at start "
-        f"{m.get('load_average_at_start')}, at end {payload.get('load_average_at_end')}.",
+        f"({m['torch_threads']} threads), host `{m['host']}`; load average (1/5/15 min) at start "
+        f"{_load(m.get('load_average_at_start'))}, at end {_load(payload.get('load_average_at_end'))}.",
         f"Profile `{payload['profile']['name']}`: {payload['profile']['source']}.",
         f"Command: `{payload['command']}` ({payload['wall_s']:.0f} s).",
-        "",
+    ]
+
+
+def _per_node_section(models: list[dict[str, Any]]) -> list[str]:
+    lines = [
         "## Per node: estimated vs measured in context (Spearman rank correlation)",
         "",
         "Measured in context: the joint graph run eagerly on the model's own weights and inputs, each op "
         "timed where it runs, median of the runs. Repeatability: the same measurement's odd runs against "
         "its even runs, the ceiling any estimate can reach on this machine.",
         "",
-        "| model | kernel nodes | repeatability | roofline (op alone) | roofline (fused) | calibrated | extern only: roofline / calibrated | loop ops only: roofline / calibrated |",
+        "| model | kernel nodes | repeatability | roofline (op alone) | roofline (fused) | calibrated "
+        "| extern only: roofline / calibrated | loop ops only: roofline / calibrated |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in payload["models"]:
-        p = r["per_node"]
-        kinds = p["by_kind"]
+    for r in models:
+        p, kinds = r["per_node"], r["per_node"]["by_kind"]
 
         def kind(k: str) -> str:
             if k not in kinds:
@@ -453,10 +480,13 @@ def write_markdown(path: Path, payload: dict[str, Any]) -> None:
             return f"{kinds[k]['spearman_roofline_unfused']:.2f} / {kinds[k]['spearman_calibrated']:.2f} ({kinds[k]['nodes']})"
 
         lines.append(f"| {r['model']} | {p['nodes']} | {p['spearman_measurement_repeatability']:.3f} | "
-                     f"{p['spearman_roofline_unfused']:.3f} | "
-                     f"{p['spearman_roofline_fused']:.3f} | {p['spearman_calibrated']:.3f} | {kind('extern')} | {kind('loop')} |")
-    lines += [
-        "",
+                     f"{p['spearman_roofline_unfused']:.3f} | {p['spearman_roofline_fused']:.3f} | "
+                     f"{p['spearman_calibrated']:.3f} | {kind('extern')} | {kind('loop')} |")
+    return lines
+
+
+def _totals_section(models: list[dict[str, Any]]) -> list[str]:
+    lines = [
         "## Whole graph: summed estimates vs measured forward / backward",
         "",
         "Eager: the model run eagerly (sum of op-alone estimates). Inductor: the model compiled by "
@@ -465,37 +495,50 @@ def write_markdown(path: Path, payload: dict[str, Any]) -> None:
         "| model | phase | eager measured | roofline | calibrated | Inductor measured | roofline (fused) | calibrated (fused) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in payload["models"]:
+    for r in models:
         t = r["totals"]
         for phase in ("forward", "backward"):
-            ind = t.get("inductor_s")
-            vi = t.get(f"{phase}_vs_inductor", {})
-            lines.append(
-                f"| {r['model']} | {phase} | {1e3 * t['eager_s'][phase]:.2f} ms | "
-                f"{pct(t[f'{phase}_vs_eager']['roofline_unfused'])} | {pct(t[f'{phase}_vs_eager']['calibrated_unfused'])} | "
-                + (f"{1e3 * ind[phase]:.2f} ms | {pct(vi['roofline_fused'])} | {pct(vi['calibrated_fused'])} |" if ind else "- | - | - |")
-            )
-    lines += ["", "## FLOPs vs FlopCounterMode", "",
-              "| model | phase | FlopCounterMode | remat (same ops) | equal per op | remat extra formulas | estimated (no formula) |",
-              "|---|---|---|---|---|---|---|"]
-    for r in payload["models"]:
+            ind, vi, ve = t.get("inductor_s"), t.get(f"{phase}_vs_inductor", {}), t[f"{phase}_vs_eager"]
+            compiled = (f"{1e3 * ind[phase]:.2f} ms | {pct(vi['roofline_fused'])} | {pct(vi['calibrated_fused'])} |"
+                        if ind else "- | - | - |")
+            lines.append(f"| {r['model']} | {phase} | {1e3 * t['eager_s'][phase]:.2f} ms | "
+                         f"{pct(ve['roofline_unfused'])} | {pct(ve['calibrated_unfused'])} | " + compiled)
+    return lines
+
+
+def _flops_section(models: list[dict[str, Any]]) -> list[str]:
+    lines = ["## FLOPs vs FlopCounterMode", "",
+             "| model | phase | FlopCounterMode | remat (same ops) | equal per op | remat extra formulas | estimated (no formula) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in models:
         for phase in ("forward", "backward"):
             f = r["flops"][phase]
             lines.append(f"| {r['model']} | {phase} | {f['flop_counter_mode']:,} | {f['remat_same_ops']:,} | "
                          f"{'yes' if f['equal_per_op'] else 'NO'} | {f['remat_extra_formulas']:,} | {f['remat_estimated']:,} |")
     lines += ["", "## Nodes whose FLOPs are estimated (no formula), by op", ""]
-    for r in payload["models"]:
+    for r in models:
         f = r["flops"]
         ops = ", ".join(f"`{op}` {n}" for op, n in f["without_formula_by_op"].items())
         lines.append(f"- {r['model']}: {f['nodes_without_formula']} of {f['kernel_nodes']} kernel nodes "
                      f"({100 * f['share_without_formula']:.0f}%): {ops}")
-    lines += ["", "## Fusion", ""]
-    for r in payload["models"]:
+    return lines
+
+
+def _fusion_section(models: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Fusion", ""]
+    for r in models:
         ind = r["totals"].get("inductor_s", {})
         lines.append(f"- {r['model']}: predicted {r['fusion']['predicted_kernels']} kernel launches per step "
                      f"({r['fusion']['predicted_loop_kernels']} of them generated loops, the rest library calls); "
                      f"Inductor's code launches {ind.get('inductor_kernel_calls', '-')}.")
-    path.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def write_markdown(path: Path, payload: dict[str, Any]) -> None:
+    models = payload["models"]
+    sections = [_header(payload), _per_node_section(models), _totals_section(models), _flops_section(models),
+                _fusion_section(models)]
+    path.write_text("\n\n".join("\n".join(section) for section in sections) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
