@@ -122,7 +122,7 @@ def recompute_ban_reason(node: fx.Node) -> Optional[str]:
         return "collective: recomputing it would communicate again"
     if node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE:
         return "a checkpoint policy marked it MUST_SAVE"
-    if node.target is not operator.getitem and node.is_impure():
+    if node.target is not operator.getitem and node.is_impure(impure_random=False):
         return "has side effects"
     if not is_tensor_node(node) and not is_sym_node(node):
         return "not a tensor"

@@ -19,6 +19,7 @@ import math
 import networkx as nx
 
 from .joint_graph import JointGraphFacts
+from .schedule import why_not_recomputable
 
 
 def saved_cost_bytes(facts: JointGraphFacts, name: str) -> int:
@@ -53,7 +54,7 @@ def min_cut_saved(facts: JointGraphFacts) -> frozenset[str]:
             continue
         capacity = math.inf if node.is_multi_output else saved_cost_bytes(facts, name)
         graph.add_edge(name + "_in", name + "_out", capacity=capacity)
-        must_run_in_forward = node.recompute_ban is not None or node.is_sym or not node.free_to_recompute
+        must_run_in_forward = why_not_recomputable(facts, name) is not None or not node.free_to_recompute
         if must_run_in_forward:
             graph.add_edge("source", name + "_in", capacity=math.inf)
         for inp in node.inputs:

@@ -210,6 +210,30 @@ def _infeasible_reasons(facts: JointGraphFacts, best: _Evaluated) -> tuple[str, 
     return tuple(f"{format_bytes(b)} of it is {kind}" for kind, b in ranked)
 
 
+BISECTION_ROUNDS = 6
+
+
+def _smallest_feasible(facts: JointGraphFacts, start: _Evaluated, infeasible_target: int, stuck: _Evaluated) -> _Evaluated:
+    """The smallest-peak plan the greedy reaches, found by bisecting its target.
+
+    The greedy's path depends on its target, so the plan it is stuck at for an
+    infeasible target is not the smallest it can reach. Every plan returned was
+    reached by the greedy for a target it meets, so the budget it names is feasible.
+    """
+    low, best = infeasible_target, stuck
+    high = stuck.simulation.peak_bytes
+    for _ in range(BISECTION_ROUNDS):
+        if high - low <= max(high // 200, 1):
+            break
+        middle = (low + high) // 2
+        trial, _ = greedy_reduce_peak(facts, start, middle)
+        if trial.simulation.peak_bytes <= middle:
+            best, high = trial, trial.simulation.peak_bytes
+        else:
+            low = middle
+    return best
+
+
 def make_plan(
     facts: JointGraphFacts,
     budget_bytes: Optional[int],
@@ -236,6 +260,9 @@ def make_plan(
     if target is not None and mincut.simulation.peak_bytes > target:
         chosen, dropped = greedy_reduce_peak(facts, mincut, target)
     fits = target is None or chosen.simulation.peak_bytes <= target
+    if not fits:
+        assert target is not None
+        chosen = _smallest_feasible(facts, mincut, target, chosen)
     if not fits and not best_effort:
         assert budget_bytes is not None and target is not None
         reasons = _infeasible_reasons(facts, chosen)

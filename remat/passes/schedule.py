@@ -30,6 +30,9 @@ class Partition:
     forced: Mapping[str, str]              # saved although not chosen: name -> reason
 
 
+_REDUCTIONS = {"sum", "mean", "var_mean", "var", "amax", "amin", "max", "min", "prod", "any", "all", "logsumexp"}
+
+
 def why_not_recomputable(facts: JointGraphFacts, name: str) -> str | None:
     """The reason ``name`` must be saved rather than recomputed, or None if it may be recomputed."""
     node = facts.nodes[name]
@@ -38,9 +41,15 @@ def why_not_recomputable(facts: JointGraphFacts, name: str) -> str | None:
     if node.is_sym:
         return "symbolic size: saved as an int"
     if node.is_getitem:
-        source = facts.nodes[node.inputs[0]]
-        if source.is_multi_output and source.recompute_ban is not None:
-            return source.recompute_ban  # save this output of the unrecomputable op, not the tuple
+        source = node.inputs[0]
+        if facts.nodes[source].is_multi_output:
+            return why_not_recomputable(facts, source)  # save this output, never the tuple
+    op_name = node.op.split(".")[1] if node.op.startswith("aten.") else ""
+    if op_name in _REDUCTIONS and 4 * node.cost.bytes_written <= node.cost.bytes_read:
+        # A reduction recomputed in another kernel may round differently (another
+        # reduction order), and normalisation backwards amplify the difference; its
+        # output is small, so saving it costs little.
+        return "reduction: saving its small output keeps recomputation bit-identical"
     return None
 
 
