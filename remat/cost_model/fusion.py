@@ -105,22 +105,31 @@ class FusionGroups:
         return sum(self.launches.values())
 
 
-def _source(node: fx.Node) -> fx.Node:
-    """The node that produced the memory ``node``'s value lives in (through views and getitems)."""
-    while node.op == "call_function" and is_free_op(node) and node.all_input_nodes:
-        node = node.all_input_nodes[0]
-    return node
+class _Kinds:
+    """What each node of one graph is, computed once: the grouping asks many times."""
 
+    def __init__(self, graph: fx.Graph) -> None:
+        nodes = list(graph.nodes)
+        self.free = {n: n.op != "call_function" or is_free_op(n) for n in nodes}
+        self.loop = {n: not self.free[n] and is_loop_op(n) for n in nodes}
+        self.pointwise = {n: self.loop[n] and _is_pointwise_like(n) for n in nodes}
+        self.loop_numel = {n: _loop_numel(n) for n in nodes if self.loop[n]}
 
-def _readers(node: fx.Node) -> list[fx.Node]:
-    """Nodes that read ``node``'s value, looking through views and getitems of it."""
-    found: list[fx.Node] = []
-    for user in node.users:
-        if user.op == "call_function" and is_free_op(user) and user.all_input_nodes and user.all_input_nodes[0] is node:
-            found.extend(_readers(user))
-        else:
-            found.append(user)
-    return found
+    def source(self, node: fx.Node) -> fx.Node:
+        """The node that produced the memory ``node``'s value lives in (through views and getitems)."""
+        while node.op == "call_function" and self.free[node] and node.all_input_nodes:
+            node = node.all_input_nodes[0]
+        return node
+
+    def readers(self, node: fx.Node) -> list[fx.Node]:
+        """Nodes that read ``node``'s value, looking through views and getitems of it."""
+        found: list[fx.Node] = []
+        for user in node.users:
+            if user.op == "call_function" and self.free[user] and user.all_input_nodes and user.all_input_nodes[0] is node:
+                found.extend(self.readers(user))
+            else:
+                found.append(user)
+        return found
 
 
 class _Grouper:
@@ -128,49 +137,51 @@ class _Grouper:
         self.nodes = list(graph.nodes)
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self.phase = node_phases(graph)
-        self.ancestors: dict[fx.Node, int] = {}   # bitset over node indices, including the node
+        self.kinds = _Kinds(graph)
         self.group: dict[fx.Node, int] = {}       # kernel node -> group id (index of its first node)
         self.members: dict[int, list[fx.Node]] = {}
 
-    def _bits(self, nodes) -> int:
-        bits = 0
-        for n in nodes:
-            bits |= 1 << self.index[n]
-        return bits
-
     def _creates_cycle(self, merged: list[fx.Node]) -> bool:
-        inside = self._bits(merged)
-        for member in merged:
-            for arg in member.all_input_nodes:
-                producer = _source(arg)   # a view of a member is the member's memory, not an outside node
-                if not (inside >> self.index[producer]) & 1 and self.ancestors[producer] & inside:
-                    return True
+        """True when an outside node that a member reads depends on a member: fusing would need a cycle."""
+        inside = set(merged)
+        lowest = min(self.index[m] for m in merged)
+        outside_inputs = {self.kinds.source(arg) for m in merged for arg in m.all_input_nodes} - inside
+        # Walk back from those inputs, only through nodes after the earliest member: nothing
+        # earlier in graph order can depend on a member.
+        seen: set[fx.Node] = set()
+        stack = [q for q in outside_inputs if self.index[q] > lowest]
+        while stack:
+            node = stack.pop()
+            if node in inside:
+                return True
+            if node in seen:
+                continue
+            seen.add(node)
+            stack.extend(a for a in node.all_input_nodes if self.index[a] >= lowest)
         return False
 
     def _can_join(self, producer: fx.Node, node: fx.Node) -> bool:
-        if producer not in self.group or not is_loop_op(producer):
+        kinds = self.kinds
+        if producer not in self.group or not kinds.loop[producer]:
             return False
         if self.phase[producer.name] != self.phase[node.name]:
             return False
-        if _is_pointwise_like(producer) or _loop_numel(producer) == _loop_numel(node):
+        if kinds.pointwise[producer] or kinds.loop_numel[producer] == kinds.loop_numel[node]:
             return True
         # a reduction's epilogue: a loop over the reduced result runs in the reduction's outer loop
-        return _loop_numel(node) in {concrete_int(t.numel()) for t in iter_tensors(node_val(producer))}
+        return kinds.loop_numel[node] in {concrete_int(t.numel()) for t in iter_tensors(node_val(producer))}
 
     def add(self, node: fx.Node) -> None:
-        self.ancestors[node] = (1 << self.index[node])
-        for arg in node.all_input_nodes:
-            self.ancestors[node] |= self.ancestors[arg]
-        if node.op != "call_function" or is_free_op(node):
+        if self.kinds.free[node]:
             return
         candidates: list[int] = []
-        if is_loop_op(node):
+        if self.kinds.loop[node]:
             for arg in node.all_input_nodes:
-                producer = _source(arg)
+                producer = self.kinds.source(arg)
                 if self._can_join(producer, node) and self.group[producer] not in candidates:
                     candidates.append(self.group[producer])
         chosen = self._choose(candidates, node)
-        if is_loop_op(node):
+        if self.kinds.loop[node]:
             chosen += self._siblings(node, chosen)
         gid = min(chosen) if chosen else self.index[node]
         merged = [m for g in chosen for m in self.members.pop(g)] + [node]
@@ -182,16 +193,17 @@ class _Grouper:
     def _siblings(self, node: fx.Node, chosen: list[int]) -> list[int]:
         """Groups of earlier loop nodes that read the same tensor over the same loop (horizontal fusion)."""
         extra: list[int] = []
-        loop = _loop_numel(node)
+        kinds = self.kinds
+        loop = kinds.loop_numel[node]
         if loop <= 1:
             return extra  # a scalar (a seed lookup) is inlined into each reader, not gathered into one kernel
         for arg in node.all_input_nodes:
             if sum(concrete_int(t.numel()) for t in iter_tensors(node_val(arg))) < loop:
                 continue  # sharing a scalar (a seed, a count) is no reason to fuse
-            for reader in _readers(_source(arg)):
+            for reader in kinds.readers(kinds.source(arg)):
                 gid = self.group.get(reader)
-                if (gid is None or gid in chosen or gid in extra or not is_loop_op(reader)
-                        or self.phase[reader.name] != self.phase[node.name] or _loop_numel(reader) != loop):
+                if (gid is None or gid in chosen or gid in extra or not kinds.loop[reader]
+                        or self.phase[reader.name] != self.phase[node.name] or kinds.loop_numel[reader] != loop):
                     continue
                 merged = [m for g in chosen + extra + [gid] for m in self.members[g]] + [node]
                 if len(merged) <= MAX_GROUP_SIZE and not self._creates_cycle(merged):
@@ -212,15 +224,15 @@ class _Grouper:
         return []
 
 
-def _output_slots(node: fx.Node) -> list[tuple[Any, list[fx.Node]]]:
+def _output_slots(node: fx.Node, kinds: _Kinds) -> list[tuple[Any, list[fx.Node]]]:
     """(tensor, readers) per output of ``node``; a tuple-valued node has one slot per getitem index."""
     value = node_val(node)
     if isinstance(value, torch.Tensor):
-        return [(value, _readers(node))]
+        return [(value, kinds.readers(node))]
     slots: dict[int, list[fx.Node]] = {}
     for user in node.users:
         if user.target is operator.getitem:
-            slots.setdefault(int(user.args[1]), []).extend(_readers(user))
+            slots.setdefault(int(user.args[1]), []).extend(kinds.readers(user))
         else:
             slots.setdefault(-1, []).append(user)
     out: list[tuple[Any, list[fx.Node]]] = []
@@ -251,7 +263,7 @@ def find_fusion_groups(graph: fx.Graph) -> FusionGroups:
         seen = seen_reads.setdefault(gid, set())
         read = 0
         for arg in node.all_input_nodes:
-            source = _source(arg)
+            source = grouper.kinds.source(arg)
             if source in grouper.group and group[source.name] == gid:
                 continue  # computed in this kernel: never loaded
             if arg.name in seen:
@@ -260,7 +272,7 @@ def find_fusion_groups(graph: fx.Graph) -> FusionGroups:
             read += sum(touched_nbytes(t) for t in iter_tensors(node_val(arg)))
         bytes_read[node.name] = read
         written = 0
-        for tensor, readers in _output_slots(node):
+        for tensor, readers in _output_slots(node, grouper.kinds):
             if any(r not in grouper.group or group[r.name] != gid for r in readers):
                 written += tensor_nbytes(tensor)
         bytes_written[node.name] = written
