@@ -94,6 +94,9 @@ CORRUPT_FILES = [
     ("implausible: 1.45 TFLOP/s on one CPU thread",
      json.dumps({**profile_to_json(fake_profile()), "flops_per_s": {"float32": 1.45e13}})),
     ("implausible launch floor", json.dumps({**profile_to_json(fake_profile()), "kernel_launch_s": 0.17})),
+    # what a profile measured under AOTAutograd's fake mode looked like (two cores, found in a cache file)
+    ("measured under a fake mode", json.dumps({**profile_to_json(fake_profile()), "flops_per_s": {"float32": 1.408e12},
+                                               "bandwidth_bytes_per_s": 6.89e11, "kernel_launch_s": 1.95e-4})),
 ]
 
 
@@ -152,14 +155,44 @@ def test_special_ops_time():
     assert fake_profile().special_ops_s(10**9, 10**9) == 0.0     # rates of 0: not charged
 
 
+def test_cache_levels_are_made_monotone():
+    measured = fake_profile(bandwidth_bytes_per_s=1e10, bandwidth_levels=((1 << 20, 5e9), (1 << 24, 4e10)))
+    assert hardware._monotone_levels(measured).bandwidth_levels == ((1 << 20, 4e10), (1 << 24, 4e10))
+    fine = fake_profile(bandwidth_levels=((1 << 20, 8e10), (1 << 24, 4e10)))
+    assert hardware._monotone_levels(fine).bandwidth_levels == fine.bandwidth_levels
+
+
+def test_several_threads_also_measure_one_and_keep_the_faster_numbers(monkeypatch):
+    """On a loaded machine a 2-thread kernel waits for a descheduled thread; 1 thread bounds that."""
+    contended = fake_profile(flops_per_s={"float32": 1e10}, bandwidth_bytes_per_s=3e10, kernel_launch_s=9e-6,
+                             bandwidth_levels=((1 << 20, 1e8),), transcendentals_per_s=5e6)
+    single = fake_profile(flops_per_s={"float32": 7e10}, bandwidth_bytes_per_s=1e10, kernel_launch_s=3e-6,
+                          bandwidth_levels=((1 << 20, 6e10),), transcendentals_per_s=5e8)
+    monkeypatch.setattr(hardware, "_measure_once", lambda device: single if torch.get_num_threads() == 1 else contended)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        profile = hardware._measure_profile(torch.device("cpu"))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert profile.flops_per_s["float32"] == 7e10 and profile.bandwidth_bytes_per_s == 3e10
+    assert profile.bandwidth_levels == ((1 << 20, 6e10),) and profile.kernel_launch_s == 3e-6
+    assert profile.transcendentals_per_s == 5e8 and "2 threads" in profile.source
+
+
 def test_check_plausible_names_the_bad_number():
     with pytest.raises(ValueError, match=r"flops_per_s\[float32\]=nan"):
         check_plausible(fake_profile(flops_per_s={"float32": math.nan}))
 
 
-def test_real_cpu_measurement_is_plausible(tmp_path):
-    """One real measurement (a few seconds): every rate positive and within what a CPU can do."""
-    profile = measured_profile("cpu", tmp_path / "real.json")
+def test_real_cpu_measurement_is_plausible_even_under_a_fake_mode(tmp_path):
+    """One real measurement (a few seconds), made where the backend makes it: inside the
+    partitioner, under AOTAutograd's FakeTensorMode. Every rate is within what a CPU can do."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        profile = measured_profile("cpu", tmp_path / "real.json")
     check_plausible(profile, torch.get_num_threads())
     assert {"float32", "float64"} <= set(profile.flops_per_s)
     assert len(profile.bandwidth_levels) == 3 and profile.kernel_launch_s < 1e-3

@@ -18,7 +18,6 @@ Use: ``annotate_costs(graph, profile, measured_times=measure_node_times(graph))`
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -31,7 +30,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import fx
 
-from .hardware import write_atomically, cache_dir, time_call
+from .hardware import cache_dir, real_tensors, time_call, write_atomically
 from .tensors import concrete_int, is_free_op, iter_tensors, node_val
 
 log = logging.getLogger("remat.calibrate")
@@ -126,15 +125,6 @@ def _real_args(node: fx.Node, device: torch.device) -> tuple[tuple, dict]:
     return _concrete(args), {k: _concrete(v) for k, v in kwargs.items()}
 
 
-def _no_fake_mode():
-    """Real kernels must run outside any FakeTensorMode the caller (the partitioner) may be under."""
-    try:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-    except ImportError:  # pragma: no cover - older torch
-        return contextlib.nullcontext()
-    return unset_fake_temporarily()
-
-
 def _time_node(node: fx.Node, device: torch.device, repeats: int) -> float:
     args, kwargs = _real_args(node, device)
     target = node.target
@@ -145,7 +135,7 @@ def _time_node(node: fx.Node, device: torch.device, repeats: int) -> float:
 def _measure(graph: fx.Graph, device: torch.device, repeats: int) -> tuple[dict[str, float], dict[str, str]]:
     times: dict[str, float] = {}
     skipped: dict[str, str] = {}
-    with _no_fake_mode(), torch.no_grad():
+    with real_tensors():   # the partitioner that calibrates runs under a fake mode
         for node in graph.nodes:
             if is_free_op(node):
                 continue
