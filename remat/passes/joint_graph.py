@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..cost_model.costs import NodeCost
 from ..cost_model.tensors import (
+    concrete_int,
     is_aliasing_op,
     is_mutating_op,
     is_sym_node,
@@ -64,6 +65,8 @@ class NodeFacts:
     free_to_recompute: bool        # fusible/cheap: recomputing it costs (almost) nothing
     recompute_ban: Optional[str]   # why it may never be recomputed, or None
     cost: NodeCost
+    numel: int = 0                 # elements of its (first) tensor output, at the size hint: Inductor's loop size
+    inner_reduction: bool = False  # reduces its input's innermost dims (a row reduction: its loop nests inside the rows')
 
     @property
     def alloc_bytes(self) -> int:
@@ -167,6 +170,26 @@ def _is_fusible_consumer(node: fx.Node) -> bool:
     return torch.Tag.reduction in op_tags(node) or _op_name(node) in _REDUCTION_NAMES
 
 
+def _is_inner_reduction(node: fx.Node) -> bool:
+    """True for a reduction over the innermost dims of its input (RMSNorm's mean over the last
+    dim), whose result a loop over the same rows can use in the same outer loop."""
+    if node.op != "call_function" or not _is_fusible_consumer(node) or _is_inlinable(node) or is_aliasing_op(node):
+        return False
+    source = node.args[0] if node.args else None
+    value = node_val(source) if isinstance(source, fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return False
+    ndim = value.dim()
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None:
+        return True
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not dims or not all(isinstance(d, int) for d in dims):
+        return not dims
+    wanted = sorted(d % ndim for d in dims) if ndim else []
+    return wanted == list(range(ndim - len(wanted), ndim))
+
+
 def _storages(node: fx.Node, value_storages: dict[str, tuple[str, ...]]) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
     """(allocs, value storages) of one node under the storage model described in the module doc."""
     if node.op == "placeholder":
@@ -256,6 +279,8 @@ def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_out
             free_to_recompute=_is_free_to_recompute(node),
             recompute_ban=recompute_ban_reason(node),
             cost=costs[node.name],
+            numel=next((concrete_int(t.numel()) for t in iter_tensors(node_val(node))), 0),
+            inner_reduction=_is_inner_reduction(node),
         )
         users[node.name] = tuple(u.name for u in node.users if u.op != "output")
         order.append(node.name)

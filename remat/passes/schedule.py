@@ -16,8 +16,10 @@ from typing import AbstractSet, Mapping
 
 from ..cost_model.memory import Step
 from .joint_graph import JointGraphFacts
+from .kernel_steps import RECOMPUTE_SUFFIX, kernel_steps
 
-RECOMPUTE_SUFFIX = "@r"
+# The simulator no longer reads these: it follows Inductor's realization rules
+# (cost_model/kernel_schedule.py). solve_milp's linear memory model still does.
 INLINE_FUSED = True
 SINGLE_READER_ONLY = True
 
@@ -130,106 +132,7 @@ def backward_order(facts: JointGraphFacts, partition: Partition) -> list[tuple[s
     return schedule
 
 
-class _Instances:
-    """Storages of each node *instance*: ``(name, "f")`` in the forward, ``(name, "r")`` for
-    its recomputation in the backward, ``(name, "b")`` for a backward node.
-
-    An instance that Inductor inlines into all its consumers (a pointwise op whose
-    consumers all fuse) allocates nothing; its value stands for its inputs' storages,
-    so they stay live until the consumer runs. Views and getitems refer to their
-    source's storages. Everything else allocates its own.
-    """
-
-    def __init__(self, facts: JointGraphFacts, partition: Partition, fw_set: set[str], bw_set: set[str]) -> None:
-        self.facts = facts
-        self.partition = partition
-        self.phase_members = {"f": fw_set, "r": set(partition.recomputed), "b": bw_set}
-        self.materialized_f = set(partition.saved) | set(facts.fwd_outputs)
-        self.storages: dict[tuple[str, str], tuple[str, ...]] = {}
-
-    def input_instance(self, name: str, phase: str) -> tuple[str, str]:
-        if phase == "f" or self.facts.nodes[name].role == "primal":
-            return (name, "f")
-        if name in self.partition.recomputed:
-            return (name, "r")
-        return (name, "b") if self.facts.nodes[name].role == "backward" else (name, "f")
-
-    def _consumers_fuse(self, name: str, phase: str) -> bool:
-        """True when every consumer of this instance (looking through views) can fuse it."""
-        readers = self.phase_members["f"] if phase == "f" else self.phase_members["r"] | self.phase_members["b"]
-        stack = [u for u in self.facts.users[name] if u in readers]
-        if SINGLE_READER_ONLY and len(stack) > 1:
-            return False
-        seen: set[str] = set()
-        while stack:
-            user = stack.pop()
-            if user in seen:
-                continue
-            seen.add(user)
-            node = self.facts.nodes[user]
-            if not node.fusible_consumer:
-                return False
-            if node.is_view or node.is_getitem:
-                if phase == "f" and user in self.materialized_f:
-                    return False
-                stack.extend(u for u in self.facts.users[user] if u in readers)
-        return True
-
-    def inlined(self, name: str, phase: str) -> bool:
-        node = self.facts.nodes[name]
-        if not node.inlinable or not INLINE_FUSED:
-            return False
-        if phase == "f" and name in self.materialized_f:
-            return False
-        if phase == "b" and name in self.facts.bwd_outputs:
-            return False
-        return self._consumers_fuse(name, phase)
-
-    def add(self, name: str, phase: str) -> tuple[tuple[str, int], ...]:
-        """Record the instance's storages; return what it allocates."""
-        node = self.facts.nodes[name]
-        inputs = [self.storages.get(self.input_instance(i, phase), self.facts.nodes[i].value_storages) for i in node.inputs]
-        if node.is_getitem:
-            source = inputs[0] if inputs else ()
-            index = node.getitem_index
-            own = (source[index],) if len(source) > 1 and index is not None and index < len(source) else source
-            allocs: tuple[tuple[str, int], ...] = ()
-        elif node.is_view:
-            own, allocs = (inputs[0] if inputs else ()), ()
-        elif self.inlined(name, phase):
-            own, allocs = tuple(dict.fromkeys(s for group in inputs for s in group)), ()
-        else:
-            suffix = RECOMPUTE_SUFFIX if phase == "r" else ""
-            allocs = tuple((sid + suffix, nbytes) for sid, nbytes in node.allocs)
-            own = tuple(sid for sid, _ in allocs)
-        self.storages[(name, phase)] = own
-        return allocs
-
-    def uses(self, name: str, phase: str) -> tuple[str, ...]:
-        return tuple(
-            s for i in self.facts.nodes[name].inputs
-            for s in self.storages.get(self.input_instance(i, phase), self.facts.nodes[i].value_storages)
-        )
-
-
 def memory_steps(facts: JointGraphFacts, partition: Partition) -> tuple[list[Step], set[str]]:
-    """The forward, then the backward, as simulator steps; and the pinned storages."""
-    fw_order = forward_order(facts, partition)
-    bw_order = backward_order(facts, partition)
-    instances = _Instances(facts, partition, set(fw_order), {n for n, r in bw_order if r < 0})
-    steps: list[Step] = []
-    for name in fw_order:
-        allocs = instances.add(name, "f")
-        steps.append(Step(name, "forward", allocs, instances.uses(name, "f"), reuses_inputs=facts.nodes[name].inlinable))
-    tangent_allocs = tuple(
-        alloc for name in facts.order if facts.nodes[name].role == "tangent" for alloc in facts.nodes[name].allocs
-    )
-    steps.append(Step("<tangents>", "backward", tangent_allocs, ()))
-    for name, region in bw_order:
-        phase = "r" if region >= 0 else "b"
-        allocs = instances.add(name, phase)
-        step_name = name + RECOMPUTE_SUFFIX if phase == "r" else name
-        steps.append(Step(step_name, "backward", allocs, instances.uses(name, phase), region, facts.nodes[name].inlinable))
-    pinned = {s for o in facts.fwd_outputs for s in instances.storages.get((o, "f"), facts.nodes[o].value_storages)}
-    pinned |= {s for o in facts.bwd_outputs for s in instances.storages.get((o, "b"), facts.nodes[o].value_storages)}
-    return steps, pinned
+    """The forward, then the backward, as simulator steps in Inductor's kernel order; and the
+    pinned storages (see ``kernel_steps``)."""
+    return kernel_steps(facts, partition, forward_order(facts, partition), backward_order(facts, partition))

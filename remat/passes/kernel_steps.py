@@ -1,0 +1,281 @@
+"""The simulator's steps for a partition: the forward and backward graphs as Inductor runs them.
+
+``kernel_steps`` describes each compiled graph (the forward; the backward with
+its recompute regions where ``schedule.backward_order`` puts them) as plain
+``GraphOp`` records, lets ``cost_model.kernel_schedule`` decide which values get
+a buffer and how they group into kernel calls, and emits one ``Step`` per node
+in kernel order. A kernel call's allocations, reads and phantom buffers sit on
+its last node's step (the wrapper allocates every output before the call and
+frees inputs after it); its other nodes, and values computed inside kernels,
+are steps that allocate and read nothing.
+
+Storage ids are those of ``NodeFacts.allocs``, suffixed ``@r`` for a
+recomputation. A value without a buffer of its own (a view, an inlined or
+removed loop value) refers to the storages it is made of.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from ..cost_model.kernel_schedule import ALIAS, EXTERN, POINTWISE, REDUCTION, SCATTER, GraphOp, schedule_kernels
+from ..cost_model.memory import Step
+from .joint_graph import JointGraphFacts, NodeFacts
+
+if TYPE_CHECKING:
+    from .schedule import Partition
+
+RECOMPUTE_SUFFIX = "@r"
+
+# Ops Inductor lowers to loops (beyond pointwise-tagged ones and reductions).
+_LOOP_OPS = frozenset({
+    "cat", "constant_pad_nd", "slice_scatter", "select_scatter", "index", "gather", "embedding", "tril", "triu",
+    "slice_backward", "select_backward", "masked_fill", "repeat", "flip", "roll", "index_select",
+    "_low_memory_max_pool_offsets_to_indices", "clone", "_to_copy", "full", "full_like", "zeros", "ones",
+    "zeros_like", "ones_like", "scalar_tensor", "iota", "arange", "where", "inductor_random",
+    "inductor_lookup_seed", "convert_element_type", "rand", "rand_like", "randn",
+})
+# Loops with outputs of their own that are never inlined (windowed reductions).
+_ALWAYS_STORED_LOOPS = frozenset({"_low_memory_max_pool_with_offsets", "max_pool2d_with_indices"})
+# Ops lowered as a copy of their first input that a fallback then scatters into in place.
+_SCATTER_OPS = frozenset({
+    "index_put", "_unsafe_masked_index_put_accumulate", "scatter_add", "scatter", "index_add",
+    "scatter_reduce", "embedding_dense_backward",
+})
+# Mutations write into an existing buffer (BatchNorm's running stats): a kernel, no allocation.
+_MUTATIONS = frozenset({"copy_"})
+# Inductor's CPU backend stores a reused value rather than recompute these (StorageBox.should_realize_on_reuse).
+_HEAVY_OPS = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh", "silu", "softplus", "logsigmoid"})
+
+
+def op_short_name(node: NodeFacts) -> str:
+    parts = node.op.split(".")
+    return parts[1] if len(parts) >= 3 else node.op
+
+
+def kernel_kind(facts: JointGraphFacts, name: str) -> str:
+    """How Inductor lowers the node: a loop it may inline, a reduction, an extern call, a scatter, or a view."""
+    node = facts.nodes[name]
+    if not node.is_tensor or node.op == "placeholder":
+        return ALIAS
+    if node.is_getitem:
+        source = facts.nodes[node.inputs[0]]
+        if not source.is_multi_output:
+            return ALIAS
+        # an output of a multi-output call (Inductor's MultiOutput), or one buffer of a multi-output loop
+        return EXTERN if kernel_kind(facts, source.name) in (EXTERN, SCATTER) else REDUCTION
+    if node.is_view:
+        return ALIAS
+    short = op_short_name(node)
+    if short in _SCATTER_OPS:
+        return SCATTER
+    if short in _ALWAYS_STORED_LOOPS:
+        return REDUCTION
+    if node.inlinable or short in _LOOP_OPS or short in _MUTATIONS:
+        return POINTWISE
+    if node.fusible_consumer:
+        return REDUCTION
+    return EXTERN
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What the kernel model needs of a node, whatever the partition."""
+
+    kind: str
+    inputs: tuple[str, ...]               # tensor inputs
+    allocs: tuple[tuple[str, int], ...]   # what its buffer allocates (none for a call's outputs, mutations)
+    nbytes: int
+    loop_numel: int
+    heavy: bool
+    mutation: bool
+    inner_reduction: bool
+
+
+def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str]) -> _Static:
+    node = facts.nodes[name]
+    kind = kinds[name]
+    short = op_short_name(node)
+    allocs = node.allocs
+    loop = node.numel
+    inner = node.inner_reduction
+    if short in _MUTATIONS or (node.is_multi_output and kind in (POINTWISE, REDUCTION)):
+        allocs = ()   # a multi-output loop's buffers are allocated by its getitems
+    elif node.is_getitem:
+        parent = facts.nodes[node.inputs[0]]
+        index = node.getitem_index
+        allocs = ()
+        if kind == REDUCTION and index is not None and index < len(parent.allocs):
+            allocs = (parent.allocs[index],)
+            inner = parent.inner_reduction
+            loop = max((facts.nodes[i].numel for i in parent.inputs), default=parent.numel)
+    if kind == REDUCTION and node.inputs and not node.is_getitem:
+        loop = max((facts.nodes[i].numel for i in node.inputs), default=node.numel)
+    return _Static(
+        kind=kind,
+        inputs=tuple(i for i in node.inputs if facts.nodes[i].is_tensor),
+        allocs=allocs,
+        nbytes=sum(n for _, n in allocs),
+        loop_numel=loop,
+        heavy=short in _HEAVY_OPS,
+        mutation=short in _MUTATIONS,
+        inner_reduction=inner,
+    )
+
+
+class _FactsCache:
+    """Per-joint-graph constants, computed once: the planner simulates one graph many times."""
+
+    def __init__(self, facts: JointGraphFacts) -> None:
+        kinds: dict[str, str] = {}
+        for name in facts.order:
+            kinds[name] = kernel_kind(facts, name)
+        self.static = {name: _static_of(facts, name, kinds) for name in facts.order}
+        self.storage_bytes = {sid: n for node in facts.nodes.values() for sid, n in node.allocs}
+
+
+_CACHE: dict[int, tuple[weakref.ref, _FactsCache]] = {}
+
+
+def _cache(facts: JointGraphFacts) -> _FactsCache:
+    entry = _CACHE.get(id(facts))
+    if entry is not None and entry[0]() is facts:
+        return entry[1]
+    for key in [k for k, (ref, _) in _CACHE.items() if ref() is None]:
+        del _CACHE[key]
+    made = _FactsCache(facts)
+    _CACHE[id(facts)] = (weakref.ref(facts), made)
+    return made
+
+
+class _Graph:
+    """One compiled graph: its ops, and the storages each instance's value refers to."""
+
+    def __init__(self, facts: JointGraphFacts, cache: _FactsCache, instances: Sequence[tuple[str, str]],
+                 outputs: set[str], outer_storages: Mapping[str, tuple[str, ...]], donated: frozenset[str]) -> None:
+        self.facts = facts
+        self.cache = cache
+        self.instances = list(instances)                 # (node name, instance name), in graph order
+        self.instance_of = {n: i for n, i in self.instances}
+        self.node_of = {i: n for n, i in self.instances}
+        self.outputs = outputs
+        self.outer = outer_storages                      # graph input (node name) -> storages
+        self.donated = donated
+
+    def ops(self) -> list[GraphOp]:
+        facts, static, instance_of = self.facts, self.cache.static, self.instance_of
+        ops = []
+        for name, inst in self.instances:
+            info = static[name]
+            readers = [u for u in facts.users[name] if u in instance_of]
+            ops.append(GraphOp(
+                name=inst,
+                kind=info.kind,
+                inputs=tuple(instance_of.get(i, i) for i in info.inputs),
+                nbytes=info.nbytes,
+                numel=facts.nodes[name].numel,
+                loop_numel=info.loop_numel,
+                heavy=info.heavy,
+                users=len(readers) + (name in self.outputs),
+                is_output=info.mutation or name in self.outputs,
+                extern_user=any(static[u].kind in (EXTERN, SCATTER) for u in readers),
+                inner_reduction=info.inner_reduction,
+            ))
+        return ops
+
+    def input_bytes(self) -> dict[str, int]:
+        """Bytes behind each graph input (what a kernel reading it shares with another)."""
+        sizes: dict[str, int] = {}
+        storage_bytes = self.cache.storage_bytes
+        for name, _ in self.instances:
+            for i in self.cache.static[name].inputs:
+                if i not in self.instance_of and i not in sizes:
+                    held = self.outer.get(i, self.facts.nodes[i].value_storages)
+                    sizes[i] = sum(storage_bytes.get(s, 0) for s in held)
+        return sizes
+
+    def storages_of(self, name: str, stands_for: Mapping[str, tuple[str, ...]], memo: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+        """Storages of an instance or graph input."""
+        found = memo.get(name)
+        if found is not None:
+            return found
+        node_name = self.node_of.get(name)
+        if node_name is None:
+            found = self.outer.get(name, self.facts.nodes[name].value_storages if name in self.facts.nodes else ())
+        else:
+            node = self.facts.nodes[node_name]
+            if node.is_getitem and (name in stands_for or self.cache.static[node_name].kind == EXTERN):
+                source = self.storages_of(self.instance_of.get(node.inputs[0], node.inputs[0]), stands_for, memo)
+                index = node.getitem_index
+                found = (source[index],) if len(source) > 1 and index is not None and index < len(source) else source
+            elif name in stands_for:
+                found = tuple(dict.fromkeys(s for m in stands_for[name] for s in self.storages_of(m, stands_for, memo)))
+            else:
+                mine = RECOMPUTE_SUFFIX if name.endswith(RECOMPUTE_SUFFIX) else ""
+                found = tuple(sid + mine for sid, _ in self.cache.static[node_name].allocs)
+                if not found and node.is_multi_output:
+                    found = tuple(sid + mine for sid, _ in node.allocs)
+        memo[name] = found
+        return found
+
+    def steps(self, phase: str, regions: Mapping[str, int]) -> tuple[list[Step], dict[str, tuple[str, ...]]]:
+        """Steps in kernel order, and each instance's storages."""
+        schedule = schedule_kernels(self.ops(), self.input_bytes(), self.donated)
+        stands_for = schedule.stands_for
+        memo: dict[str, tuple[str, ...]] = {}
+
+        def of(name: str) -> tuple[str, ...]:
+            return self.storages_of(name, stands_for, memo)
+
+        static, node_of = self.cache.static, self.node_of
+        by_kernel: dict[int, list[str]] = {}
+        for _, inst in self.instances:
+            by_kernel.setdefault(schedule.first_kernel.get(inst, len(schedule.kernels)), []).append(inst)
+        steps: list[Step] = []
+        for k, kernel in enumerate(schedule.kernels):
+            in_kernel = set(kernel.ops)
+            for inst in by_kernel.get(k, ()):   # values computed inside this kernel, views of it
+                if inst not in in_kernel:
+                    steps.append(Step(inst, phase, (), (), regions.get(inst, -1)))
+            for inst in kernel.ops[:-1]:
+                steps.append(Step(inst, phase, (), (), regions.get(inst, -1)))
+            last = kernel.ops[-1]
+            allocs = tuple(
+                (sid, nbytes) for b in kernel.buffers
+                for sid, (_, nbytes) in zip(of(b), static[node_of[b]].allocs)
+            )
+            uses = tuple(dict.fromkeys(s for name in kernel.loads for s in of(name)))
+            phantom = sum(static[node_of[p]].nbytes for p in kernel.phantoms)
+            inplace = tuple((mine, theirs) for op, source in kernel.inplace for mine, theirs in zip(of(op), of(source)))
+            steps.append(Step(last, phase, allocs, uses, regions.get(last, -1), phantom_bytes=phantom,
+                              inplace=inplace, pooled=not (kernel.extern and len(allocs) > 1)))
+        for inst in by_kernel.get(len(schedule.kernels), ()):   # never computed or read by a kernel
+            steps.append(Step(inst, phase, (), (), regions.get(inst, -1)))
+        for _, inst in self.instances:
+            of(inst)
+        return steps, memo
+
+
+def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Sequence[str],
+                 bw_order: Sequence[tuple[str, int]]) -> tuple[list[Step], set[str]]:
+    """The forward, then the backward, as simulator steps in Inductor's kernel order; and the pinned storages."""
+    cache = _cache(facts)
+    fw_outputs = set(partition.saved) | set(facts.fwd_outputs)
+    forward = _Graph(facts, cache, [(n, n) for n in fw_order], fw_outputs, {}, frozenset())
+    fw_steps, fw_storages = forward.steps("forward", {})
+    pinned_fw = {s for o in facts.fwd_outputs for s in fw_storages.get(o, facts.nodes[o].value_storages)}
+    # AOTAutograd donates saved activations to the backward, which may then overwrite them
+    donated = frozenset(n for n in partition.saved if facts.nodes[n].allocs and not set(fw_storages.get(n, ())) & pinned_fw)
+    bw_instances = [(n, n + RECOMPUTE_SUFFIX if r >= 0 else n) for n, r in bw_order]
+    regions = {(n + RECOMPUTE_SUFFIX if r >= 0 else n): r for n, r in bw_order}
+    backward = _Graph(facts, cache, bw_instances, set(facts.bwd_outputs), fw_storages, donated)
+    bw_steps, bw_storages = backward.steps("backward", regions)
+    tangent_allocs = tuple(
+        alloc for name in facts.order if facts.nodes[name].role == "tangent" for alloc in facts.nodes[name].allocs
+    )
+    steps = fw_steps + [Step("<tangents>", "backward", tangent_allocs, (), external=True)] + bw_steps
+    pinned = set(pinned_fw)
+    pinned |= {s for o in facts.bwd_outputs for s in bw_storages.get(o, facts.nodes[o].value_storages)}
+    return steps, pinned
