@@ -23,7 +23,8 @@ from .joint_graph import JointGraphFacts
 from .mincut import saved_cost_bytes, min_cut_saved
 from .schedule import Partition, memory_steps, partition_nodes, why_not_recomputable
 
-MAX_TRIES_PER_DROP = 24
+MAX_TRIES_PER_DROP = 12
+RECOMPUTE_FLOOR_S = 5e-6
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,9 @@ def greedy_reduce_peak(facts: JointGraphFacts, start: _Evaluated, budget_bytes: 
         ranked = []
         for name in _droppable_at_peak(facts, current):
             added_s = evaluate_partition_only(facts, current.chosen - {name}) - current.extra_time_s
-            ranked.append((added_s / max(saved_cost_bytes(facts, name), 1), name))
+            # Every recomputation costs at least a kernel launch: without that floor, values
+            # of a few bytes that recompute "for free" would rank first and free nothing.
+            ranked.append(((max(added_s, 0.0) + RECOMPUTE_FLOOR_S) / max(saved_cost_bytes(facts, name), 1), name))
         ranked.sort()
         for _, name in ranked[:MAX_TRIES_PER_DROP]:
             trial = evaluate(facts, current.chosen - {name})
@@ -210,7 +213,7 @@ def _infeasible_reasons(facts: JointGraphFacts, best: _Evaluated) -> tuple[str, 
     return tuple(f"{format_bytes(b)} of it is {kind}" for kind, b in ranked)
 
 
-BISECTION_ROUNDS = 6
+BISECTION_ROUNDS = 4
 
 
 def _smallest_feasible(facts: JointGraphFacts, start: _Evaluated, infeasible_target: int, stuck: _Evaluated) -> _Evaluated:
