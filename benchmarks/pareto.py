@@ -308,7 +308,9 @@ def render_markdown(result: dict[str, Any], points: list[Point]) -> str:
     lines += [
         "", "## remat: predicted next to measured", "",
         "Measured extra time is remat's median step (backward) minus plain Inductor's; the predicted extra time is "
-        "the plan's estimated recompute time.", "",
+        "the plan's estimated recompute time. The backward difference also holds work that remat's partition moved "
+        "out of the forward (compare the fwd column above), and the remat.metrics column is what "
+        "`remat.metrics.check_step` says about the median step with plain Inductor's backward as the baseline.", "",
         "| budget MB | planned for | predicted peak MB | measured peak MB | measured / budget | predicted extra ms "
         "| measured extra step ms | measured extra bwd ms | remat.metrics warnings |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---|",
@@ -447,10 +449,14 @@ def write_model_results(out_dir: Path, result: dict[str, Any], points: list[Poin
 
 def write_summary(out_dir: Path, device: str, results: list[dict[str, Any]]) -> Path:
     lines = [f"# Pareto benchmark summary ({device})", "",
-             f"torch {torch.__version__}; command: `{' '.join(sys.argv)}`. One section per model; "
-             "the full tables are in `<model>-<device>.md`. 1 MB = 1e6 bytes.", ""]
+             "The issue's checks, one section per model, as computed by `benchmarks/pareto.py`; the full tables "
+             "are in `<model>-<device>.md`, the points in `<model>-<device>.json`. 1 MB = 1e6 bytes.", ""]
     for r in results:
-        lines += [f"## {r['model']} ({r['machine']['host']}, {r['machine'].get('gpu', r['machine']['processor'])})", ""]
+        machine = r["machine"]
+        lines += [f"## {r['model']}", "",
+                  f"{r['description']}; {machine['host']} ({machine.get('gpu', machine['processor'])}, "
+                  f"{machine['torch_threads']} torch threads), torch {r['torch']}, commit {r['source']['commit'][:12]}; "
+                  f"command `{r['command']}`; {r['wall_s'] / 60:.0f} min.", ""]
         lines += render_checks(r["checks"]) + [""]
     path = out_dir / f"pareto-{device}.md"
     path.write_text("\n".join(lines))
@@ -473,6 +479,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                              "thread makes every parallel region wait on a descheduled one, and the timings scatter)")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="default benchmarks/results (with --quick: /tmp/remat-pareto-quick)")
+    parser.add_argument("--render", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="measure nothing: write the tables, plot and summary again from these results files")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="per model, start no compile after this many minutes (default: 5 on cuda, none on cpu); "
                              "points not compiled by then are listed as skipped")
@@ -507,21 +515,35 @@ def configure_torch(device: torch.device, threads: Optional[int]) -> None:
         torch.set_num_threads(threads or 1)
 
 
+def load_results(path: Path) -> tuple[dict[str, Any], list[Point]]:
+    """A results JSON and its points, to render the tables and the plot again without measuring."""
+    result = json.loads(path.read_text())
+    names = set(Point.__dataclass_fields__)
+    points = [Point(**{k: (math.nan if v is None and k in ("compile_s", "grad_max_rel_err") else v)
+                       for k, v in p.items() if k in names}) for p in result["points"]]
+    return result, points
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device is available", file=sys.stderr)
-        return 2
-    configure_torch(device, args.threads)
-    results = []
-    for name in args.models:
+    runs: list[tuple[dict[str, Any], list[Point]]] = []
+    if args.render:
+        runs = [load_results(path) for path in args.render]
+    else:
+        if device.type == "cuda" and not torch.cuda.is_available():
+            print("--device cuda: no CUDA device is available", file=sys.stderr)
+            return 2
+        configure_torch(device, args.threads)
+    for name in ([] if args.render else args.models):
         result, points = run_model(MODELS[name], device, args.config)
-        written = write_model_results(args.out_dir, result, points)
-        results.append(result)
+        runs.append((result, points))
         print(render_markdown(result, points))
-        print("wrote " + ", ".join(str(p) for p in written), flush=True)
-    summary = write_summary(args.out_dir, device.type, results)
+        print("wrote " + ", ".join(str(p) for p in write_model_results(args.out_dir, result, points)), flush=True)
+    if args.render:
+        for result, points in runs:
+            print("wrote " + ", ".join(str(p) for p in write_model_results(args.out_dir, result, points)))
+    summary = write_summary(args.out_dir, runs[0][0]["device"].split(":")[0], [r for r, _ in runs])
     print(f"wrote {summary}")
     return 0
 
