@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
+from .cost_model.calibrate import measure_node_times
 from .cost_model.costs import annotate_costs
 from .cost_model.hardware import get_profile
 from .errors import BudgetInfeasibleError
@@ -113,13 +114,19 @@ def _partition_with_plan(joint: fx.GraphModule, plan: Plan, num_fwd_outputs: int
     return _extract_fwd_bwd_modules(joint, saved_values, saved_sym_nodes=sym_nodes, num_fwd_outputs=num_fwd_outputs)
 
 
-def read_facts(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int, hardware: str):
-    """Prepare a joint graph for planning (dead code out, dropout split) and read its facts."""
+def read_facts(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int, hardware: str,
+               estimator: str = "roofline"):
+    """Prepare a joint graph for planning (dead code out, dropout split) and read its facts.
+
+    ``estimator="profile"`` times the graph's real kernels once (cached by graph hash)
+    and uses those times instead of the roofline.
+    """
     joint.graph.eliminate_dead_code()
     split_dropout_outputs(joint.graph)
     joint.recompile()
     profile = get_profile(hardware, _device_of(joint_inputs))
-    costs = annotate_costs(joint.graph, profile)
+    measured = measure_node_times(joint.graph) if estimator == "profile" else None
+    costs = annotate_costs(joint.graph, profile, measured_times=measured)
     return read_joint_graph(joint.graph, costs, num_fwd_outputs), profile
 
 
@@ -216,7 +223,7 @@ class RematBackend:
     def cache_key(self) -> str:
         """Changes whenever the budget, options, hardware profile or planner source change."""
         profile = get_profile(self.options.hardware) if self.options.hardware != "auto" else None
-        profile_key = f"{profile.name}:{profile.flops_per_s}:{profile.bandwidth_bytes_per_s}" if profile else "auto"
+        profile_key = repr(profile) if profile else "auto"
         return f"remat:{self.options.cache_key()}:{profile_key}:{_planner_source_hash()}"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -232,7 +239,7 @@ class RematBackend:
         from torch._functorch.partitioners import default_partition
 
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
-        facts, profile = read_facts(joint, joint_inputs, num_fwd_outputs, self.options.hardware)
+        facts, profile = read_facts(joint, joint_inputs, num_fwd_outputs, self.options.hardware, self.options.estimator)
         if not any(n.role == "backward" for n in facts.nodes.values()):
             return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                      static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
@@ -291,6 +298,7 @@ def backend(
     best_effort: bool = False,
     headroom_fraction: float = 0.10,
     pareto_points: int = 0,
+    estimator: str = "roofline",
 ) -> RematBackend:
     """A torch.compile backend that fits each compiled forward+backward under ``budget_gb``.
 
@@ -302,12 +310,13 @@ def backend(
     time (or, with ``best_effort=True``, warns and runs the smallest-peak plan).
     The plan keeps its simulated peak ``headroom_fraction`` under the budget.
     ``pareto_points > 0`` adds each graph's Pareto curve (that many budgets) to its dump.
-    ``hardware`` picks the cost profile ("auto", "cpu", "a100", "h100", "h200").
+    ``hardware`` picks the cost profile ("auto", "cpu", "cuda", "a100", "h100", "h200");
+    ``estimator="profile"`` times each graph's real kernels once instead of the roofline.
     """
     needs_free = isinstance(budget_gb, str) and budget_gb.strip().lower() == "auto"
     options = make_options(
         budget_gb, dump_dir=dump_dir, hardware=hardware, solver=solver, best_effort=best_effort,
-        headroom_fraction=headroom_fraction, pareto_points=pareto_points, free_bytes_for_auto=_free_device_bytes() if needs_free else None,
+        headroom_fraction=headroom_fraction, pareto_points=pareto_points, estimator=estimator, free_bytes_for_auto=_free_device_bytes() if needs_free else None,
     )
     return RematBackend(options)
 

@@ -15,7 +15,8 @@ from .units import gb_to_bytes
 
 BUDGET_ENV_VAR = "REMAT_BUDGET_GB"
 SOLVERS = ("greedy",)
-HARDWARE_NAMES = ("auto", "cpu", "a100", "h100", "h200")
+HARDWARE_NAMES = ("auto", "cpu", "cuda", "a100", "h100", "h200")
+ESTIMATORS = ("roofline", "profile")
 
 BudgetSpec = Union[None, float, int, str]
 
@@ -38,6 +39,7 @@ class RematOptions:
     # fuses and reorders kernels after planning, which the simulator models only in part.
     headroom_fraction: float = 0.10
     pareto_points: int = 0          # > 0: the dump adds a Pareto curve of this many budgets per graph
+    estimator: str = "roofline"     # "profile": time each graph's real kernels once (cached) instead
 
     def planning_target_bytes(self) -> Optional[int]:
         """The simulated peak the plan must meet so the measured peak meets the budget."""
@@ -49,7 +51,7 @@ class RematOptions:
         """A string that changes whenever an option that changes the plan changes."""
         return (
             f"budget={self.budget_bytes};hw={self.hardware};solver={self.solver};"
-            f"best_effort={self.best_effort};headroom={self.headroom_fraction}"
+            f"best_effort={self.best_effort};headroom={self.headroom_fraction};estimator={self.estimator}"
         )
 
 
@@ -111,12 +113,15 @@ def make_options(
     best_effort: bool = False,
     headroom_fraction: float = 0.10,
     pareto_points: int = 0,
+    estimator: str = "roofline",
     free_bytes_for_auto: Optional[int] = None,
 ) -> RematOptions:
     """Validate every user-facing argument and build the frozen options record."""
     budget = validate_budget_gb(budget_gb)
     if hardware not in HARDWARE_NAMES:
         raise ValueError(f"hardware={hardware!r} is not one of {HARDWARE_NAMES}.")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator={estimator!r} is not one of {ESTIMATORS}.")
     if solver not in SOLVERS:
         raise ValueError(f"solver={solver!r} is not one of {SOLVERS}.")
     if not isinstance(best_effort, bool):
@@ -143,4 +148,5 @@ def make_options(
         best_effort=best_effort,
         headroom_fraction=float(headroom_fraction),
         pareto_points=pareto_points,
+        estimator=estimator,
     )
