@@ -113,7 +113,7 @@ def with_checkpointed_blocks(model: nn.Module, every: int = 1, context_fn: Optio
     variant._modules = dict(model._modules)
     container = getattr(model, attr)
     wrapped = [Checkpointed(m, context_fn) if i in chosen else m for i, m in enumerate(container)]
-    setattr(variant, attr, type(container)(wrapped))
+    setattr(variant, attr, nn.Sequential(*wrapped) if isinstance(container, nn.Sequential) else nn.ModuleList(wrapped))
     return variant
 
 
