@@ -23,9 +23,12 @@ log a warning on the ``remat.metrics`` logger, naming the graph and the numbers:
 
 - the measured peak is over the budget;
 - the backward took longer than ``baseline_backward_s`` (the backward without remat,
-  measured by the user, e.g. with ``backend="inductor"``) by more than the plan's
+  measured by the user: a few steps with ``backend="inductor"`` through
+  ``StepMonitor(None)``, then ``.median_s("backward_s")``) by more than the plan's
   predicted recompute time plus a margin: something else is serializing the backward
-  (a device sync, a host copy, allocator fragmentation).
+  (a device sync, a host copy, allocator fragmentation). remat's partition can also move
+  cheap ops out of the forward into the backward (the forward gets faster by as much):
+  compare ``forward_s`` and ``step_s`` with the baseline's before blaming the backward.
 
 Steps in which remat compiled a graph are recorded (``compiled=True``) but not checked:
 their times include compilation (with ``backend=None`` compiles are not detected: run a
