@@ -193,7 +193,7 @@ def _loops_match(a: GraphOp, b: GraphOp) -> bool:
 
 
 def _fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, frozenset[str]],
-          sizes: Mapping[str, int]) -> _UnionFind:
+          sizes: Mapping[str, int]) -> tuple[_UnionFind, dict[str, int], dict[str, int]]:
     """Step 2: greedy fusion of loop nodes that share buffers, most shared bytes first."""
     index = {n: i for i, n in enumerate(nodes)}
     deps = {n: [d for d in loads[n] if d in index] for n in nodes}
@@ -239,7 +239,7 @@ def _fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froz
         bits[root] = inside
         anc[root] = anc[ra] | anc[rb]
         desc[root] = desc[ra] | desc[rb]
-    return sets
+    return sets, ancestors, index
 
 
 def _topological(nodes: list[str], sets: _UnionFind, loads: Mapping[str, frozenset[str]],
@@ -312,7 +312,7 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
     loads = {n: lowering.loads[n] for n in nodes}
     sizes = dict(input_bytes)
     sizes.update((n, by_name[n].nbytes) for n in nodes)
-    sets = _fuse(nodes, by_name, loads, sizes)
+    sets, ancestors, position = _fuse(nodes, by_name, loads, sizes)
     roots = {n: sets.find(n) for n in nodes}
     removed = _phantoms(nodes, by_name, loads, roots)
     expanded: dict[str, frozenset[str]] = {}
@@ -328,7 +328,7 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
     reads = {n: frozenset().union(*(memory_of(d) for d in loads[n])) for n in nodes}
     order = _topological(nodes, sets, loads, lowering.position)
     rank = {root: k for k, root in enumerate(order)}
-    inplace = _inplace(order, sets, by_name, reads, removed, rank, roots, sizes, donated)
+    inplace = _inplace(order, sets, by_name, reads, removed, rank, roots, sizes, donated, ancestors, position)
     kernels: list[Kernel] = []
     current: list[str] = []
 
@@ -351,10 +351,11 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
 
 def _inplace(order: list[str], sets: _UnionFind, ops: Mapping[str, GraphOp], reads: Mapping[str, frozenset[str]],
              removed: set[str], rank: Mapping[str, int], roots: Mapping[str, str], sizes: Mapping[str, int],
-             donated: frozenset[str]) -> dict[str, str]:
+             donated: frozenset[str], ancestors: Mapping[str, int], position: Mapping[str, int]) -> dict[str, str]:
     """Outputs written over an input (``SchedulerNode.decide_inplace_update``): a loop node
     may overwrite a buffer of its own size when it is that buffer's only remaining reader
-    (every other reader ran in an earlier kernel). Graph inputs qualify only if donated."""
+    (every other reader ran in an earlier kernel or is one of its ancestors). Graph inputs
+    qualify only if donated."""
     readers: dict[str, list[str]] = {}
     for n, sources in reads.items():
         for source in sources:
@@ -376,7 +377,7 @@ def _inplace(order: list[str], sets: _UnionFind, ops: Mapping[str, GraphOp], rea
                 elif source not in donated:
                     continue
                 others = [r for r in readers[source] if r != n]
-                if all(rank[roots[r]] < rank[root] for r in others):
+                if all(rank[roots[r]] < rank[root] or (ancestors[n] >> position[r]) & 1 for r in others):
                     chosen[n] = source
                     taken.add(source)
                     break

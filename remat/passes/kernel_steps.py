@@ -37,8 +37,11 @@ _LOOP_OPS = frozenset({
     "zeros_like", "ones_like", "scalar_tensor", "iota", "arange", "where", "inductor_random",
     "inductor_lookup_seed", "convert_element_type", "rand", "rand_like", "randn",
 })
-# Loops with outputs of their own that are never inlined (windowed reductions).
-_ALWAYS_STORED_LOOPS = frozenset({"_low_memory_max_pool_with_offsets", "max_pool2d_with_indices"})
+# Loops whose values are always stored, never inlined: windowed reductions, and random
+# numbers (lowering.inductor_random realizes them so every reader sees the same draw).
+_ALWAYS_STORED_LOOPS = frozenset({
+    "_low_memory_max_pool_with_offsets", "max_pool2d_with_indices", "inductor_random", "inductor_randint",
+})
 # Ops lowered as a copy of their first input that a fallback then scatters into in place.
 _SCATTER_OPS = frozenset({
     "index_put", "_unsafe_masked_index_put_accumulate", "scatter_add", "scatter", "index_add",

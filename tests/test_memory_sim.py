@@ -1,0 +1,276 @@
+"""The memory simulator, the Inductor kernel model, and the steps they make of joint graphs.
+
+Three layers, each on plain inputs with small exact numbers:
+- ``simulate_memory`` on hand-built steps (lifetimes, in-place writes, Inductor's reuse pool);
+- ``schedule_kernels`` on hand-built ``GraphOp`` lists (realization, fusion, order, phantoms);
+- ``memory_steps`` on joint graphs captured with ``aot_function`` (no Inductor codegen).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat.cost_model.kernel_schedule import EXTERN, POINTWISE, REDUCTION, GraphOp, schedule_kernels
+from remat.cost_model.memory import Step, simulate_memory
+from remat.passes.schedule import RECOMPUTE_SUFFIX, memory_steps, partition_nodes
+
+from joint_graphs import capture_joint
+
+MIB = 1 << 20
+
+
+def step(name, allocs=(), uses=(), phase="backward", **kw):
+    return Step(name, phase, tuple(allocs), tuple(uses), **kw)
+
+
+# -- simulate_memory ---------------------------------------------------------------------------
+
+
+def test_storage_lives_from_allocation_to_last_reader():
+    steps = [step("a", [("a", 100)]), step("b", [("b", 200)], ["a"]), step("c", [("c", 50)], ["b"])]
+    sim = simulate_memory(steps)
+    # sampled after each step allocates, while its inputs are still live
+    assert sim.timeline_bytes == (100, 300, 250)
+    assert (sim.peak_bytes, sim.peak_step, sim.peak_step_name) == (300, 1, "b")
+    assert dict(sim.live_at_peak) == {"a": 100, "b": 200}
+    assert sim.end_bytes == 0
+
+
+def test_pinned_storages_are_never_freed():
+    steps = [step("a", [("a", 100)]), step("b", [("b", 10)], ["a"]), step("c", [("c", 1)], ["b"])]
+    sim = simulate_memory(steps, pinned={"a"})
+    assert sim.timeline_bytes == (100, 110, 111)
+    assert sim.end_bytes == 100   # a, pinned; c is read by nobody, so it dies at its own step
+    assert simulate_memory([]).peak_bytes == 0
+
+
+def test_inplace_write_takes_over_a_dying_input_of_its_size():
+    base = [step("a", [("a", 100)]), step("b", [("b", 100)], ["a"], inplace=(("b", "a"),))]
+    assert simulate_memory(base).timeline_bytes == (100, 100)
+    # no takeover when the input is read later, or its size differs
+    read_later = base + [step("c", [("c", 1)], ["a", "b"])]
+    assert simulate_memory(read_later).timeline_bytes[:2] == (100, 200)
+    other_size = [step("a", [("a", 100)]), step("b", [("b", 60)], ["a"], inplace=(("b", "a"),))]
+    assert simulate_memory(other_size).timeline_bytes == (100, 160)
+
+
+def _pool_steps(phantom: int):
+    """x (100) dies after y; w (100) is allocated two steps later: may w take x's buffer?"""
+    return [
+        step("x", [("x", 100)]),
+        step("y", [("y", 10)], ["x"], phantom_bytes=phantom),
+        step("z", [("z", 10)], ["y"]),
+        step("w", [("w", 100)], ["z"]),
+        step("end", [("e", 1)], ["w"]),
+    ]
+
+
+def test_reuse_pool_holds_a_freed_buffer_when_inductors_estimate_allows():
+    # Inductor's estimate peaks at y: 110 + 50 removed bytes = 160; holding x over z keeps
+    # it at 20 + 100 = 120 <= 160, so x is held and renamed to w instead of freed.
+    held = simulate_memory(_pool_steps(phantom=50))
+    assert held.timeline_bytes == (100, 110, 120, 110, 101)
+    assert held.peak_bytes == 120
+    assert simulate_memory(_pool_steps(phantom=50), reuse_freed=False).timeline_bytes == (100, 110, 20, 110, 101)
+
+
+def test_reuse_pool_frees_the_buffer_when_holding_it_would_raise_the_estimate():
+    # estimate peak 110; holding x over z would make it 120 > 110: x is freed
+    assert simulate_memory(_pool_steps(phantom=0)).timeline_bytes == (100, 110, 20, 110, 101)
+
+
+def test_reuse_pool_always_reuses_into_the_next_kernel():
+    steps = [step("x", [("x", 100)]), step("y", [("y", 1)], ["x"]), step("w", [("w", 100)], ["y"])]
+    assert simulate_memory(steps).timeline_bytes == (100, 101, 101)   # x becomes w: no new bytes
+    # marker steps (no allocations, no reads) are not kernels: w is still in the next kernel,
+    # so x is held through the marker and becomes w
+    marked = steps[:2] + [step("view")] + steps[2:]
+    assert simulate_memory(marked).timeline_bytes == (100, 101, 101, 101)
+    assert simulate_memory(marked, reuse_freed=False).timeline_bytes == (100, 101, 1, 101)
+
+
+def test_reuse_pool_never_holds_external_untracked_or_other_graph_storages():
+    tail = [step("z", [("z", 10)], ["y"]), step("w", [("w", 100)], ["z"]), step("end", [("e", 1)], ["w"])]
+    for first in (step("x", [("x", 100)], external=True), step("x", [("x", 100)], pooled=False),
+                  step("x", [("x", 100)], phase="forward")):
+        steps = [first, step("y", [("y", 10)], ["x"], phantom_bytes=50)] + tail
+        assert simulate_memory(steps).timeline_bytes[2] == 20, first
+
+
+def test_reuse_pool_offers_the_most_recently_freed_buffer():
+    steps = [
+        step("a", [("a", 100)]), step("b", [("b", 100)], phantom_bytes=200),
+        step("use_a", [("u", 1)], ["a"]), step("use_b", [("v", 1)], ["b", "u"]),
+        step("w", [("w", 100)], ["v"]),
+    ]
+    # The estimate (peak 400) would allow holding either. w takes b (freed last); a is freed
+    # where it died. Taking a instead would hold it over use_b (202).
+    assert simulate_memory(steps).timeline_bytes == (100, 200, 201, 102, 101)
+
+
+# -- schedule_kernels ----------------------------------------------------------------------------
+
+
+def op(name, kind=POINTWISE, inputs=(), nbytes=MIB, numel=MIB // 4, **kw):
+    kw.setdefault("loop_numel", numel)
+    return GraphOp(name, kind, tuple(inputs), nbytes, numel, **kw)
+
+
+def kernels_of(schedule):
+    return [(k.ops, k.buffers, k.phantoms) for k in schedule.kernels]
+
+
+def test_cheap_pointwise_value_read_twice_is_inlined_an_expensive_one_stored():
+    for heavy, stored in ((False, False), (True, True)):
+        ops = [op("p", inputs=("x",), users=2, heavy=heavy), op("e1", EXTERN, ("p",), users=0),
+               op("e2", EXTERN, ("p",), users=0)]
+        schedule = schedule_kernels(ops, {"x": MIB})
+        if stored:
+            assert kernels_of(schedule)[0] == (("p",), ("p",), ())
+            assert schedule.kernels[1].loads == ("p",)
+        else:
+            # an extern reads it, so it is stored, but only where the first extern needs it
+            assert [k.ops for k in schedule.kernels] == [("p",), ("e1",), ("e2",)]
+    inlined = schedule_kernels([op("p", inputs=("x",), users=2), op("s1", REDUCTION, ("p",), numel=1),
+                                op("s2", REDUCTION, ("p",), numel=1)], {"x": MIB})
+    assert "p" in inlined.stands_for and inlined.stands_for["p"] == ("x",)
+    assert all(k.loads == ("x",) for k in inlined.kernels)
+
+
+def test_loops_sharing_an_input_fuse_and_allocate_together():
+    ops = [op("a", inputs=("x",), users=1), op("b", inputs=("x",), users=1),
+           op("ea", EXTERN, ("a",), users=0), op("eb", EXTERN, ("b",), users=0)]
+    schedule = schedule_kernels(ops, {"x": MIB})
+    assert kernels_of(schedule)[0] == (("a", "b"), ("a", "b"), ())
+    # a loop over another number of elements does not fuse
+    ops[1] = op("b", inputs=("x",), users=1, numel=MIB // 8, nbytes=MIB // 2)
+    assert [k.ops for k in schedule_kernels(ops, {"x": MIB}).kernels][:2] == [("a",), ("ea",)]
+
+
+def test_fusion_never_makes_a_cycle_through_an_extern():
+    # a -> e -> b and both read x: fusing a with b would need e inside the kernel
+    ops = [op("a", inputs=("x",), users=1), op("e", EXTERN, ("a",), users=1),
+           op("b", inputs=("x", "e"), users=1), op("f", EXTERN, ("b",), users=0)]
+    assert [k.ops for k in schedule_kernels(ops, {"x": MIB}).kernels] == [("a",), ("e",), ("b",), ("f",)]
+
+
+def test_fused_kernel_runs_where_its_earliest_member_was_after_its_producers():
+    # Llama's MLP backward: p1 feeds e2, p2 needs m1; p1 and p2 share x and fuse, so the
+    # kernel sits at p1's place and pulls m1 (graph-later) before it.
+    ops = [
+        op("p1", inputs=("x",), users=1), op("e2", EXTERN, ("p1",), users=0),
+        op("m1", EXTERN, ("y",), users=1), op("p2", inputs=("x", "m1"), users=1),
+        op("e3", EXTERN, ("p2",), users=0),
+    ]
+    order = [k.ops for k in schedule_kernels(ops, {"x": MIB, "y": MIB}).kernels]
+    assert order == [("m1",), ("p1", "p2"), ("e2",), ("e3",)]
+
+
+def test_stored_value_read_only_inside_its_kernel_is_a_phantom():
+    # h: exp, read twice, both readers fuse with it: Inductor's estimate counts h, codegen drops it
+    ops = [op("h", inputs=("x",), users=2, heavy=True), op("a", inputs=("h",), users=1),
+           op("b", inputs=("h", "x"), users=1), op("ea", EXTERN, ("a",), users=0), op("eb", EXTERN, ("b",), users=0)]
+    first = schedule_kernels(ops, {"x": MIB}).kernels[0]
+    assert (first.ops, first.buffers, first.phantoms) == (("h", "a", "b"), ("a", "b"), ("h",))
+    assert first.loads == ("x",)
+    # a reduction's result is never dropped: a second loop nest reads it
+    ops = [op("r", REDUCTION, ("x",), numel=1024, nbytes=4096, loop_numel=MIB // 4, inner_reduction=True, users=1),
+           op("n", inputs=("x", "r"), users=1), op("e", EXTERN, ("n",), users=0)]
+    assert kernels_of(schedule_kernels(ops, {"x": MIB}))[0] == (("r", "n"), ("r", "n"), ())
+
+
+def test_loop_overwrites_a_buffer_when_it_is_its_last_reader():
+    ops = [op("m", EXTERN, ("x",), users=1), op("p", inputs=("m",), users=1), op("e", EXTERN, ("p",), users=0)]
+    assert schedule_kernels(ops, {"x": MIB}).kernels[1].inplace == (("p", "m"),)
+    # not a graph input unless donated, and not a buffer another kernel reads later
+    ops = [op("p", inputs=("x",), users=1), op("e", EXTERN, ("p",), users=0)]
+    assert schedule_kernels(ops, {"x": MIB}).kernels[0].inplace == ()
+    assert schedule_kernels(ops, {"x": MIB}, donated=frozenset({"x"})).kernels[0].inplace == (("p", "x"),)
+    ops = [op("m", EXTERN, ("x",), users=2), op("p", inputs=("m",), users=1), op("e", EXTERN, ("p", "m"), users=0)]
+    assert schedule_kernels(ops, {"x": MIB}).kernels[1].inplace == ()
+
+
+# -- memory_steps on captured joint graphs --------------------------------------------------------
+
+ROWS, WIDTH = 512, 512   # 512 x 512 fp32 = 1 MiB
+
+
+def _steps(fn, *inputs, saved=None):
+    facts = capture_joint(fn, *inputs).facts()
+    chosen = {n for n in facts.needed_by_backward if facts.nodes[n].role == "forward"} if saved is None else saved
+    steps, pinned = memory_steps(facts, partition_nodes(facts, chosen))
+    return facts, steps, pinned
+
+
+def _alloc_steps(steps, phase):
+    return [(s.name, tuple(sorted(n for _, n in s.allocs))) for s in steps if s.phase == phase and s.allocs]
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    torch.manual_seed(0)
+    return torch.randn(ROWS, WIDTH), [torch.randn(WIDTH, WIDTH, requires_grad=True) for _ in range(3)]
+
+
+def test_sin_and_cos_of_one_input_fuse_into_one_kernel(tensors):
+    x, (w1, w2, _) = tensors
+
+    def f(x, w1, w2):
+        return (torch.sin(x) @ w1 + torch.cos(x) @ w2).sum()
+
+    facts, steps, _ = _steps(f, x, w1, w2)
+    forward = _alloc_steps(steps, "forward")
+    # both loop values are allocated by one kernel call, before either matmul runs
+    assert forward[0][1] == (MIB, MIB)
+    assert [facts.nodes[name].op for name, _ in forward[1:3]] == ["aten.mm.default"] * 2
+
+
+def test_backward_relu_writes_over_the_matmul_gradient_it_masks(tensors):
+    x, (w1, w2, _) = tensors
+
+    def f(x, w1, w2):
+        return (torch.relu(x @ w1) @ w2).sum()
+
+    facts, steps, _ = _steps(f, x, w1, w2)
+    masked = [s for s in steps if s.phase == "backward" and s.inplace]
+    assert len(masked) == 1
+    written, overwritten = masked[0].inplace[0]
+    assert facts.nodes[overwritten].op == "aten.mm.default" and dict(masked[0].allocs)[written] == MIB
+
+
+def test_recomputed_values_are_suffixed_and_outputs_pinned(tensors):
+    x, (w1, w2, _) = tensors
+
+    def f(x, w1, w2):
+        return (torch.tanh(x @ w1) @ w2).sum()
+
+    facts = capture_joint(f, x, w1, w2).facts()
+    mm = next(n for n in facts.order if facts.nodes[n].op == "aten.mm.default")
+    partition = partition_nodes(facts, set())   # save nothing: the backward recomputes x @ w1
+    assert mm in partition.recomputed
+    steps, pinned = memory_steps(facts, partition)
+    allocated = {sid for s in steps if s.phase == "backward" for sid, _ in s.allocs}
+    assert mm + RECOMPUTE_SUFFIX in allocated
+    grads = {s for o in facts.bwd_outputs for s in facts.nodes[o].value_storages}
+    assert grads and grads <= pinned
+    sim = simulate_memory(steps, pinned)
+    assert sim.end_bytes >= 2 * MIB     # the two weight gradients outlive the step
+
+
+def test_every_read_storage_is_allocated_before_it_is_read(tensors):
+    x, (w1, w2, w3) = tensors
+
+    def f(x, w1, w2, w3):
+        h = torch.nn.functional.gelu(x @ w1)
+        g = torch.sigmoid(h @ w2) * h
+        return torch.nn.functional.layer_norm(g @ w3, (WIDTH,)).sum()
+
+    facts = capture_joint(f, x, w1, w2, w3).facts()
+    for saved in ({n for n in facts.needed_by_backward if facts.nodes[n].role == "forward"}, set()):
+        steps, _ = memory_steps(facts, partition_nodes(facts, saved))
+        made: set[str] = set()
+        outside = {s for n in facts.order if facts.nodes[n].role in ("primal", "tangent") for s in facts.nodes[n].value_storages}
+        for s in steps:
+            made |= {sid for sid, _ in s.allocs}
+            assert set(s.uses) <= made | outside, s.name
