@@ -296,7 +296,7 @@ def backend(
     hardware: str = "auto",
     solver: str = "greedy",
     best_effort: bool = False,
-    headroom_fraction: float = 0.10,
+    headroom_fraction: float = 0.15,
     pareto_points: int = 0,
     estimator: str = "roofline",
 ) -> RematBackend:

@@ -37,7 +37,7 @@ class RematOptions:
     best_effort: bool = False
     # The planner keeps the simulated peak this fraction under the budget: Inductor
     # fuses and reorders kernels after planning, which the simulator models only in part.
-    headroom_fraction: float = 0.10
+    headroom_fraction: float = 0.15
     pareto_points: int = 0          # > 0: the dump adds a Pareto curve of this many budgets per graph
     estimator: str = "roofline"     # "profile": time each graph's real kernels once (cached) instead
 
@@ -111,7 +111,7 @@ def make_options(
     hardware: str = "auto",
     solver: str = "greedy",
     best_effort: bool = False,
-    headroom_fraction: float = 0.10,
+    headroom_fraction: float = 0.15,
     pareto_points: int = 0,
     estimator: str = "roofline",
     free_bytes_for_auto: Optional[int] = None,
