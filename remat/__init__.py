@@ -8,6 +8,7 @@ from .backend import CompiledGraph, RematBackend, backend
 from .backend import register as _register
 from .errors import BudgetInfeasibleError, RematError, UnsupportedGraphError
 from .measure import PeakMeasurement, measure_peak_bytes
+from .metrics import MonitorOptions, StepMetrics, StepMonitor
 from .options import BUDGET_ENV_VAR, RematOptions
 from .pareto import ParetoCurve, ParetoPoint, pareto
 from .passes.plan import Plan
@@ -16,6 +17,7 @@ __all__ = [
     "BUDGET_ENV_VAR",
     "BudgetInfeasibleError",
     "CompiledGraph",
+    "MonitorOptions",
     "ParetoCurve",
     "ParetoPoint",
     "PeakMeasurement",
@@ -23,6 +25,8 @@ __all__ = [
     "RematBackend",
     "RematError",
     "RematOptions",
+    "StepMetrics",
+    "StepMonitor",
     "UnsupportedGraphError",
     "backend",
     "measure_peak_bytes",
