@@ -55,6 +55,14 @@ def test_inplace_write_takes_over_a_dying_input_of_its_size():
     assert simulate_memory(other_size).timeline_bytes == (100, 160)
 
 
+def test_inplace_write_over_a_value_the_same_kernel_made():
+    # Inductor's sigmoid then silu-backward in one kernel: the second output overwrites the first
+    kernel = step("k", [("a", 100), ("b", 100)], inplace=(("b", "a"),))
+    assert simulate_memory([kernel]).timeline_bytes == (100,)
+    read_later = [kernel, step("c", [("c", 1)], ["a"])]
+    assert simulate_memory(read_later).timeline_bytes == (200, 101)   # b, read by nobody, dies at once
+
+
 def _pool_steps(phantom: int):
     """x (100) dies after y; w (100) is allocated two steps later: may w take x's buffer?"""
     return [
@@ -274,3 +282,37 @@ def test_every_read_storage_is_allocated_before_it_is_read(tensors):
         for s in steps:
             made |= {sid for sid, _ in s.allocs}
             assert set(s.uses) <= made | outside, s.name
+
+
+def test_cpu_convolution_gets_channels_last_copies_and_flattening_it_copies(tensors):
+    # Inductor's CPU layout optimization: the weight and the input are copied to channels-last
+    # up front; a flatten of the channels-last output cannot be a view, so the matmul gets a copy.
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, 16, 16)                       # 32 KiB
+    w = torch.randn(8, 4, 3, 3, requires_grad=True)     # 1152 B
+    w2 = torch.randn(8 * 16 * 16, 4, requires_grad=True)
+
+    def f(x, w, w2):
+        y = torch.nn.functional.conv2d(x, w, padding=1)   # 8 x 8 x 16 x 16 fp32 = 64 KiB
+        return (y.view(8, -1) @ w2).sum()
+
+    facts, steps, _ = _steps(f, x, w, w2)
+    first = steps[0]
+    assert first.name == "<channels_last>"
+    assert sorted(n for _, n in first.allocs) == [1152, 32 * 1024]
+    copies = [(sid, n) for s in steps if s.phase == "forward" for sid, n in s.allocs if sid.endswith("#copy")]
+    assert copies == [(copies[0][0], 64 * 1024)]
+
+
+def test_viewability_under_channels_last_matches_torch():
+    from remat.passes.kernel_steps import _viewable_in_channels_last
+
+    for shape, target in [((16, 16, 16, 16), (256, 256)), ((16, 16, 16, 16), (16, 16, 256)), ((16, 32, 1, 1), (16, 32)),
+                          ((8, 3, 4, 5), (8, 60)), ((8, 3, 4, 5), (8, 3, 20)), ((2, 3, 4, 5), (2, 3, 4, 5))]:
+        tensor = torch.empty(shape).contiguous(memory_format=torch.channels_last)
+        try:
+            tensor.view(target)
+            viewable = True
+        except RuntimeError:
+            viewable = False
+        assert _viewable_in_channels_last(shape, target) == viewable, (shape, target)

@@ -66,6 +66,7 @@ class GraphOp:
     is_output: bool = False       # the graph returns it
     extern_user: bool = False     # an extern op reads it directly
     inner_reduction: bool = False # a reduction over the innermost dims: fuses with loops over the same rows
+    layout: str = ""              # memory layout ("channels_last" or "" for the default): in-place needs equal ones
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,7 @@ def _phantoms(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, 
 
 
 def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
-                     donated: frozenset[str] = frozenset()) -> KernelSchedule:
+                     donated: frozenset[str] = frozenset(), input_layouts: Mapping[str, str] = {}) -> KernelSchedule:
     """Inductor's kernels for one graph whose ops are given in graph order.
 
     ``input_bytes``: bytes of each graph input (for fusion scores); ``donated``:
@@ -328,7 +329,9 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
     reads = {n: frozenset().union(*(memory_of(d) for d in loads[n])) for n in nodes}
     order = _topological(nodes, sets, loads, lowering.position)
     rank = {root: k for k, root in enumerate(order)}
-    inplace = _inplace(order, sets, by_name, reads, removed, rank, roots, sizes, donated, ancestors, position)
+    layouts = dict(input_layouts)
+    layouts.update((o.name, o.layout) for o in ops)
+    inplace = _inplace(order, sets, by_name, reads, removed, rank, roots, sizes, donated, ancestors, position, layouts)
     kernels: list[Kernel] = []
     current: list[str] = []
 
@@ -351,11 +354,13 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
 
 def _inplace(order: list[str], sets: _UnionFind, ops: Mapping[str, GraphOp], reads: Mapping[str, frozenset[str]],
              removed: set[str], rank: Mapping[str, int], roots: Mapping[str, str], sizes: Mapping[str, int],
-             donated: frozenset[str], ancestors: Mapping[str, int], position: Mapping[str, int]) -> dict[str, str]:
+             donated: frozenset[str], ancestors: Mapping[str, int], position: Mapping[str, int],
+             layouts: Mapping[str, str]) -> dict[str, str]:
     """Outputs written over an input (``SchedulerNode.decide_inplace_update``): a loop node
     may overwrite a buffer of its own size when it is that buffer's only remaining reader
-    (every other reader ran in an earlier kernel or is one of its ancestors). Graph inputs
-    qualify only if donated."""
+    (every other reader ran in an earlier kernel or is one of its ancestors) and it is laid out
+    the same way (the write walks the same indices as the read). Graph inputs qualify only if
+    donated; a scatter's result (written by a fallback) never does."""
     readers: dict[str, list[str]] = {}
     for n, sources in reads.items():
         for source in sources:
@@ -369,10 +374,10 @@ def _inplace(order: list[str], sets: _UnionFind, ops: Mapping[str, GraphOp], rea
                 continue
             # buffers made in this graph first, then donated inputs (the order Inductor meets them in)
             for source in sorted(reads[n], key=lambda s: (s not in ops, s)):
-                if source in taken or sizes.get(source, -1) != op.nbytes:
+                if source in taken or sizes.get(source, -1) != op.nbytes or layouts.get(source, "") != op.layout:
                     continue
                 if source in ops:
-                    if ops[source].is_output or ops[source].kind in (ALIAS,):
+                    if ops[source].is_output or ops[source].kind in (ALIAS, SCATTER):
                         continue
                 elif source not in donated:
                     continue

@@ -158,7 +158,8 @@ def simulate_memory(steps: Sequence[Step], pinned: Iterable[str] = (), *, reuse_
         if pool is not None and step.phase != phase:
             pool.drain()                    # a graph's pool dies with it
         phase = step.phase
-        dying = set(frees_at.get(index, ())) & alive if (step.reuses_inputs or step.inplace) else set()
+        # storages that die at this step, including ones an earlier output of it just allocated
+        dying = set(frees_at.get(index, ())) if (step.reuses_inputs or step.inplace) else set()
         own = step_allocs_ids(step) if dying else set()
         over = dict(step.inplace)
         for sid, nbytes in step.allocs:
@@ -166,9 +167,10 @@ def simulate_memory(steps: Sequence[Step], pinned: Iterable[str] = (), *, reuse_
                 continue
             if step.inplace:
                 donor = over.get(sid)
-                donor = donor if donor in dying and nbytes_of[donor] == nbytes else None
+                donor = donor if donor in dying and donor in alive and nbytes_of[donor] == nbytes else None
             else:
-                donor = next((d for d in sorted(dying, key=start.__getitem__) if nbytes_of[d] == nbytes and d not in own), None)
+                donor = next((d for d in sorted(dying & alive, key=start.__getitem__)
+                              if nbytes_of[d] == nbytes and d not in own), None)
             if donor is not None:           # written over an input that dies here
                 dying.discard(donor)
                 alive.discard(donor)

@@ -67,6 +67,8 @@ class NodeFacts:
     cost: NodeCost
     numel: int = 0                 # elements of its (first) tensor output, at the size hint: Inductor's loop size
     inner_reduction: bool = False  # reduces its input's innermost dims (a row reduction: its loop nests inside the rows')
+    device: str = ""               # device type of its (first) tensor output: "cpu", "cuda", ...
+    shape: tuple[int, ...] = ()    # shape of its (first) tensor output, at the size hint
 
     @property
     def alloc_bytes(self) -> int:
@@ -281,6 +283,8 @@ def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_out
             cost=costs[node.name],
             numel=next((concrete_int(t.numel()) for t in iter_tensors(node_val(node))), 0),
             inner_reduction=_is_inner_reduction(node),
+            device=next((t.device.type for t in iter_tensors(node_val(node))), ""),
+            shape=next((tuple(concrete_int(d) for d in t.shape) for t in iter_tensors(node_val(node))), ()),
         )
         users[node.name] = tuple(u.name for u in node.users if u.op != "output")
         order.append(node.name)

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from .schedule import Partition
 
 RECOMPUTE_SUFFIX = "@r"
+CHANNELS_LAST_SUFFIX = "#cl"
+COPY_SUFFIX = "#copy"
+CHANNELS_LAST = "channels_last"
+_RESHAPES = frozenset({"view", "_unsafe_view", "reshape"})
 
 # Ops Inductor lowers to loops (beyond pointwise-tagged ones and reductions).
 _LOOP_OPS = frozenset({
@@ -95,9 +99,11 @@ class _Static:
     heavy: bool
     mutation: bool
     inner_reduction: bool
+    layout: str                           # "channels_last" when Inductor lays it out so, else ""
 
 
-def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str]) -> _Static:
+def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layouts: Mapping[str, str],
+               storage_bytes: Mapping[str, int]) -> _Static:
     node = facts.nodes[name]
     kind = kinds[name]
     short = op_short_name(node)
@@ -116,6 +122,8 @@ def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str]) -> _
             loop = max((facts.nodes[i].numel for i in parent.inputs), default=parent.numel)
     if kind == REDUCTION and node.inputs and not node.is_getitem:
         loop = max((facts.nodes[i].numel for i in node.inputs), default=node.numel)
+    if node.is_view and kind == POINTWISE:   # a reshape Inductor must copy (see _layouts)
+        allocs = ((name + COPY_SUFFIX, sum(storage_bytes.get(s, 0) for s in node.value_storages)),)
     return _Static(
         kind=kind,
         inputs=tuple(i for i in node.inputs if facts.nodes[i].is_tensor),
@@ -125,7 +133,71 @@ def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str]) -> _
         heavy=short in _HEAVY_OPS,
         mutation=short in _MUTATIONS,
         inner_reduction=inner,
+        layout=layouts.get(name, ""),
     )
+
+
+def _viewable_in_channels_last(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a channels-last tensor of 4-d ``shape`` can be viewed as ``target`` (ATen's computeStride)."""
+    n, c, h, w = shape
+    strides = (c * h * w, 1, w * c, c)
+    if n * c * h * w == 0:
+        return True
+    view_d = len(target) - 1
+    chunk_base_stride = strides[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[tensor_d]
+        if tensor_d == 0 or (shape[tensor_d - 1] != 1 and strides[tensor_d - 1] != tensor_numel * chunk_base_stride):
+            while view_d >= 0 and (view_numel < tensor_numel or target[view_d] == 1):
+                view_numel *= target[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return False
+            if tensor_d > 0:
+                chunk_base_stride = strides[tensor_d - 1]
+                tensor_numel = view_numel = 1
+    return view_d == -1
+
+
+def _layouts(facts: JointGraphFacts, kinds: dict[str, str]) -> dict[str, str]:
+    """Values Inductor lays out channels-last, on a CPU graph with convolutions.
+
+    Its layout optimization makes convolution inputs, outputs and input gradients
+    channels-last, and loops over a 4-d value follow a channels-last input of their
+    shape. A reshape of such a value that no strides can express is no view: an
+    extern reading it gets a copy, so the reshape becomes a loop (``kinds`` is updated).
+    """
+    if not any(op_short_name(facts.nodes[n]) == "convolution" and facts.nodes[n].device == "cpu" for n in facts.order):
+        return {}
+    layout: dict[str, str] = {}
+    for name in facts.order:
+        node = facts.nodes[name]
+        short = op_short_name(node)
+        if short == "convolution":
+            layout[name] = CHANNELS_LAST
+            for source in node.inputs[:2]:
+                if facts.nodes[source].role == "primal" and len(facts.nodes[source].shape) == 4:
+                    layout[source] = CHANNELS_LAST
+            continue
+        if len(node.shape) != 4 or not node.inputs:
+            if node.is_view and node.inputs and layout.get(node.inputs[0]) and short in _RESHAPES \
+                    and not _viewable_in_channels_last(facts.nodes[node.inputs[0]].shape, node.shape):
+                kinds[name] = POINTWISE
+            continue
+        if node.is_getitem:
+            parent = facts.nodes[node.inputs[0]]
+            if op_short_name(parent) == "convolution_backward" and node.getitem_index == 0:
+                layout[name] = CHANNELS_LAST
+            elif kinds[parent.name] in (POINTWISE, REDUCTION) and any(layout.get(i) for i in parent.inputs):
+                layout[name] = CHANNELS_LAST
+        elif node.is_view:
+            if layout.get(node.inputs[0]) and facts.nodes[node.inputs[0]].shape == node.shape:
+                layout[name] = CHANNELS_LAST
+        elif kinds[name] in (POINTWISE, REDUCTION):
+            if any(layout.get(i) and facts.nodes[i].shape == node.shape for i in node.inputs):
+                layout[name] = CHANNELS_LAST
+    return layout
 
 
 class _FactsCache:
@@ -135,8 +207,9 @@ class _FactsCache:
         kinds: dict[str, str] = {}
         for name in facts.order:
             kinds[name] = kernel_kind(facts, name)
-        self.static = {name: _static_of(facts, name, kinds) for name in facts.order}
         self.storage_bytes = {sid: n for node in facts.nodes.values() for sid, n in node.allocs}
+        self.layouts = _layouts(facts, kinds)
+        self.static = {name: _static_of(facts, name, kinds, self.layouts, self.storage_bytes) for name in facts.order}
 
 
 _CACHE: dict[int, tuple[weakref.ref, _FactsCache]] = {}
@@ -185,6 +258,7 @@ class _Graph:
                 is_output=info.mutation or name in self.outputs,
                 extern_user=any(static[u].kind in (EXTERN, SCATTER) for u in readers),
                 inner_reduction=info.inner_reduction,
+                layout=info.layout,
             ))
         return ops
 
@@ -225,7 +299,8 @@ class _Graph:
 
     def steps(self, phase: str, regions: Mapping[str, int]) -> tuple[list[Step], dict[str, tuple[str, ...]]]:
         """Steps in kernel order, and each instance's storages."""
-        schedule = schedule_kernels(self.ops(), self.input_bytes(), self.donated)
+        layouts = {i: self.cache.layouts[i] for i in self.outer if i in self.cache.layouts}
+        schedule = schedule_kernels(self.ops(), self.input_bytes(), self.donated, layouts)
         stands_for = schedule.stands_for
         memo: dict[str, tuple[str, ...]] = {}
 
@@ -261,13 +336,39 @@ class _Graph:
         return steps, memo
 
 
+def channels_last_copies(facts: JointGraphFacts, fw_order: Sequence[str]) -> dict[str, tuple[str, int]]:
+    """Inputs of the forward that Inductor copies to channels-last before it starts, with
+    the storage and bytes of each copy.
+
+    Inductor's layout optimization (``GraphLowering.decide_layout_opt``) is on for any CPU
+    graph with a convolution (mkldnn): it converts every convolution's weight and graph-input
+    activation up front, in one kernel, and hands the converted copy (not the parameter) to
+    the backward when the backward reads it. On CUDA it depends on heuristics not modelled here.
+    """
+    copies: dict[str, tuple[str, int]] = {}
+    for name in fw_order:
+        node = facts.nodes[name]
+        if node.device != "cpu" or op_short_name(node) != "convolution":
+            continue
+        for source in node.inputs[:2]:
+            primal = facts.nodes[source]
+            if primal.role == "primal" and primal.allocs and source not in copies:
+                copies[source] = (source + CHANNELS_LAST_SUFFIX, primal.alloc_bytes)
+    return copies
+
+
 def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Sequence[str],
                  bw_order: Sequence[tuple[str, int]]) -> tuple[list[Step], set[str]]:
     """The forward, then the backward, as simulator steps in Inductor's kernel order; and the pinned storages."""
     cache = _cache(facts)
     fw_outputs = set(partition.saved) | set(facts.fwd_outputs)
-    forward = _Graph(facts, cache, [(n, n) for n in fw_order], fw_outputs, {}, frozenset())
+    copies = channels_last_copies(facts, fw_order)
+    forward = _Graph(facts, cache, [(n, n) for n in fw_order], fw_outputs, {p: (sid,) for p, (sid, _) in copies.items()},
+                     frozenset())
     fw_steps, fw_storages = forward.steps("forward", {})
+    if copies:
+        fw_steps.insert(0, Step("<channels_last>", "forward", tuple(copies.values()), ()))
+        fw_storages.update((p, (sid,)) for p, (sid, _) in copies.items() if p in partition.saved_primals)
     pinned_fw = {s for o in facts.fwd_outputs for s in fw_storages.get(o, facts.nodes[o].value_storages)}
     # AOTAutograd donates saved activations to the backward, which may then overwrite them
     donated = frozenset(n for n in partition.saved if facts.nodes[n].allocs and not set(fw_storages.get(n, ())) & pinned_fw)
