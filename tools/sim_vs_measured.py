@@ -1,37 +1,55 @@
-"""Diagnostic: for a zoo model and budgets, print the planner's predicted peak, a no-fusion variant,
-and the measured peak (DESIGN.md's CPU method) of the Inductor-compiled step.
+"""Diagnostic: for a zoo model and budgets, print the planner's predicted peak, the prediction
+without Inductor's buffer reuse, and the measured peak of the Inductor-compiled step.
 
     python tools/sim_vs_measured.py MODEL none 0.02 ...
+    INDUCTOR=allow_buffer_reuse=0 python tools/sim_vs_measured.py MODEL none   # Inductor config overrides
+
+Budgets in GB (1 GB = 1e9 bytes); printed sizes in MB (1e6 bytes). The measurement is
+benchmarks/memory_accuracy.py's (allocations made inside one step, gradients cleared before).
+For reproducible plans run with PYTHONHASHSEED=0.
 """
-import sys, torch
+import os
+import sys
+
+import torch
+
 sys.path.insert(0, "/work/main")
-import remat
-from remat.passes import plan as P
-import remat.passes.schedule as S
-from remat.passes.schedule import memory_steps, partition_nodes
-from remat.cost_model.memory import simulate_memory
-from tests.models import ZOO
-import torch._inductor.config as ic
-ic.fallback_random = True
+sys.path.insert(0, "/work/main/benchmarks")
+import torch._inductor.config as inductor_config  # noqa: E402
+
+for kv in filter(None, os.environ.get("INDUCTOR", "").split(",")):
+    key, value = kv.split("=")
+    setattr(inductor_config, key, value == "1")
+
+import remat  # noqa: E402
+from memory_accuracy import _measure  # noqa: E402
+from remat.cost_model.memory import simulate_memory  # noqa: E402
+from remat.passes.schedule import memory_steps, partition_nodes  # noqa: E402
+from tests.models import ZOO  # noqa: E402
+
 captured = []
-B = sys.modules["remat.backend"]; orig = B.make_plan
+B = sys.modules["remat.backend"]
+orig = B.make_plan
+
+
 def spy(facts, budget_bytes, **kw):
-    plan = orig(facts, budget_bytes, **kw); captured.append((facts, plan)); return plan
+    plan = orig(facts, budget_bytes, **kw)
+    captured.append((facts, plan))
+    return plan
+
+
 B.make_plan = spy
 name = sys.argv[1]
 for b in sys.argv[2:]:
     budget = None if b == "none" else float(b)
     model, inputs = ZOO[name]()
-    be = remat.backend(budget, headroom_fraction=0.0)
-    c = torch.compile(model, backend=be)
-    def step():
-        for p in model.parameters(): p.grad = None
-        out = c(*inputs); out.float().sum().backward()
-    step(); m = remat.measure_peak_bytes(step).peak_bytes
+    c = torch.compile(model, backend=remat.backend(budget, headroom_fraction=0.0))
+    c(*inputs).float().sum().backward()
+    m = _measure(model, c, inputs)["peak_bytes"]
     facts, plan = captured[-1]
-    part = partition_nodes(facts, set(plan.saved))
-    S.INLINE_FUSED = False
-    pess = simulate_memory(*memory_steps(facts, part)).peak_bytes
-    S.INLINE_FUSED = True
-    print(f"RESULT {name} budget={b} opt={plan.predicted_peak_bytes/1e6:.2f} pess={pess/1e6:.2f} meas={m/1e6:.2f} opt_err={plan.predicted_peak_bytes/m-1:+.1%} pess_err={pess/m-1:+.1%}", flush=True)
+    steps, pinned = memory_steps(facts, partition_nodes(facts, set(plan.saved)))
+    sim = simulate_memory(steps, pinned, reuse_freed=inductor_config.allow_buffer_reuse).peak_bytes
+    no_reuse = simulate_memory(steps, pinned, reuse_freed=False).peak_bytes
+    print(f"RESULT {name} budget={b} planned={plan.predicted_peak_bytes/1e6:.3f} sim={sim/1e6:.3f} "
+          f"sim_no_reuse={no_reuse/1e6:.3f} meas={m/1e6:.3f} err={sim/m-1:+.1%}", flush=True)
     torch._dynamo.reset()
