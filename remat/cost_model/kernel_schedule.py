@@ -35,7 +35,7 @@ The records are plain, so a planner can call this per candidate plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 POINTWISE = "pointwise"    # a loop Inductor may inline into its readers
 REDUCTION = "reduction"    # a loop with a reduction: always gets a buffer
@@ -51,9 +51,9 @@ MAX_FUSION_SIZE = 64       # config.max_fusion_size
 PAIR_WINDOW = 64           # config.max_fusion_buffer_group_pairwise_attempts
 
 
-@dataclass(frozen=True)
-class GraphOp:
-    """One node of one compiled graph, as the kernel model needs it."""
+class GraphOp(NamedTuple):
+    """One node of one compiled graph, as the kernel model needs it (a tuple: the planner builds
+    thousands of these per plan it weighs)."""
 
     name: str
     kind: str                     # POINTWISE | REDUCTION | EXTERN | SCATTER | ALIAS
@@ -348,7 +348,7 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
         close()
         kernels.append(_kernel([root], removed, reads, inplace, extern=True))
     close()
-    return KernelSchedule(tuple(kernels), _stands_for(ops, lowering, removed, memory_of),
+    return KernelSchedule(tuple(kernels), _StandsFor(ops, lowering, removed, memory_of),
                           _first_kernel(ops, kernels))
 
 
@@ -389,11 +389,32 @@ def _inplace(order: list[str], sets: _UnionFind, ops: Mapping[str, GraphOp], rea
     return chosen
 
 
-def _stands_for(ops: Sequence[GraphOp], lowering: _Lowering, removed: set[str], memory_of) -> dict[str, tuple[str, ...]]:
-    return {
-        op.name: tuple(sorted(lowering.memory_of_value(op.name, memory_of)))
-        for op in ops if op.name not in lowering.position or op.name in removed
-    }
+class _StandsFor(Mapping[str, tuple[str, ...]]):
+    """Op without a buffer of its own -> the buffers/inputs its value is made of, worked out
+    when asked (a caller usually needs a few)."""
+
+    def __init__(self, ops: Sequence[GraphOp], lowering: _Lowering, removed: set[str], memory_of) -> None:
+        self._names = [o.name for o in ops if o.name not in lowering.position or o.name in removed]
+        self._members = set(self._names)
+        self._lowering, self._memory_of = lowering, memory_of
+        self._found: dict[str, tuple[str, ...]] = {}
+
+    def __getitem__(self, name: str) -> tuple[str, ...]:
+        if name not in self._members:
+            raise KeyError(name)
+        found = self._found.get(name)
+        if found is None:
+            found = self._found[name] = tuple(sorted(self._lowering.memory_of_value(name, self._memory_of)))
+        return found
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._members
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _first_kernel(ops: Sequence[GraphOp], kernels: list[Kernel]) -> dict[str, int]:

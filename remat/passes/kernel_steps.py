@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..cost_model.kernel_schedule import ALIAS, EXTERN, POINTWISE, REDUCTION, SCATTER, GraphOp, schedule_kernels
 from ..cost_model.memory import Step
@@ -32,6 +32,7 @@ CHANNELS_LAST_SUFFIX = "#cl"
 COPY_SUFFIX = "#copy"
 CHANNELS_LAST = "channels_last"
 _RESHAPES = frozenset({"view", "_unsafe_view", "reshape"})
+_CALLS = (EXTERN, SCATTER)
 
 # Ops Inductor lowers to loops (beyond pointwise-tagged ones and reductions).
 _LOOP_OPS = frozenset({
@@ -95,6 +96,7 @@ class _Static:
     inputs: tuple[str, ...]               # tensor inputs
     allocs: tuple[tuple[str, int], ...]   # what its buffer allocates (none for a call's outputs, mutations)
     nbytes: int
+    numel: int
     loop_numel: int
     heavy: bool
     mutation: bool
@@ -128,6 +130,7 @@ def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layo
         kind=kind,
         inputs=tuple(i for i in node.inputs if facts.nodes[i].is_tensor),
         allocs=allocs,
+        numel=node.numel,
         nbytes=sum(n for _, n in allocs),
         loop_numel=loop,
         heavy=short in _HEAVY_OPS,
@@ -230,35 +233,27 @@ class _Graph:
     """One compiled graph: its ops, and the storages each instance's value refers to."""
 
     def __init__(self, facts: JointGraphFacts, cache: _FactsCache, instances: Sequence[tuple[str, str]],
-                 outputs: set[str], outer_storages: Mapping[str, tuple[str, ...]], donated: frozenset[str]) -> None:
+                 outputs: set[str], outer_storages: Callable[[str], tuple[str, ...]], donated: frozenset[str]) -> None:
         self.facts = facts
         self.cache = cache
         self.instances = list(instances)                 # (node name, instance name), in graph order
         self.instance_of = {n: i for n, i in self.instances}
         self.node_of = {i: n for n, i in self.instances}
         self.outputs = outputs
-        self.outer = outer_storages                      # graph input (node name) -> storages
+        self.outer = outer_storages                      # graph input (node name) -> its storages
         self.donated = donated
 
     def ops(self) -> list[GraphOp]:
-        facts, static, instance_of = self.facts, self.cache.static, self.instance_of
+        facts, static, instance_of, outputs = self.facts, self.cache.static, self.instance_of, self.outputs
         ops = []
         for name, inst in self.instances:
             info = static[name]
             readers = [u for u in facts.users[name] if u in instance_of]
+            output = name in outputs
             ops.append(GraphOp(
-                name=inst,
-                kind=info.kind,
-                inputs=tuple(instance_of.get(i, i) for i in info.inputs),
-                nbytes=info.nbytes,
-                numel=facts.nodes[name].numel,
-                loop_numel=info.loop_numel,
-                heavy=info.heavy,
-                users=len(readers) + (name in self.outputs),
-                is_output=info.mutation or name in self.outputs,
-                extern_user=any(static[u].kind in (EXTERN, SCATTER) for u in readers),
-                inner_reduction=info.inner_reduction,
-                layout=info.layout,
+                inst, info.kind, tuple([instance_of.get(i, i) for i in info.inputs]), info.nbytes, info.numel,
+                info.loop_numel, info.heavy, len(readers) + output, info.mutation or output,
+                any(static[u].kind in _CALLS for u in readers), info.inner_reduction, info.layout,
             ))
         return ops
 
@@ -269,8 +264,7 @@ class _Graph:
         for name, _ in self.instances:
             for i in self.cache.static[name].inputs:
                 if i not in self.instance_of and i not in sizes:
-                    held = self.outer.get(i, self.facts.nodes[i].value_storages)
-                    sizes[i] = sum(storage_bytes.get(s, 0) for s in held)
+                    sizes[i] = sum(storage_bytes.get(s, 0) for s in self.outer(i))
         return sizes
 
     def storages_of(self, name: str, stands_for: Mapping[str, tuple[str, ...]], memo: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
@@ -280,7 +274,7 @@ class _Graph:
             return found
         node_name = self.node_of.get(name)
         if node_name is None:
-            found = self.outer.get(name, self.facts.nodes[name].value_storages if name in self.facts.nodes else ())
+            found = self.outer(name)
         else:
             node = self.facts.nodes[node_name]
             if node.is_getitem and (name in stands_for or self.cache.static[node_name].kind == EXTERN):
@@ -297,9 +291,9 @@ class _Graph:
         memo[name] = found
         return found
 
-    def steps(self, phase: str, regions: Mapping[str, int]) -> tuple[list[Step], dict[str, tuple[str, ...]]]:
-        """Steps in kernel order, and each instance's storages."""
-        layouts = {i: self.cache.layouts[i] for i in self.outer if i in self.cache.layouts}
+    def steps(self, phase: str, regions: Mapping[str, int]) -> tuple[list[Step], Callable[[str], tuple[str, ...]]]:
+        """Steps in kernel order, and the storages of an instance or input, by name."""
+        layouts = self.cache.layouts
         schedule = schedule_kernels(self.ops(), self.input_bytes(), self.donated, layouts)
         stands_for = schedule.stands_for
         memo: dict[str, tuple[str, ...]] = {}
@@ -331,9 +325,7 @@ class _Graph:
                               inplace=inplace, pooled=not (kernel.extern and len(allocs) > 1)))
         for inst in by_kernel.get(len(schedule.kernels), ()):   # never computed or read by a kernel
             steps.append(Step(inst, phase, (), (), regions.get(inst, -1)))
-        for _, inst in self.instances:
-            of(inst)
-        return steps, memo
+        return steps, of
 
 
 def channels_last_copies(facts: JointGraphFacts, fw_order: Sequence[str]) -> dict[str, tuple[str, int]]:
@@ -363,23 +355,34 @@ def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Seque
     cache = _cache(facts)
     fw_outputs = set(partition.saved) | set(facts.fwd_outputs)
     copies = channels_last_copies(facts, fw_order)
-    forward = _Graph(facts, cache, [(n, n) for n in fw_order], fw_outputs, {p: (sid,) for p, (sid, _) in copies.items()},
-                     frozenset())
+
+    def forward_input(name: str) -> tuple[str, ...]:
+        return (copies[name][0],) if name in copies else facts.nodes[name].value_storages
+
+    forward = _Graph(facts, cache, [(n, n) for n in fw_order], fw_outputs, forward_input, frozenset())
     fw_steps, fw_storages = forward.steps("forward", {})
     if copies:
         fw_steps.insert(0, Step("<channels_last>", "forward", tuple(copies.values()), ()))
-        fw_storages.update((p, (sid,)) for p, (sid, _) in copies.items() if p in partition.saved_primals)
-    pinned_fw = {s for o in facts.fwd_outputs for s in fw_storages.get(o, facts.nodes[o].value_storages)}
+
+    def backward_input(name: str) -> tuple[str, ...]:
+        """A saved value, a primal (its channels-last copy if the forward made one), a tangent."""
+        node = facts.nodes[name]
+        if node.role == "forward":
+            return fw_storages(name)
+        if name in copies and name in partition.saved_primals:
+            return (copies[name][0],)
+        return node.value_storages
+
+    pinned_fw = {s for o in facts.fwd_outputs for s in fw_storages(o)}
     # AOTAutograd donates saved activations to the backward, which may then overwrite them
-    donated = frozenset(n for n in partition.saved if facts.nodes[n].allocs and not set(fw_storages.get(n, ())) & pinned_fw)
+    donated = frozenset(n for n in partition.saved if facts.nodes[n].allocs and not set(fw_storages(n)) & pinned_fw)
     bw_instances = [(n, n + RECOMPUTE_SUFFIX if r >= 0 else n) for n, r in bw_order]
     regions = {(n + RECOMPUTE_SUFFIX if r >= 0 else n): r for n, r in bw_order}
-    backward = _Graph(facts, cache, bw_instances, set(facts.bwd_outputs), fw_storages, donated)
+    backward = _Graph(facts, cache, bw_instances, set(facts.bwd_outputs), backward_input, donated)
     bw_steps, bw_storages = backward.steps("backward", regions)
     tangent_allocs = tuple(
         alloc for name in facts.order if facts.nodes[name].role == "tangent" for alloc in facts.nodes[name].allocs
     )
     steps = fw_steps + [Step("<tangents>", "backward", tangent_allocs, (), external=True)] + bw_steps
-    pinned = set(pinned_fw)
-    pinned |= {s for o in facts.bwd_outputs for s in bw_storages.get(o, facts.nodes[o].value_storages)}
+    pinned = pinned_fw | {s for o in facts.bwd_outputs for s in bw_storages(o)}
     return steps, pinned
