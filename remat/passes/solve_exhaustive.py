@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 from .joint_graph import JointGraphFacts
 from .mincut import saved_cost_bytes
 from .plan import evaluate
-from .solve_milp import must_save_reason, relevant_forward
+from .schedule import why_not_recomputable
+from .solve_milp import relevant_forward
 
 MAX_CANDIDATES = 16
 
@@ -34,7 +35,7 @@ class PlanPoint:
 def exhaustive_candidates(facts: JointGraphFacts) -> tuple[str, ...]:
     return tuple(
         name for name in relevant_forward(facts)
-        if must_save_reason(facts, name) is None
+        if why_not_recomputable(facts, name) is None
         and not facts.nodes[name].is_multi_output
         and saved_cost_bytes(facts, name) > 0
     )

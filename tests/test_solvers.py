@@ -1,0 +1,359 @@
+"""The exact solvers (MILP, exhaustive) and the greedy measured against them.
+
+Graphs: joint graphs captured with ``aot_function`` (no Inductor), and random
+``JointGraphFacts`` built directly (``random_facts``). Budgets are every distinct
+simulated peak the exhaustive enumeration reaches, so each is met exactly by some plan.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from remat.cost_model.costs import NodeCost
+from remat.errors import BudgetInfeasibleError
+from remat.passes.joint_graph import JointGraphFacts, NodeFacts
+from remat.passes.plan import evaluate, make_plan
+from remat.passes.random_ops import split_dropout_outputs
+from remat.passes.solve_exhaustive import best_under, enumerate_plans, exhaustive_candidates, solve_exhaustive
+from remat.passes.solve_milp import solve_min_time
+
+from joint_graphs import capture_joint
+
+GAP_LIMIT = 0.02            # issue 4: the greedy's extra time within 2% of the MILP optimum
+KiB = 1024
+
+
+# -- graphs ---------------------------------------------------------------------------------------
+
+def _captured_facts(fn, *inputs) -> JointGraphFacts:
+    """As the backend prepares a joint graph (dead code out, dropout split), costed on the H100 datasheet."""
+    captured = capture_joint(fn, *inputs)
+    graph = captured.graph_module.graph
+    graph.eliminate_dead_code()
+    split_dropout_outputs(graph)
+    captured.graph_module.recompile()
+    return captured.facts("h100")
+
+
+def _mlp(x, *ws):
+    for w in ws:
+        x = F.gelu(x @ w)
+    return x.sum()
+
+
+def _mlp_dropout(x, w1, w2, w3):
+    h = F.dropout(F.gelu(x @ w1), p=0.5, training=True)
+    h = torch.tanh(h @ w2)
+    return (h @ w3).sum()
+
+
+def _attention_block(x, wq, wk, wv, wo):
+    q, k, v = x @ wq, x @ wk, x @ wv
+    a = torch.softmax(q @ k.transpose(-1, -2) / 8.0, dim=-1)
+    y = x + (a @ v) @ wo
+    return F.layer_norm(y, y.shape[-1:]).sum()
+
+
+@lru_cache(maxsize=None)
+def captured(name: str) -> JointGraphFacts:
+    torch.manual_seed(0)
+    rows, width = 256, 64          # 256 x 64 fp32 = 64 KiB per activation
+    if name == "mlp2":
+        return _captured_facts(_mlp, torch.randn(rows, width), *[torch.randn(width, width, requires_grad=True) for _ in range(2)])
+    if name == "mlp3":
+        return _captured_facts(_mlp, torch.randn(rows, width), *[torch.randn(width, width, requires_grad=True) for _ in range(3)])
+    if name == "mlp_dropout":
+        return _captured_facts(_mlp_dropout, torch.randn(rows, width), *[torch.randn(width, width, requires_grad=True) for _ in range(3)])
+    if name == "attention":
+        return _captured_facts(_attention_block, torch.randn(2, 32, 32), *[torch.randn(32, 32, requires_grad=True) for _ in range(4)])
+    raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    op: str
+    inlinable: bool
+    fusible: bool
+    cost_us: tuple[int, int]
+
+
+_KINDS = {
+    "mm": _Kind("random.mm", False, False, (8, 60)),
+    "pointwise": _Kind("random.pointwise", True, True, (1, 6)),
+    "reduction": _Kind("random.reduction", False, True, (2, 8)),
+    "view": _Kind("random.view", False, True, (0, 0)),
+    "random": _Kind("random.dropout_mask", False, False, (2, 4)),
+}
+
+
+def random_facts(seed: int, n_forward: int = 9) -> JointGraphFacts:
+    """A random forward chain with skip inputs, and a backward chain that reads forward values.
+
+    Sizes are multiples of 4 KiB; times are whole microseconds, so ties are rare and exact.
+    Roles, users, needed_by_backward and forward_required follow read_joint_graph's rules.
+    """
+    rng = random.Random(seed)
+    nodes: dict[str, NodeFacts] = {}
+
+    def add(name, role, kind, inputs, nbytes, view_of: Optional[str] = None, ban: Optional[str] = None):
+        k = _KINDS.get(kind)
+        allocs = () if view_of is not None or nbytes == 0 else ((name, nbytes),)
+        storages = nodes[view_of].value_storages if view_of is not None else tuple(s for s, _ in allocs)
+        cost_us = rng.randint(*k.cost_us) if k else 0
+        nodes[name] = NodeFacts(
+            name=name, role=role, op=k.op if k else "placeholder", inputs=tuple(inputs), allocs=allocs,
+            value_storages=storages, is_tensor=True, is_sym=False, is_multi_output=False, is_getitem=False,
+            getitem_index=None, is_view=view_of is not None, inlinable=bool(k and k.inlinable),
+            fusible_consumer=bool(k and k.fusible), free_to_recompute=bool(k and (k.inlinable or kind == "view")),
+            recompute_ban=ban, cost=NodeCost(est_time_s=cost_us * 1e-6),
+        )
+
+    add("x", "primal", None, (), 16 * KiB)
+    forward: list[str] = []
+    sizes: dict[str, int] = {"x": 16 * KiB}
+    for i in range(n_forward):
+        kind = rng.choices(list(_KINDS), weights=(4, 4, 1, 1, 1))[0]
+        prev = forward[-1] if forward else "x"
+        inputs = [prev]
+        if kind == "mm":
+            weight = f"w{i}"
+            add(weight, "primal", None, (), 4 * KiB)
+            inputs.append(weight)
+        elif kind == "pointwise" and len(forward) >= 2 and rng.random() < 0.4:
+            inputs.append(rng.choice(forward[:-1]))       # a residual input
+        name = f"f{i}"
+        if kind == "view":
+            add(name, "forward", kind, inputs, 0, view_of=prev)
+            sizes[name] = sizes[prev]
+        else:
+            nbytes = sizes[prev] // 4 if kind == "reduction" else rng.choice((1, 2, 4, 8)) * 4 * KiB
+            ban = "random op: recomputing it would draw fresh random numbers" if kind == "random" else None
+            add(name, "forward", kind, inputs, nbytes, ban=ban)
+            sizes[name] = nbytes
+        forward.append(name)
+    add("tangent", "tangent", None, (), sizes[forward[-1]])
+    grad, bwd_outputs = "tangent", []
+    for i in reversed(range(n_forward)):
+        f = nodes[forward[i]]
+        reads = [v for v in (forward[i], *f.inputs) if nodes[v].role in ("forward", "primal") and rng.random() < 0.6]
+        if f.op == "random.dropout_mask":
+            reads = [forward[i]]                          # the mask is always needed
+        kind = "pointwise" if f.inlinable else "mm"
+        name = f"g{i}"
+        add(name, "backward", kind, [grad, *dict.fromkeys(reads)], sizes[f.inputs[0]])
+        if f.op == "random.mm":
+            dw = f"dw{i}"
+            add(dw, "backward", "mm", [grad, f.inputs[0]], 4 * KiB)
+            bwd_outputs.append(dw)
+        grad = name
+    bwd_outputs.append(grad)
+    return _assemble(nodes, fwd_outputs=(forward[-1],), bwd_outputs=tuple(bwd_outputs))
+
+
+def _assemble(nodes: dict[str, NodeFacts], fwd_outputs: tuple[str, ...], bwd_outputs: tuple[str, ...]) -> JointGraphFacts:
+    order = tuple(nodes)
+    users = {n: tuple(u for u in order if n in nodes[u].inputs) for n in order}
+    required: set[str] = set()
+    stack = list(fwd_outputs)
+    while stack:
+        name = stack.pop()
+        if name not in required and nodes[name].role == "forward":
+            required.add(name)
+            stack.extend(nodes[name].inputs)
+    needed = tuple(
+        n for n in order
+        if nodes[n].role in ("forward", "primal") and any(nodes[u].role == "backward" for u in users[n])
+    )
+    return JointGraphFacts(
+        order=order, nodes=nodes, users=users, fwd_outputs=fwd_outputs, bwd_outputs=bwd_outputs,
+        forward_required=frozenset(required), needed_by_backward=needed,
+    )
+
+
+RANDOM_SEEDS = tuple(range(8))
+TINY = ("mlp2", "mlp3", "mlp_dropout") + tuple(f"random{seed}" for seed in RANDOM_SEEDS)
+
+
+def facts_of(name: str) -> JointGraphFacts:
+    return random_facts(int(name.removeprefix("random"))) if name.startswith("random") else captured(name)
+
+
+@lru_cache(maxsize=None)
+def plans_of(name: str):
+    return enumerate_plans(facts_of(name), max_candidates=12)
+
+
+MAX_BUDGETS = 6
+
+
+@lru_cache(maxsize=None)
+def budgets_of(name: str) -> tuple[int, ...]:
+    """Distinct simulated peaks some plan reaches, largest first: all of them, or
+    MAX_BUDGETS spread evenly from the largest to the smallest."""
+    peaks = sorted({p.simulated_peak_bytes for p in plans_of(name)}, reverse=True)
+    if len(peaks) > MAX_BUDGETS:
+        step = (len(peaks) - 1) / (MAX_BUDGETS - 1)
+        peaks = [peaks[round(i * step)] for i in range(MAX_BUDGETS)]
+    return tuple(peaks)
+
+
+@lru_cache(maxsize=None)
+def milp(name: str, target: int):
+    return solve_min_time(facts_of(name), target, time_limit_s=60)
+
+
+def banned(facts: JointGraphFacts) -> set[str]:
+    return {n for n, node in facts.nodes.items() if node.recompute_ban is not None}
+
+
+# -- the exact solvers agree ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", TINY)
+def test_milp_matches_exhaustive_at_every_reachable_peak(name):
+    facts = facts_of(name)
+    assert 1 <= len(exhaustive_candidates(facts)) <= 12
+    for target in budgets_of(name):
+        truth = best_under(plans_of(name), target)
+        result = milp(name, target)
+        assert result.status == "optimal", (name, target, result)
+        assert result.memory_model == "structural", "a structural row overstated a simulated peak"
+        assert result.est_extra_time_s == pytest.approx(truth.est_extra_time_s, rel=1e-9, abs=1e-15), (name, target)
+        check = evaluate(facts, set(result.chosen_saved))
+        assert check.simulation.peak_bytes == result.simulated_peak_bytes <= target
+        assert check.extra_time_s == pytest.approx(result.est_extra_time_s, rel=1e-12, abs=1e-18)
+        assert not check.partition.recomputed & banned(facts), "a random op was recomputed"
+        assert result.lower_bound_s <= result.est_extra_time_s * (1 + 1e-9) + 1e-15
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_below_the_smallest_peak_is_infeasible(name):
+    smallest = min(budgets_of(name))
+    exhaustive = solve_exhaustive(facts_of(name), smallest - 1, max_candidates=12)
+    assert exhaustive.status == "infeasible" and exhaustive.min_peak_bytes == smallest
+    result = milp(name, smallest - 1)
+    assert result.status == "infeasible"
+    assert result.chosen_saved is None and result.est_extra_time_s is None and result.lower_bound_s == math.inf
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_optimal_time_is_monotone_as_the_budget_shrinks(name):
+    times = [milp(name, target).est_extra_time_s for target in budgets_of(name)]
+    assert times == sorted(times), times
+
+
+def test_no_random_op_is_ever_recomputed():
+    """Over every plan of graphs with dropout masks: the closure saves them instead."""
+    for name in ("mlp_dropout",) + tuple(f"random{s}" for s in RANDOM_SEEDS):
+        facts = facts_of(name)
+        bans = banned(facts) & set(facts.order)
+        if name == "mlp_dropout":
+            assert bans, "the dropout graph should hold a random op"
+        for point in plans_of(name):
+            assert not set(point.recomputed) & bans, (name, point)
+
+
+def test_exhaustive_refuses_too_many_candidates():
+    with pytest.raises(ValueError, match="max_candidates=2"):
+        enumerate_plans(facts_of("mlp3"), max_candidates=2)
+
+
+# -- time limit and the start plan ----------------------------------------------------------------
+
+def test_time_limit_returns_the_start_plan_or_a_better_probe():
+    name = "mlp3"
+    target = budgets_of(name)[2]
+    start = set(best_under(plans_of(name), budgets_of(name)[-1]).chosen_saved)   # fits any budget
+    result = solve_min_time(facts_of(name), target, time_limit_s=0.0, start=start)
+    assert result.status == "time_limit" and result.solves == 0
+    assert result.est_extra_time_s <= evaluate(facts_of(name), start).extra_time_s
+    check = evaluate(facts_of(name), set(result.chosen_saved))
+    assert check.simulation.peak_bytes == result.simulated_peak_bytes <= target
+
+
+def test_time_limit_with_nothing_that_fits_returns_none():
+    smallest = min(budgets_of("mlp3"))
+    result = solve_min_time(facts_of("mlp3"), smallest - 1, time_limit_s=0.0)
+    assert result.status == "time_limit" and result.chosen_saved is None and result.simulated_peak_bytes is None
+
+
+def test_an_optimal_start_plan_is_proven_optimal():
+    name = "mlp3"
+    target = budgets_of(name)[1]
+    truth = best_under(plans_of(name), target)
+    result = solve_min_time(facts_of(name), target, start=set(truth.chosen_saved))
+    assert result.status == "optimal"
+    assert result.est_extra_time_s == pytest.approx(truth.est_extra_time_s, rel=1e-12)
+
+
+def test_captured_attention_block_solves_and_verifies():
+    """Too many candidates to enumerate: check the MILP's plan against the simulator only."""
+    facts = facts_of("attention")
+    full = evaluate(facts, {n for n in facts.needed_by_backward if facts.nodes[n].role == "forward"})
+    for fraction in (1.0, 0.9, 0.8):
+        target = int(full.simulation.peak_bytes * fraction)
+        result = solve_min_time(facts, target, time_limit_s=60)
+        assert result.status == "optimal", result
+        check = evaluate(facts, set(result.chosen_saved))
+        assert check.simulation.peak_bytes <= target
+        assert check.extra_time_s == pytest.approx(result.est_extra_time_s, rel=1e-12, abs=1e-18)
+
+
+# -- the greedy against the optimum ---------------------------------------------------------------
+
+def greedy_gaps(names) -> list[tuple[str, int, float, Optional[float]]]:
+    """(graph, target, optimal extra time, greedy extra time or None when it raises)."""
+    rows = []
+    for name in names:
+        for target in budgets_of(name):
+            optimum = best_under(plans_of(name), target).est_extra_time_s
+            try:
+                greedy: Optional[float] = make_plan(facts_of(name), target).est_extra_time_s
+            except BudgetInfeasibleError:
+                greedy = None
+            rows.append((name, target, optimum, greedy))
+    return rows
+
+
+def _within_gap(optimum: float, greedy: Optional[float]) -> bool:
+    return greedy is not None and greedy <= optimum * (1 + GAP_LIMIT) + 1e-12
+
+
+def test_greedy_plan_meets_its_target_and_never_recomputes_random_ops():
+    for name in TINY:
+        facts = facts_of(name)
+        for target in budgets_of(name):
+            try:
+                plan = make_plan(facts, target)
+            except BudgetInfeasibleError:
+                continue
+            assert plan.predicted_peak_bytes <= target
+            assert not set(plan.recomputed) & banned(facts)
+
+
+def test_greedy_peak_is_monotone_as_the_budget_shrinks():
+    for name in TINY:
+        peaks = []
+        for target in budgets_of(name):
+            try:
+                peaks.append(make_plan(facts_of(name), target).predicted_peak_bytes)
+            except BudgetInfeasibleError:
+                break
+        assert peaks == sorted(peaks, reverse=True), (name, peaks)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "greedy (make_plan) is not within 2% of the MILP/exhaustive optimum: on the tiny graphs it "
+    "misses the optimum at most budgets (starting from the min-cut recomputes pointwise ops the "
+    "cost model charges ~4 us each, even when saving everything fits) and fails budgets the "
+    "optimum meets; numbers in benchmarks/results/solver_scaling_gap.md"))
+def test_greedy_within_2_percent_of_optimum():
+    misses = [row for row in greedy_gaps(TINY) if not _within_gap(row[2], row[3])]
+    assert not misses, misses
