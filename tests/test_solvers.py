@@ -1,8 +1,9 @@
 """The exact solvers (MILP, exhaustive) and the greedy measured against them.
 
 Graphs: joint graphs captured with ``aot_function`` (no Inductor), and random
-``JointGraphFacts`` built directly (``random_facts``). Budgets are every distinct
-simulated peak the exhaustive enumeration reaches, so each is met exactly by some plan.
+``JointGraphFacts`` built directly (``random_facts``). Budgets are simulated peaks the
+exhaustive enumeration reaches (up to MAX_BUDGETS of them, largest to smallest), so each
+is met exactly by some plan, and one byte below the smallest, which none meets.
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ def banned(facts: JointGraphFacts) -> set[str]:
 # -- the exact solvers agree ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", TINY)
-def test_milp_matches_exhaustive_at_every_reachable_peak(name):
+def test_milp_matches_exhaustive_across_reachable_peaks(name):
     facts = facts_of(name)
     assert 1 <= len(exhaustive_candidates(facts)) <= 12
     for target in budgets_of(name):
@@ -350,10 +351,10 @@ def test_greedy_peak_is_monotone_as_the_budget_shrinks():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "greedy (make_plan) is not within 2% of the MILP/exhaustive optimum: on the tiny graphs it "
-    "misses the optimum at most budgets (starting from the min-cut recomputes pointwise ops the "
-    "cost model charges ~4 us each, even when saving everything fits) and fails budgets the "
-    "optimum meets; numbers in benchmarks/results/solver_scaling_gap.md"))
+    "greedy (make_plan) is not within 2% of the exact optimum: on 117 (graph, target) pairs of "
+    "benchmarks/results/solver_scaling_gap.md it is within 2% on 13, median gap 55%, p90 333%, and on 24 it "
+    "raises BudgetInfeasibleError or pays extra time where the optimum pays none (mlp2 raises at the no-remat "
+    "peak; starting from the min-cut it recomputes pointwise ops the cost model charges ~4 us each)"))
 def test_greedy_within_2_percent_of_optimum():
     misses = [row for row in greedy_gaps(TINY) if not _within_gap(row[2], row[3])]
     assert not misses, misses
