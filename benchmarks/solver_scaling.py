@@ -231,7 +231,8 @@ def measure_gap(time_limit_s: float, budgets_per_graph: int) -> list[dict[str, A
         # the smallest peak known to be reachable: saving nothing, or the greedy's smallest
         low = min(top, plan_module.evaluate(facts, frozenset()).simulation.peak_bytes,
                   plan_module.make_plan(facts, 1, best_effort=True).predicted_peak_bytes)
-        targets = sorted({int(low + (top - low) * i / (budgets_per_graph - 1)) for i in range(budgets_per_graph)}, reverse=True)
+        steps = budgets_per_graph - 1
+        targets = sorted({int(low + (top - low) * i / steps) for i in range(budgets_per_graph)}, reverse=True)
         points = None
         if len(exhaustive_candidates(facts)) <= EXHAUSTIVE_CHECK:
             points = enumerate_plans(facts, max_candidates=EXHAUSTIVE_CHECK)
@@ -280,8 +281,9 @@ def scaling_markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Planning time vs graph size (GPT joint graphs)",
         "",
-        f"Command: `{result['command']}`. Machine: {result['machine']['processor']}, {result['machine']['cpu_count']} cores "
-        f"(shared with other engineers' compiles), torch {result['machine']['torch']}, commit {result['source']['commit'][:10]}.",
+        f"Command: `{result['command']}`. Machine: {result['machine']['processor']}, "
+        f"{result['machine']['cpu_count']} cores (shared with other engineers' compiles), "
+        f"torch {result['machine']['torch']}, commit {result['source']['commit'][:10]}.",
         f"Graphs: tests/models.py GPT, default config, batch {BATCH}, traced with aot_module (no Inductor); "
         f"costs from the {PROFILE} datasheet profile; target = {TARGET_FRACTION:.0%} of the no-remat simulated peak.",
         "",
@@ -292,14 +294,16 @@ def scaling_markdown(result: dict[str, Any]) -> str:
     for r in rows:
         lines.append(
             f"| {r['n_layers']} | {r['nodes']} | {ms(r['annotate_costs_s'])} | {ms(r['read_joint_graph_s'])} | "
-            f"{ms(r['simulate_no_remat_s'])} | {ms(r['min_cut_s'])} | {ms(r['greedy_s'])} ({r['greedy_evaluations']}) | "
+            f"{ms(r['simulate_no_remat_s'])} | {ms(r['min_cut_s'])} | "
+            f"{ms(r['greedy_s'])} ({r['greedy_evaluations']}) | "
             f"{ms(r['make_plan_s'])} ({r['make_plan_evaluations']}) | {ms(r['planning_total_s'])} | "
             f"{r['target_bytes'] / 1e6:.2f} | {r['plan_peak_bytes'] / 1e6:.2f} | {'yes' if r['plan_fits'] else 'no'} |"
         )
     lines += ["", "Growth exponent (time ~ nodes^k, least squares on log-log):", ""]
     for key, k in result["exponents"].items():
         lines.append(f"- {key}: k = {k:.2f}" if k is not None else f"- {key}: n/a")
-    lines += ["", "Targets (issue 4): " + "; ".join(f"<= {s:g} s at ~{n:,} nodes" for n, s in TARGETS_S.items()) + ".", ""]
+    targets = "; ".join(f"<= {s:g} s at ~{n:,} nodes" for n, s in TARGETS_S.items())
+    lines += ["", f"Targets (issue 4): {targets}.", ""]
     for line in result["verdicts"]:
         lines.append(f"- {line}")
     k = result["exponents"].get("planning_total_s")
@@ -309,13 +313,14 @@ def scaling_markdown(result: dict[str, Any]) -> str:
             if nodes <= last["nodes"]:
                 continue
             predicted = last["planning_total_s"] * (nodes / last["nodes"]) ** k
-            lines.append(f"- extrapolated from {last['nodes']} nodes with k = {k:.2f}: ~{predicted:.1f} s at {nodes:,} nodes "
-                         f"(target {limit:g} s)")
+            lines.append(f"- extrapolated from {last['nodes']} nodes with k = {k:.2f}: ~{predicted:.1f} s "
+                         f"at {nodes:,} nodes (target {limit:g} s)")
     if result.get("inductor"):
         ind = result["inductor"]
-        lines += ["", f"Inductor: `torch.compile(GPT {ind['n_layers']} layers, backend=remat.backend(...))`, first forward + "
-                  f"backward (compiles both graphs): {ind['compile_and_first_step_s']:.1f} s; remat's planning inside it: "
-                  + ", ".join(f"{p['graph']} {ms(p['plan_time_s'])} ms" for p in ind["plans"]) + "."]
+        inside = ", ".join(f"{p['graph']} {ms(p['plan_time_s'])} ms" for p in ind["plans"])
+        lines += ["", f"Inductor: `torch.compile(GPT {ind['n_layers']} layers, backend=remat.backend(...))`, "
+                  f"first forward + backward (compiles both graphs): {ind['compile_and_first_step_s']:.1f} s; "
+                  f"remat's planning inside it: {inside}."]
     prof = next((r for r in reversed(rows) if "profile" in r), None)
     if prof:
         lines += ["", f"## Where make_plan's time goes ({prof['n_layers']} layers, cProfile, top by own time)", "",
@@ -332,8 +337,11 @@ def gap_markdown(result: dict[str, Any]) -> str:
     failed = [r for r in solved if r["gap"] is not None and not math.isfinite(r["gap"])]
     within = [r for r in solved if r["gap"] is not None and r["gap"] <= 0.02 + 1e-12]
     checked = [r for r in rows if "exhaustive_extra_time_s" in r]
-    disagree = [r for r in checked if (r["exhaustive_extra_time_s"] is None) != (r["milp_extra_time_s"] is None)
-                or (r["milp_status"] == "optimal" and abs(r["exhaustive_extra_time_s"] - r["milp_extra_time_s"]) > 1e-12)]
+    disagree = [
+        r for r in checked
+        if (r["exhaustive_extra_time_s"] is None) != (r["milp_extra_time_s"] is None)
+        or (r["milp_status"] == "optimal" and abs(r["exhaustive_extra_time_s"] - r["milp_extra_time_s"]) > 1e-12)
+    ]
 
     def q(p: float) -> str:
         return f"{100 * finite[min(len(finite) - 1, int(p * len(finite)))]:.1f}%" if finite else "n/a"
@@ -341,14 +349,17 @@ def gap_markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Greedy vs MILP optimum (estimated extra time)",
         "",
-        f"Command: `{result['command']}`. Machine: {result['machine']['processor']}, torch {result['machine']['torch']}, "
-        f"commit {result['source']['commit'][:10]}. MILP time limit {result['time_limit_s']:g} s per target.",
+        f"Command: `{result['command']}`. Machine: {result['machine']['processor']}, "
+        f"torch {result['machine']['torch']}, commit {result['source']['commit'][:10]}. "
+        f"MILP time limit {result['time_limit_s']:g} s per target.",
         "",
         f"- (graph, target) pairs: {len(rows)}; MILP proved optimal: {len(solved)}; infeasible: "
-        f"{sum(r['milp_status'] == 'infeasible' for r in rows)}; time limit: {sum(r['milp_status'] == 'time_limit' for r in rows)}.",
+        f"{sum(r['milp_status'] == 'infeasible' for r in rows)}; "
+        f"time limit: {sum(r['milp_status'] == 'time_limit' for r in rows)}.",
         f"- Greedy within 2% of the optimum: {len(within)} of {len(solved)}; greedy raised BudgetInfeasibleError "
         f"where a plan exists (or spent time where the optimum spends none): {len(failed)}.",
-        f"- Gap (greedy / optimum - 1) over the {len(finite)} finite cases: median {q(0.5)}, p90 {q(0.9)}, max {q(1.0)}.",
+        f"- Gap (greedy / optimum - 1) over the {len(finite)} finite cases: "
+        f"median {q(0.5)}, p90 {q(0.9)}, max {q(1.0)}.",
         f"- MILP checked against exhaustive enumeration on {len(checked)} pairs: {len(disagree)} disagree.",
         "",
         "| graph | nodes | target MB | MILP | optimum us | greedy us | gap |",
@@ -398,8 +409,9 @@ def main() -> None:
     for r in rows:
         for nodes, limit in TARGETS_S.items():
             if nodes / 2 <= r["nodes"] <= nodes * 2:
-                verdicts.append(f"{r['n_layers']} layers, {r['nodes']} nodes: planning {r['planning_total_s']:.2f} s vs "
-                                f"target {limit:g} s at ~{nodes:,} nodes: {'met' if r['planning_total_s'] <= limit else 'MISSED'}")
+                met = "met" if r["planning_total_s"] <= limit else "MISSED"
+                verdicts.append(f"{r['n_layers']} layers, {r['nodes']} nodes: planning {r['planning_total_s']:.2f} s "
+                                f"vs target {limit:g} s at ~{nodes:,} nodes: {met}")
     inductor = None if args.no_inductor else inductor_compile_seconds(2, next(
         (r["target_bytes"] for r in rows if r["n_layers"] == 2), 10**8))
     result = dict(common, rows=rows, exponents=exponents, verdicts=verdicts, inductor=inductor)

@@ -63,18 +63,22 @@ def _attention_block(x, wq, wk, wv, wo):
     return F.layer_norm(y, y.shape[-1:]).sum()
 
 
+def _weights(n: int, width: int) -> list[torch.Tensor]:
+    return [torch.randn(width, width, requires_grad=True) for _ in range(n)]
+
+
 @lru_cache(maxsize=None)
 def captured(name: str) -> JointGraphFacts:
     torch.manual_seed(0)
     rows, width = 256, 64          # 256 x 64 fp32 = 64 KiB per activation
     if name == "mlp2":
-        return _captured_facts(_mlp, torch.randn(rows, width), *[torch.randn(width, width, requires_grad=True) for _ in range(2)])
+        return _captured_facts(_mlp, torch.randn(rows, width), *_weights(2, width))
     if name == "mlp3":
-        return _captured_facts(_mlp, torch.randn(rows, width), *[torch.randn(width, width, requires_grad=True) for _ in range(3)])
+        return _captured_facts(_mlp, torch.randn(rows, width), *_weights(3, width))
     if name == "mlp_dropout":
-        return _captured_facts(_mlp_dropout, torch.randn(rows, width), *[torch.randn(width, width, requires_grad=True) for _ in range(3)])
+        return _captured_facts(_mlp_dropout, torch.randn(rows, width), *_weights(3, width))
     if name == "attention":
-        return _captured_facts(_attention_block, torch.randn(2, 32, 32), *[torch.randn(32, 32, requires_grad=True) for _ in range(4)])
+        return _captured_facts(_attention_block, torch.randn(2, 32, 32), *_weights(4, 32))
     raise KeyError(name)
 
 
@@ -159,7 +163,9 @@ def random_facts(seed: int, n_forward: int = 9) -> JointGraphFacts:
     return _assemble(nodes, fwd_outputs=(forward[-1],), bwd_outputs=tuple(bwd_outputs))
 
 
-def _assemble(nodes: dict[str, NodeFacts], fwd_outputs: tuple[str, ...], bwd_outputs: tuple[str, ...]) -> JointGraphFacts:
+def _assemble(
+    nodes: dict[str, NodeFacts], fwd_outputs: tuple[str, ...], bwd_outputs: tuple[str, ...]
+) -> JointGraphFacts:
     order = tuple(nodes)
     users = {n: tuple(u for u in order if n in nodes[u].inputs) for n in order}
     required: set[str] = set()
@@ -358,3 +364,24 @@ def test_greedy_peak_is_monotone_as_the_budget_shrinks():
 def test_greedy_within_2_percent_of_optimum():
     misses = [row for row in greedy_gaps(TINY) if not _within_gap(row[2], row[3])]
     assert not misses, misses
+
+
+@pytest.mark.parametrize("name", ("mlp3", "random0", "random1"))
+def test_safe_memory_model_matches_exhaustive(name):
+    """The fallback (tangents row and cuts only) is exact too, just slower."""
+    for target in budgets_of(name)[:3]:
+        result = solve_min_time(facts_of(name), target, time_limit_s=60, memory_model="safe")
+        assert result.status == "optimal" and result.memory_model == "safe"
+        truth = best_under(plans_of(name), target)
+        assert result.est_extra_time_s == pytest.approx(truth.est_extra_time_s, rel=1e-9, abs=1e-15)
+
+
+def test_a_row_that_overstates_a_simulated_peak_is_caught():
+    from remat.passes.solve_milp import _build_model
+
+    facts = facts_of("mlp3")
+    model = _build_model(facts, budgets_of("mlp3")[0])
+    trial = evaluate(facts, set())
+    assert model.unsound_rows(trial) == []
+    model.add_memory_row(trial.simulation.peak_bytes + 1, [], "bogus")
+    assert model.unsound_rows(trial) == ["bogus"]

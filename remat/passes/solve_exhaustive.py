@@ -79,7 +79,9 @@ class ExhaustiveResult:
     solve_time_s: float
 
 
-def solve_exhaustive(facts: JointGraphFacts, target_bytes: int, *, max_candidates: int = MAX_CANDIDATES) -> ExhaustiveResult:
+def solve_exhaustive(
+    facts: JointGraphFacts, target_bytes: int, *, max_candidates: int = MAX_CANDIDATES
+) -> ExhaustiveResult:
     """Least estimated extra time over every saved set whose simulated peak is <= ``target_bytes``."""
     t0 = time.perf_counter()
     points = enumerate_plans(facts, max_candidates=max_candidates)

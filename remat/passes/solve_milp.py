@@ -354,7 +354,8 @@ def _free_aliases(facts: JointGraphFacts, relevant: list[str]) -> set[str]:
     free: set[str] = set()
     for name in relevant:
         node = facts.nodes[name]
-        if (schedule.why_not_recomputable(facts, name) is None and not node.is_multi_output and node.cost.est_time_s == 0
+        if (schedule.why_not_recomputable(facts, name) is None and not node.is_multi_output
+                and node.cost.est_time_s == 0
                 and saved_cost_bytes(facts, name) == 0 and not node.allocs
                 and all(facts.nodes[i].role == "primal" or i in free for i in node.inputs)):
             free.add(name)
@@ -683,8 +684,8 @@ class _Liveness:
                 continue
             before = ancestors[e] | {e}
             after = req_descendants[e] | {e}
-            live = {sid for sid, maker in buffered.items()
-                    if maker in before and (sid in self.pinned or maker == e or any(r in after for r in readers.get(sid, ())))}
+            live = {sid for sid, maker in buffered.items() if maker in before and (
+                sid in self.pinned or maker == e or any(r in after for r in readers.get(sid, ())))}
             base = sum(self.bytes_of[s] for s in live)
             savers = self._savers(lambda owner: owner in before)
             rows.append((base, {sid: w for sid, w in savers.items() if sid not in live}, e))
