@@ -21,7 +21,7 @@ from ..errors import BudgetInfeasibleError
 from ..units import format_bytes, format_seconds
 from .joint_graph import JointGraphFacts
 from .mincut import saved_cost_bytes, min_cut_saved
-from .schedule import Partition, memory_steps, partition_nodes, why_not_recomputable
+from .schedule import Partition, memory_steps, partition_nodes, recompute_time_s, why_not_recomputable
 
 MAX_TRIES_PER_DROP = 12
 RECOMPUTE_FLOOR_S = 5e-6
@@ -72,7 +72,7 @@ class _Evaluated:
 def evaluate(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> _Evaluated:
     partition = partition_nodes(facts, chosen_saved)
     steps, pinned = memory_steps(facts, partition)
-    extra = sum(facts.nodes[n].cost.est_time_s for n in partition.recomputed)
+    extra = recompute_time_s(facts, partition)
     return _Evaluated(frozenset(chosen_saved), partition, simulate_memory(steps, pinned), extra, tuple(steps))
 
 
@@ -155,8 +155,7 @@ def greedy_reduce_peak(facts: JointGraphFacts, start: _Evaluated, budget_bytes: 
 
 def evaluate_partition_only(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> float:
     """Estimated recompute time of the partition ``chosen_saved`` closes into (no simulation)."""
-    partition = partition_nodes(facts, chosen_saved)
-    return sum(facts.nodes[n].cost.est_time_s for n in partition.recomputed)
+    return recompute_time_s(facts, partition_nodes(facts, chosen_saved))
 
 
 def _save_all(facts: JointGraphFacts) -> frozenset[str]:

@@ -132,6 +132,16 @@ def backward_order(facts: JointGraphFacts, partition: Partition) -> list[tuple[s
     return schedule
 
 
+def recompute_time_s(facts: JointGraphFacts, partition: Partition) -> float:
+    """Estimated time the backward spends recomputing, for this partition.
+
+    Every recomputation the backward runs is counted: the solvers read their
+    extra time from here and nowhere else, so a schedule that recomputes a value
+    more than once is charged for each time.
+    """
+    return sum(facts.nodes[n].cost.est_time_s for n in partition.recomputed)
+
+
 def memory_steps(facts: JointGraphFacts, partition: Partition) -> tuple[list[Step], set[str]]:
     """The forward, then the backward, as simulator steps in Inductor's kernel order; and the
     pinned storages (see ``kernel_steps``)."""
