@@ -12,6 +12,7 @@ from .metrics import MonitorOptions, StepMetrics, StepMonitor
 from .options import BUDGET_ENV_VAR, RematOptions
 from .pareto import ParetoCurve, ParetoPoint, pareto
 from .passes.plan import Plan
+from .sizing import SizeFit, max_size_that_fits
 
 __all__ = [
     "BUDGET_ENV_VAR",
@@ -25,10 +26,12 @@ __all__ = [
     "RematBackend",
     "RematError",
     "RematOptions",
+    "SizeFit",
     "StepMetrics",
     "StepMonitor",
     "UnsupportedGraphError",
     "backend",
+    "max_size_that_fits",
     "measure_peak_bytes",
     "pareto",
 ]

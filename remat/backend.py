@@ -130,13 +130,16 @@ def read_facts(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_ou
     return read_joint_graph(joint.graph, costs, num_fwd_outputs), profile
 
 
-def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], *, hardware: str = "auto") -> list[JointGraphFacts]:
+def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], *, hardware: str = "auto",
+                      read: Optional[Callable[[fx.GraphModule, Sequence[object], int], Any]] = None) -> list[Any]:
     """Trace ``model`` once, as torch.compile with Inductor would, and return the facts of
     every joint graph, without planning or generating code.
 
     The joint graphs are the ones Inductor hands a partitioner (its decompositions and
     joint-graph passes applied). Only the forward runs, uncompiled; gradients are not touched.
-    Resets Dynamo afterwards so the trace leaves no compiled code behind.
+    Resets Dynamo afterwards so the trace leaves no compiled code behind. ``read``, if
+    given, is called as ``read(joint, joint_inputs, num_fwd_outputs)`` instead of reading
+    the facts, and its results are returned (``remat.sizing`` keeps the joint graphs).
     """
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch import config as functorch_config
@@ -149,12 +152,14 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.virtualized import V
 
-    captured: list[JointGraphFacts] = []
+    captured: list[Any] = []
 
     class CapturingPartitioner(CustomPartitionerFn):
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-            facts, _ = read_facts(gm, joint_inputs, int(kwargs["num_fwd_outputs"]), hardware)
-            captured.append(facts)
+            if read is not None:
+                captured.append(read(gm, joint_inputs, int(kwargs["num_fwd_outputs"])))
+            else:
+                captured.append(read_facts(gm, joint_inputs, int(kwargs["num_fwd_outputs"]), hardware)[0])
             return default_partition(gm, joint_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"],
                                      static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
 

@@ -22,10 +22,12 @@ EXPECTED_PUBLIC = {
     "RematBackend",
     "RematError",
     "RematOptions",
+    "SizeFit",
     "StepMetrics",
     "StepMonitor",
     "UnsupportedGraphError",
     "backend",
+    "max_size_that_fits",
     "measure_peak_bytes",
     "pareto",
 }

@@ -1,14 +1,20 @@
 """Facts about the tensors an FX node produces, read from ``node.meta["val"]``.
 
 Sizes may be symbolic (``torch.SymInt``); every function here evaluates them at
-their hint (the example value the graph was traced with).
+their hint (the example value the graph was traced with), or, inside
+``sizes_evaluated_at(values)``, at the values given for the shape symbols: the
+whole cost model and the facts the planner reads then describe the graph at
+that size (``remat.sizing`` searches sizes this way).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Optional
 
+import sympy
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
@@ -17,9 +23,44 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 _FREE_TARGETS = {operator.getitem}
 
 
+class _SizePoint:
+    """Values for shape symbols, and the integers already worked out at them."""
+
+    def __init__(self, values: Mapping[Any, int]) -> None:
+        self.values = {str(sym): sympy.Integer(int(v)) for sym, v in values.items()}   # by name: assumptions differ
+        self.cache: dict[Any, int] = {}
+
+    def evaluate(self, value: torch.SymInt) -> int:
+        expr = sympy.sympify(value.node.expr)
+        if expr not in self.cache:
+            result = expr.xreplace({s: self.values[s.name] for s in expr.free_symbols if s.name in self.values})
+            if result.free_symbols:  # a symbol the caller gave no value for: its hint
+                result = result.xreplace({s: sympy.Integer(value.node.shape_env.optimization_hint(s)) for s in result.free_symbols})
+            self.cache[expr] = int(result)
+        return self.cache[expr]
+
+
+_SIZE_POINT: contextvars.ContextVar[Optional[_SizePoint]] = contextvars.ContextVar("remat_size_point", default=None)
+
+
+@contextlib.contextmanager
+def sizes_evaluated_at(values: Mapping[Any, int]) -> Iterator[None]:
+    """Within the block, ``concrete_int`` evaluates a SymInt with these values for its
+    shape symbols (keys: sympy symbols or their names, "s0"); symbols not given take
+    their hint. Outside it, sizes evaluate at their hint."""
+    token = _SIZE_POINT.set(_SizePoint(values))
+    try:
+        yield
+    finally:
+        _SIZE_POINT.reset(token)
+
+
 def concrete_int(value: Any) -> int:
-    """An int, or a SymInt evaluated at its hint."""
+    """An int, or a SymInt evaluated at its hint (or at ``sizes_evaluated_at``'s values)."""
     if isinstance(value, torch.SymInt):
+        point = _SIZE_POINT.get()
+        if point is not None:
+            return point.evaluate(value)
         return int(optimization_hint(value))
     return int(value)
 

@@ -1,0 +1,266 @@
+"""The largest batch (or sequence, or any dynamic size) whose plan fits a budget.
+
+``max_size_that_fits(model, example_inputs, budget_gb, dynamic=[(0, 0), (1, 0)])``
+traces the model once with those dims dynamic, so the joint graph's sizes are
+SymInts in a shape symbol (``s0``). To ask about a size ``v`` it reads the facts
+the planner uses (costs, storages, kernel steps) with every symbolic size
+evaluated at ``s0 = v`` (``cost_model.tensors.sizes_evaluated_at``), then plans
+them exactly as the backend would (``make_plan`` under the budget less its
+headroom). No code is generated and nothing is retraced per size.
+
+Why a search and not one formula: what the plan saves and recomputes changes
+with the size, so its simulated peak is a different sum of storage formulas at
+different sizes. The search doubles from the traced size until a size does not
+fit, then bisects. It guarantees, for the size ``n`` it returns: the plan made
+at ``n`` fits (simulated peak <= budget less headroom, on every joint graph),
+and the plan made at ``n + step`` does not (on at least one graph), unless
+``n`` is ``highest``. It does not claim that no larger size fits: a greedy plan
+is not guaranteed monotone in the size, only checked at the boundary.
+
+``replan=False`` keeps the plan made at the traced size, which is what a
+``mark_dynamic`` compile runs at every size, and asks how far that one plan
+stretches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import fx
+
+from .backend import _free_device_bytes, read_facts, trace_joint_facts
+from .cost_model.costs import annotate_costs
+from .cost_model.hardware import HardwareProfile
+from .cost_model.symbolic import shape_hints, symbol_sources
+from .cost_model.tensors import sizes_evaluated_at
+from .errors import BudgetInfeasibleError
+from .options import make_options
+from .passes.joint_graph import JointGraphFacts, read_joint_graph
+from .passes.plan import Plan, evaluate, make_plan
+from .units import format_bytes
+
+
+@dataclass(frozen=True)
+class SizeFit:
+    """The answer of ``max_size_that_fits``; bytes are simulated peaks above the step's resident memory."""
+
+    size: int                        # the largest size found whose plan fits
+    symbols: tuple[str, ...]         # the shape symbols set to ``size`` ("s0",)
+    sources: tuple[str, ...]         # where each came from ("L['x'].size()[0]",)
+    traced_size: int                 # the example inputs' size
+    budget_bytes: int
+    target_bytes: int                # what the simulated peak must meet: the budget less the headroom
+    peak_bytes: int                  # the plan's simulated peak at ``size`` (largest over the joint graphs)
+    next_size: Optional[int]         # the next size up (size + step); None when ``size`` is ``highest``
+    next_peak_bytes: Optional[int]   # the smallest simulated peak a plan reaches at ``next_size``: over the target
+    replanned: bool                  # True: planned at each size; False: the plan made at the traced size
+    sizes_tried: tuple[tuple[int, bool], ...]   # (size, fits), in the order tried
+
+    def describe(self) -> str:
+        names = ", ".join(f"{s} = {src}" for s, src in zip(self.symbols, self.sources))
+        text = (f"largest size that fits: {self.size} ({names}; traced at {self.traced_size}): simulated peak "
+                f"{format_bytes(self.peak_bytes)} <= target {format_bytes(self.target_bytes)} "
+                f"(budget {format_bytes(self.budget_bytes)} less headroom)")
+        if self.next_size is None:
+            return text + "; the search stopped at `highest`"
+        return text + f"; at {self.next_size} the smallest peak is {format_bytes(self.next_peak_bytes or 0)}"
+
+
+@dataclass
+class _Graph:
+    """One traced joint graph, kept to read its facts at other sizes."""
+
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    profile: HardwareProfile
+    facts_at_hint: JointGraphFacts
+
+    def facts_at(self, values: dict[str, int]) -> JointGraphFacts:
+        with sizes_evaluated_at(values):
+            costs = annotate_costs(self.joint.graph, self.profile)
+            return read_joint_graph(self.joint.graph, costs, self.num_fwd_outputs)
+
+
+def _mark_inputs(example_inputs: Sequence[Any], dynamic: Sequence[tuple[int, int]]) -> list[Any]:
+    inputs = list(example_inputs)
+    for item in dynamic:
+        if not (isinstance(item, tuple) and len(item) == 2 and all(isinstance(i, int) for i in item)):
+            raise TypeError(f"dynamic={dynamic!r}: each entry must be an (input index, dim) pair of ints, e.g. (0, 0).")
+        index, dim = item
+        if not 0 <= index < len(inputs) or not isinstance(inputs[index], torch.Tensor):
+            raise ValueError(f"dynamic entry {item}: example_inputs[{index}] is not a tensor "
+                             f"(there are {len(inputs)} inputs).")
+        tensor = inputs[index]
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(f"dynamic entry {item}: input {index} has {tensor.dim()} dims.")
+        if tensor.shape[dim] < 2:
+            raise ValueError(f"dynamic entry {item}: the example size is {tensor.shape[dim]}; trace with a size >= 2 "
+                             "(torch specializes sizes 0 and 1).")
+        # a new leaf over the same storage, so the caller's tensor is not marked
+        alias = tensor.detach().requires_grad_(tensor.requires_grad) if tensor.is_leaf else tensor.view_as(tensor)
+        torch._dynamo.mark_dynamic(alias, dim % tensor.dim())
+        inputs[index] = alias
+    return inputs
+
+
+def _grown_symbols(graphs: list[_Graph], symbol: Optional[str]) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    hints: dict[str, int] = {}
+    sources: dict[str, str] = {}
+    for g in graphs:
+        hints.update({str(s): v for s, v in shape_hints(g.joint.graph).items()})
+        sources.update(symbol_sources(g.joint.graph))
+    used = sorted(s for s in hints if s in sources)
+    if not used:
+        raise ValueError("the traced graphs have no dynamic size: pass dynamic=[(input index, dim), ...] for the "
+                         "dims that grow together, or mark them with torch._dynamo.mark_dynamic before calling.")
+    if symbol is not None:
+        if symbol not in used:
+            raise ValueError(f"symbol={symbol!r} is not a shape symbol of the traced graphs; they have "
+                             + ", ".join(f"{s} ({sources[s]}, traced at {hints[s]})" for s in used) + ".")
+        used = [symbol]
+    if len({hints[s] for s in used}) > 1:
+        raise ValueError("the dynamic sizes " + ", ".join(f"{s} ({sources[s]}, traced at {hints[s]})" for s in used)
+                         + " were traced at different sizes, so they cannot grow as one; pass symbol='...' to pick one.")
+    return tuple(used), tuple(sources[s] for s in used), hints[used[0]]
+
+
+def _peak_if_fits(facts: JointGraphFacts, budget_bytes: int, target_bytes: int,
+                  fixed: Optional[frozenset[str]]) -> tuple[bool, int]:
+    """(fits, peak): the plan's simulated peak, or when no plan fits, the smallest peak found."""
+    if fixed is not None:
+        peak = evaluate(facts, fixed).simulation.peak_bytes
+        return peak <= target_bytes, peak
+    plan = make_plan(facts, budget_bytes, target_bytes=target_bytes, best_effort=True)
+    return plan.fits_budget, plan.predicted_peak_bytes
+
+
+def _search(fits_at: Callable[[int], tuple[bool, int]], start: int, lowest: int, highest: int,
+            step: int) -> tuple[Optional[int], list[tuple[int, bool]]]:
+    """The largest k*step in [lowest, highest] with fits and (k+1)*step not fitting (or == highest)."""
+    tried: list[tuple[int, bool]] = []
+    memo: dict[int, bool] = {}
+
+    def fits(k: int) -> bool:
+        if k not in memo:
+            memo[k] = fits_at(k * step)[0]
+            tried.append((k * step, memo[k]))
+        return memo[k]
+
+    k_lo, k_hi = -(-lowest // step), highest // step
+    k = min(max(start // step, k_lo), k_hi)
+    if fits(k):                        # grow until a size does not fit
+        good, width = k, max(k, 1)     # double the size each time
+        while good < k_hi and fits(min(good + width, k_hi)):
+            good, width = min(good + width, k_hi), width * 2
+        if good == k_hi:
+            return good * step, tried
+        bad = min(good + width, k_hi)
+    else:                              # shrink until one fits
+        bad, width = k, max(k // 2, 1)  # halve the size each time
+        while True:
+            if bad == k_lo:
+                return None, tried
+            candidate = max(bad - width, k_lo)
+            if fits(candidate):
+                good = candidate
+                break
+            bad, width = candidate, max(candidate // 2, 1)
+    while bad - good > 1:              # fits(good) and not fits(bad)
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good * step, tried
+
+
+def max_size_that_fits(
+    model: Callable[..., Any],
+    example_inputs: Sequence[Any],
+    budget_gb: Any,
+    *,
+    dynamic: Sequence[tuple[int, int]] = (),
+    symbol: Optional[str] = None,
+    lowest: int = 1,
+    highest: int = 1 << 20,
+    step: int = 1,
+    replan: bool = True,
+    hardware: str = "auto",
+    headroom_fraction: float = 0.15,
+) -> SizeFit:
+    """The largest value of a dynamic size for which remat's plan fits ``budget_gb`` (decimal GB).
+
+    ``dynamic`` lists the (input index, dim) pairs that are the size in question
+    (e.g. the batch dim of the inputs and of the targets); they are marked with
+    ``torch._dynamo.mark_dynamic`` on aliases of the inputs, and grow together.
+    Dims already marked by the caller count too; with several shape symbols,
+    ``symbol`` ("s0") picks the one to grow (the others stay at their traced size).
+    Sizes searched are multiples of ``step`` in [``lowest``, ``highest``].
+    The model is traced once (no code generated; only the forward runs, uncompiled).
+
+    Guarantees, for the returned ``SizeFit.size`` n: the plan at n fits on every
+    joint graph, and at n + step no plan the planner finds fits on some graph
+    (unless n == ``highest``). Raises ``BudgetInfeasibleError`` when ``lowest``
+    does not fit, naming the smallest budget that does.
+    """
+    options = make_options(budget_gb, hardware=hardware, headroom_fraction=headroom_fraction,
+                           free_bytes_for_auto=_free_device_bytes() if budget_gb == "auto" else None)
+    if options.budget_bytes is None:
+        raise ValueError("budget_gb=None: max_size_that_fits needs a budget, a number of decimal GB (e.g. budget_gb=8).")
+    for name, value in (("lowest", lowest), ("highest", highest), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int.")
+    if highest < lowest or highest < step:
+        raise ValueError(f"highest={highest} must be >= lowest={lowest} and >= step={step}.")
+    budget, target = options.budget_bytes, options.planning_target_bytes()
+    assert target is not None
+
+    def keep(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int) -> _Graph:
+        facts, profile = read_facts(joint, joint_inputs, num_fwd_outputs, hardware)
+        return _Graph(joint, num_fwd_outputs, profile, facts)
+
+    graphs = [g for g in trace_joint_facts(model, _mark_inputs(example_inputs, dynamic), hardware=hardware, read=keep)
+              if any(n.role == "backward" for n in g.facts_at_hint.nodes.values())]
+    if not graphs:
+        raise ValueError("the model produced no joint graph with a backward: call it on inputs whose output "
+                         "depends on parameters that require grad.")
+    symbols, sources, traced = _grown_symbols(graphs, symbol)
+    fixed = [None if replan else _hint_plan_saved(g.facts_at_hint, budget, target) for g in graphs]
+    peaks: dict[int, tuple[bool, int]] = {}
+
+    def fits_at(size: int) -> tuple[bool, int]:
+        if size not in peaks:
+            values = {s: size for s in symbols}
+            results = [_peak_if_fits(g.facts_at(values), budget, target, f) for g, f in zip(graphs, fixed)]
+            fits = all(ok for ok, _ in results)
+            peak = max(p for _, p in results) if fits else max(p for ok, p in results if not ok)
+            peaks[size] = (fits, peak)
+        return peaks[size]
+
+    size, tried = _search(fits_at, traced, lowest, highest, step)
+    if size is None:
+        smallest = -(-lowest // step) * step
+        peak = fits_at(smallest)[1]
+        minimum = -(-peak * budget // max(target, 1))
+        raise BudgetInfeasibleError(
+            f"even the smallest size {smallest} does not fit budget {format_bytes(budget)}: the smallest simulated "
+            f"peak a plan reaches there is {format_bytes(peak)} against a target of {format_bytes(target)} (the budget "
+            f"less {100 * options.headroom_fraction:.0f}% headroom). Raise the budget to at least {minimum / 1e9:.4f} GB"
+            " (1 GB = 1e9 bytes) or lower `lowest`.",
+            budget_bytes=budget, min_feasible_bytes=minimum, reasons=(),
+        )
+    next_size = size + step if size + step <= highest else None
+    return SizeFit(
+        size=size, symbols=symbols, sources=sources, traced_size=traced, budget_bytes=budget, target_bytes=target,
+        peak_bytes=fits_at(size)[1], next_size=next_size,
+        next_peak_bytes=fits_at(next_size)[1] if next_size is not None else None,
+        replanned=replan, sizes_tried=tuple(tried),
+    )
+
+
+def _hint_plan_saved(facts: JointGraphFacts, budget: int, target: int) -> frozenset[str]:
+    """What the plan made at the traced size saves (the smallest-peak plan if none fits there)."""
+    plan: Plan = make_plan(facts, budget, target_bytes=target, best_effort=True)
+    return frozenset(plan.saved)
+
+
+__all__ = ["SizeFit", "max_size_that_fits"]
