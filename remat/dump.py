@@ -10,7 +10,7 @@ from .cost_model.hardware import HardwareProfile
 from .passes.joint_graph import JointGraphFacts
 from .passes.plan import Plan
 from .passes.rewrite import REMAT_KEY, RecomputeTag, RegionSummary, describe_region
-from .report import dumps_plan, plan_to_json, render_report
+from .report import dumps_plan, plan_to_json, render_report, render_symbolic_sizes
 
 
 def annotated_code(gm: fx.GraphModule, regions: tuple[RegionSummary, ...]) -> str:
@@ -64,6 +64,7 @@ def write_dump(
     )
     (directory / "plan.json").write_text(dumps_plan(plan_to_json(plan, graph_id, regions, profile)))
     report = render_report(plan, graph_id, regions, profile)
+    report += render_symbolic_sizes(plan, facts, (fw.graph, bw.graph))
     if pareto_points > 0:
         from .pareto import curve_for_graph, plot_curve, render_table
 

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Optional, Sequence
+
+import sympy
+import torch
+from torch import fx
 
 from .cost_model.hardware import HardwareProfile
-from .passes.plan import Plan
+from .cost_model.symbolic import evaluate as evaluate_expr
+from .cost_model.symbolic import format_expr, shape_hints, symbol_sources, to_sympy
+from .passes.joint_graph import JointGraphFacts
+from .passes.plan import Plan, evaluate
 from .passes.rewrite import RegionSummary, describe_region
 from .units import format_bytes, format_seconds
 
@@ -71,3 +78,75 @@ def render_report(plan: Plan, graph_id: str, regions: tuple[RegionSummary, ...],
 
 def dumps_plan(payload: dict[str, Any]) -> str:
     return json.dumps(payload, indent=1, sort_keys=False)
+
+
+def _storage_expr(sid: str, graphs: Sequence[fx.Graph]) -> Optional[sympy.Expr]:
+    """Bytes of one storage (``name`` or ``name#i``) as a formula, from the node of that name."""
+    name, _, index = sid.partition("#")
+    for graph in graphs:
+        node = _node_named(graph, name)
+        if node is None:
+            continue
+        value = node.meta.get("val")
+        if index:
+            value = value[int(index)] if isinstance(value, (list, tuple)) and int(index) < len(value) else None
+        if isinstance(value, torch.Tensor):
+            return sympy.expand(to_sympy(value.numel()) * value.element_size())
+    return None
+
+
+def _node_named(graph: fx.Graph, name: str) -> Optional[fx.Node]:
+    return next((n for n in graph.nodes if n.name == name), None)
+
+
+def _formula(sids_and_bytes: Sequence[tuple[str, int]], graphs: Sequence[fx.Graph]) -> tuple[sympy.Expr, int]:
+    """The summed bytes of these storages as a formula; storages with no node found count at their hinted size."""
+    total, missing = sympy.Integer(0), 0
+    for sid, nbytes in sids_and_bytes:
+        expr = _storage_expr(sid, graphs)
+        if expr is None:
+            expr, missing = sympy.Integer(nbytes), missing + 1
+        total += expr
+    return sympy.expand(total), missing
+
+
+def render_symbolic_sizes(plan: Plan, facts: JointGraphFacts, graphs: Sequence[fx.Graph]) -> str:
+    """A report section with the saved bytes and the peak as formulas in the shape symbols.
+
+    Empty when the graphs have no symbolic sizes. Each formula is shown with its value
+    at the traced sizes, which equals the plan's number (the section says so if not).
+    """
+    hints: dict[sympy.Symbol, int] = {}
+    sources: dict[str, str] = {}
+    for graph in graphs:
+        hints.update(shape_hints(graph))
+        sources.update(symbol_sources(graph))
+    if not hints:
+        return ""
+    lines = ["", "## Sizes as formulas (dynamic shapes)", ""]
+    lines += [f"- `{sym}` = `{sources.get(str(sym), '?')}`, traced at {value}" for sym, value in sorted(hints.items(), key=str)]
+    lines.append("")
+    saved = [(sid, bytes_) for name in plan.saved for sid, bytes_ in _saved_storages(facts, name)]
+    rows = [("saved activations", saved, plan.saved_bytes)]
+    simulated = evaluate(facts, frozenset(plan.saved)).simulation
+    if simulated.peak_bytes == plan.predicted_peak_bytes:
+        rows.append((f"predicted peak (at `{simulated.peak_step_name}`)", list(simulated.live_at_peak),
+                     plan.predicted_peak_bytes))
+    for label, sids, expected in rows:
+        expr, missing = _formula(sids, graphs)
+        at_hint = evaluate_expr(expr, hints)
+        note = "" if at_hint == expected else f" (the plan counts {format_bytes(expected)})"
+        if missing:
+            note += f" ({missing} storages without a formula counted at their traced size)"
+        lines.append(f"- {label} = {format_expr(expr, 'bytes')} = {format_bytes(at_hint)} at the traced sizes{note}")
+    return "\n".join(lines) + "\n"
+
+
+def _saved_storages(facts: JointGraphFacts, name: str) -> list[tuple[str, int]]:
+    """The storages saving ``name`` keeps alive, as ``mincut.saved_cost_bytes`` counts them."""
+    out = []
+    for sid in facts.nodes[name].value_storages:
+        owner = facts.nodes.get(sid.split("#")[0])
+        if owner is not None and owner.role != "primal":
+            out.append((sid, dict(owner.allocs).get(sid, 0)))
+    return out
