@@ -271,9 +271,14 @@ class _Live:
 class Sweep:
     """Compiles methods over one model instance and measures them interleaved."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device, *, deadline: float = math.inf) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, *, deadline: float = math.inf,
+                 measure_deadline: float = math.inf) -> None:
         torch._dynamo.reset()
-        self.spec, self.device, self.deadline = spec, device, deadline
+        self.spec, self.device = spec, device
+        self.deadline = deadline                  # time.monotonic() after which no compile starts
+        self.measure_deadline = measure_deadline  # after which no further measurement round starts
+        self.load_average_1min: list[float] = []  # os.getloadavg()[0] at the start of every measurement round
+        self.rounds_cut: list[str] = []           # measurement phases the deadline shortened
         model, inputs = spec.build()
         self.model = model.to(device).train()
         self.inputs = tuple(t.to(device) for t in inputs)
@@ -313,13 +318,26 @@ class Sweep:
             return point
         except Exception as error:  # noqa: BLE001 - a method that fails is reported, not dropped
             point.error = f"failed: {type(error).__name__}: {str(error).strip()[:400]}"
+            self._release_memory()
             return point
         point.compile_s = time.perf_counter() - start
+        try:
+            return self._check_compiled(point, forward, backend)
+        except Exception as error:  # noqa: BLE001 - e.g. out of memory in the gradient-check step
+            point.error = f"failed after compiling: {type(error).__name__}: {str(error).strip()[:400]}"
+            self._release_memory()
+            return point
+
+    def _check_compiled(self, point: Point, forward: Callable[[], torch.Tensor], backend: Any) -> Point:
+        """Record what was compiled (remat: the plans' predictions), check the gradients, keep the method live."""
         if isinstance(backend, remat.RematBackend):
             graphs = backend.compiled_graphs
             point.graphs_compiled = len(graphs)
             point.graph_ids = [g.graph_id for g in graphs]
             plans = [g.plan for g in graphs]
+            if not plans:
+                point.error = "remat compiled no graph for this method (Dynamo reused another method's code)"
+                return point
             point.budget_bytes = plans[0].budget_bytes
             point.predicted_peak_bytes = max(p.predicted_peak_bytes for p in plans)
             point.simulated_no_remat_peak_bytes = max(p.no_remat_peak_bytes for p in plans)
@@ -339,12 +357,32 @@ class Sweep:
         self.live.append(_Live(point, forward, monitor))
         return point
 
-    def _rounds(self, items: list[_Live], count: int, run: Callable[[_Live], None]) -> None:
-        """``count`` rounds over ``items`` (A B C, B C A, ...): every method once per round."""
+    def _rounds(self, items: list[_Live], count: int, run: Callable[[_Live], None], phase: str) -> None:
+        """``count`` rounds over ``items`` (A B C, B C A, ...): every method once per round.
+
+        A method whose step raises (e.g. out of memory) gets the error recorded on its point and
+        leaves the sweep; the others go on. No round starts after ``measure_deadline``.
+        """
         for r in range(count):
+            if time.monotonic() > self.measure_deadline:
+                self.rounds_cut.append(f"{phase}: {r} of {count} rounds (time limit)")
+                return
+            self.load_average_1min.append(os.getloadavg()[0])
             shift = r % max(len(items), 1)
             for item in items[shift:] + items[:shift]:
-                run(item)
+                if item not in self.live:
+                    continue
+                try:
+                    run(item)
+                except Exception as error:  # noqa: BLE001 - a method that fails is reported, not fatal
+                    item.point.error = f"failed while measuring ({phase}): {type(error).__name__}: {str(error).strip()[:400]}"
+                    self.live.remove(item)
+                    self._release_memory()
+
+    def _release_memory(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def measure_peaks(self, rounds: int, items: Optional[list[_Live]] = None) -> None:
         def one(item: _Live) -> None:
@@ -352,7 +390,7 @@ class Sweep:
             item.monitor.step(item.forward, measure_peak=True)
             item.point.peak_bytes.append(item.monitor.last.peak_bytes)
 
-        self._rounds(self.live if items is None else items, rounds, one)
+        self._rounds(list(self.live if items is None else items), rounds, one, "peak")
 
     def measure_times(self, reps: int, warmup: int = 1) -> None:
         def warm(item: _Live) -> None:
@@ -367,8 +405,8 @@ class Sweep:
             item.point.backward_s.append(last.backward_s)
             item.point.step_s.append(last.step_s)
 
-        self._rounds(self.live, warmup, warm)
-        self._rounds(self.live, reps, one)
+        self._rounds(list(self.live), warmup, warm, "warm-up")
+        self._rounds(list(self.live), reps, one, "timing")
 
 
 def source_info() -> dict[str, Any]:

@@ -32,11 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import statistics
 import sys
+import traceback
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -52,6 +55,7 @@ from common import (  # noqa: E402
 AC_BUDGETS = (0.8, 0.5, 0.3, 0.1, 0.0)
 EVERY_K = (2, 4)
 DOMINANCE_TIME_FACTOR = 1.03
+CUDA_MAX_MINUTES = 7.0        # --device cuda: the whole run, compiles included, inside 8 minutes
 MERGE_FRACTION = 0.01          # remat budgets within 1% of each other are planned once, at the smallest
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -110,11 +114,15 @@ def smallest_feasible_bytes(sweep: Sweep) -> int:
     raise RuntimeError("a 1 kB budget was feasible: this model's step allocates next to nothing")
 
 
-def remat_budgets(min_feasible: int, inductor_peak: int, baselines: list[Point], sweep_points: int) -> list[tuple[int, list[str]]]:
-    """(budget bytes, roles) pairs: the sweep, 50% of Inductor's peak, each baseline's peak; close ones merged."""
-    top = max(inductor_peak, min_feasible)
-    wanted = [(round(min_feasible + (top - min_feasible) * i / (sweep_points - 1)), f"sweep {i + 1}/{sweep_points}")
-              for i in range(sweep_points)]
+def remat_budgets(min_feasible: Optional[int], inductor_peak: int, baselines: list[Point],
+                  sweep_points: int) -> list[tuple[int, list[str]]]:
+    """(budget bytes, roles) pairs: the sweep, 50% of Inductor's peak, each baseline's peak; close ones merged.
+    Without a smallest feasible budget (remat failed to plan) there is no sweep, only the other roles."""
+    wanted: list[tuple[int, str]] = []
+    if min_feasible is not None:
+        top = max(inductor_peak, min_feasible)
+        wanted += [(round(min_feasible + (top - min_feasible) * i / (sweep_points - 1)), f"sweep {i + 1}/{sweep_points}")
+                   for i in range(sweep_points)]
     wanted.append((inductor_peak // 2, "50% of inductor's peak"))
     wanted += [(p.peak, f"at {p.label}'s peak") for p in baselines if p.has_peak]
     merged: list[tuple[int, list[str]]] = []
@@ -126,40 +134,117 @@ def remat_budgets(min_feasible: int, inductor_peak: int, baselines: list[Point],
     return merged
 
 
-def run_model(spec: ModelSpec, device: torch.device, config: SweepConfig) -> tuple[dict[str, Any], list[Point]]:
-    started = time.monotonic()
-    sweep = Sweep(spec, device, deadline=started + 60 * config.max_minutes if config.max_minutes else math.inf)
+# Shares of a model's time (``--max-minutes`` split over the models left) after which a phase starts
+# nothing new: compiles, then peak measurements, then timing rounds; the rest is for writing results.
+COMPILE_SHARE, PEAK_SHARE, TIMING_SHARE = 0.60, 0.75, 0.95
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """``time.monotonic()`` instants after which a phase of one model's sweep starts nothing new."""
+
+    compile: float = math.inf
+    peaks: float = math.inf
+    timing: float = math.inf
+
+    @staticmethod
+    def share(run_deadline: float, models_left: int) -> "Deadlines":
+        if math.isinf(run_deadline):
+            return Deadlines()
+        now = time.monotonic()
+        share_s = max(run_deadline - now, 0.0) / max(models_left, 1)
+        return Deadlines(now + COMPILE_SHARE * share_s, now + PEAK_SHARE * share_s, now + TIMING_SHARE * share_s)
+
+
+class ModelRun:
+    """One model's sweep, with what is known so far; ``snapshot`` turns it into the results JSON."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, config: SweepConfig, deadlines: Deadlines) -> None:
+        self.spec, self.device, self.config, self.deadlines = spec, device, config, deadlines
+        self.started = time.monotonic()
+        self.load_start = os.getloadavg()
+        self.min_feasible: Optional[int] = None
+        self.min_feasible_error: Optional[str] = None
+        self.sweep: Optional[Sweep] = None
+
+    @property
+    def points(self) -> list[Point]:
+        return self.sweep.points if self.sweep is not None else []
+
+    def snapshot(self, status: str, error: Optional[str] = None) -> dict[str, Any]:
+        spec, config = self.spec, self.config
+        sweep = self.sweep
+        result: dict[str, Any] = {
+            "model": spec.name, "description": spec.description, "device": str(self.device), "torch": torch.__version__,
+            "status": status, "error": error, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "machine": machine_info(self.device), "source": source_info(), "command": " ".join(["python"] + sys.argv),
+            "units": "bytes and seconds; 1 GB = 1e9 bytes",
+            "settings": {**asdict(config), "peak_measurements": config.peak_rounds + 1, "step_seed": STEP_SEED,
+                         "grad_rel_tol": spec.grad_rel_tol, "dominance_time_factor": DOMINANCE_TIME_FACTOR,
+                         "merge_fraction": MERGE_FRACTION},
+            "load_average": load_average_json(self.load_start, sweep.load_average_1min if sweep else [], os.getloadavg()),
+            "rounds_cut_by_time_limit": list(sweep.rounds_cut) if sweep else [],
+            "min_feasible_bytes": self.min_feasible, "min_feasible_error": self.min_feasible_error,
+            "wall_s": time.monotonic() - self.started,
+            "points": [point_json(p) for p in self.points],
+        }
+        inductor = self.points[0] if self.points else None
+        result["checks"] = compute_checks(self.points, inductor) if inductor is not None and inductor.has_peak else None
+        return result
+
+
+def load_average_json(start: tuple[float, float, float], during: list[float], end: tuple[float, float, float]) -> dict[str, Any]:
+    """The machine's load (other processes share its cores): 1/5/15-min load averages at the start and
+    the end, and the 1-min load average at the start of every measurement round (median, min, max)."""
+    out: dict[str, Any] = {"cpu_count": os.cpu_count(), "start_1_5_15min": list(start), "end_1_5_15min": list(end)}
+    if during:
+        out.update(rounds_1min_median=statistics.median(during), rounds_1min_min=min(during),
+                   rounds_1min_max=max(during), rounds=len(during))
+    return out
+
+
+def compile_priority(budget_roles: tuple[int, list[str]]) -> tuple[int, int]:
+    """The checks' budgets (each baseline's peak, 50% of Inductor's, the smallest feasible) before the rest
+    of the sweep; by increasing budget within each group."""
+    budget, roles = budget_roles
+    needed = any(r.startswith("at ") or r.startswith("50%") or r.startswith("sweep 1/") for r in roles)
+    return (0 if needed else 1, budget)
+
+
+def run_model(run: ModelRun, write: Callable[[str], None]) -> None:
+    """Compile and measure every method on one model; ``write(status)`` after each phase (partial results)."""
+    spec, device, config, deadlines = run.spec, run.device, run.config, run.deadlines
+    sweep = run.sweep = Sweep(spec, device, deadline=deadlines.compile, measure_deadline=deadlines.peaks)
     print(f"[{spec.name}] compiling the baselines", flush=True)
     baseline_methods(sweep, config)
     baselines = list(sweep.points)
-    sweep.measure_peaks(config.peak_rounds)
+    sweep.measure_peaks(1)                     # the first round always runs: remat's budgets need the peaks
+    sweep.measure_peaks(config.peak_rounds - 1)
     inductor = baselines[0]
     if not inductor.has_peak:
         raise RuntimeError(f"plain Inductor failed on {spec.name}: {inductor.error}")
-    min_feasible = smallest_feasible_bytes(sweep)
-    budgets = remat_budgets(min_feasible, inductor.peak, baselines, config.sweep_points)
-    print(f"[{spec.name}] smallest feasible budget {min_feasible} B; compiling remat at {len(budgets)} budgets", flush=True)
+    write("partial: baselines compiled and their peaks measured")
+    try:
+        run.min_feasible = smallest_feasible_bytes(sweep)
+    except Exception as error:  # noqa: BLE001 - remat's failure is a result, the baselines still get measured
+        run.min_feasible_error = f"{type(error).__name__}: {str(error).strip()[:400]}"
+        print(f"[{spec.name}] remat could not plan at all: {run.min_feasible_error}", flush=True)
+    budgets = remat_budgets(run.min_feasible, inductor.peak, baselines, config.sweep_points)
+    print(f"[{spec.name}] smallest feasible budget {run.min_feasible} B; compiling remat at {len(budgets)} budgets",
+          flush=True)
     first_remat = len(sweep.live)
-    for budget, roles in budgets:
+    for budget, roles in sorted(budgets, key=compile_priority):   # under a time limit the least needed go last
         size = f"{budget / 1e9:.3f} GB" if budget >= 1e9 else f"{budget / 1e6:.3f} MB"
         point = Point("remat", f"remat {size}", {"budget_gb": budget / 1e9}, planned_for=roles)
         sweep.add(point, sweep.model, remat.backend(budget / 1e9))
-    sweep.measure_peaks(config.peak_rounds, sweep.live[first_remat:])
+    sweep.measure_peaks(1, sweep.live[first_remat:])
+    sweep.measure_peaks(config.peak_rounds - 1, sweep.live[first_remat:])
     sweep.measure_peaks(1)                     # one more round of every method, interleaved
+    write("partial: every method compiled and its peak measured; timing next")
+    sweep.measure_deadline = deadlines.timing
     print(f"[{spec.name}] timing {len(sweep.live)} methods x {config.reps} reps, interleaved", flush=True)
     sweep.measure_times(config.reps)
     post_hoc_monitor_checks(sweep.points, inductor)
-    result = {
-        "model": spec.name, "description": spec.description, "device": str(device), "torch": torch.__version__,
-        "machine": machine_info(device), "source": source_info(), "command": " ".join(sys.argv), "units": "bytes and seconds; 1 GB = 1e9 bytes",
-        "settings": {**asdict(config), "peak_measurements": config.peak_rounds + 1, "step_seed": STEP_SEED,
-                     "grad_rel_tol": spec.grad_rel_tol, "dominance_time_factor": DOMINANCE_TIME_FACTOR,
-                     "merge_fraction": MERGE_FRACTION},
-        "min_feasible_bytes": min_feasible, "wall_s": time.monotonic() - started,
-        "points": [point_json(p) for p in sweep.points],
-    }
-    result["checks"] = compute_checks(sweep.points, inductor)
-    return result, sweep.points
 
 
 def post_hoc_monitor_checks(points: list[Point], inductor: Point) -> None:
@@ -269,15 +354,18 @@ def grads_text(p: Point) -> str:
 
 def render_markdown(result: dict[str, Any], points: list[Point]) -> str:
     m = result["machine"]
-    inductor = points[0]
     lines = [
         f"# Pareto benchmark: {result['model']} on {result['device']}",
         "",
+        f"- status: **{result.get('status', 'complete')}**" + (f"; error: {short(result['error'])}" if result.get("error") else "")
+        + (f"; rounds cut by the time limit: {'; '.join(result['rounds_cut_by_time_limit'])}"
+           if result.get("rounds_cut_by_time_limit") else "") + (f"; {result['date_utc']} UTC" if "date_utc" in result else ""),
         f"- model: {result['description']}",
         f"- machine: {m['host']}, {m['processor']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch threads"
         + (f", GPU {m['gpu']} (CUDA {m['cuda']}, fp32 matmul precision {m['float32_matmul_precision']})" if "gpu" in m else "")
         + f"; {m['platform']}",
         f"- torch {result['torch']}, Python {m['python']}; command: `{result['command']}`; wall time {result['wall_s']:.0f} s",
+        load_average_line(result.get("load_average")),
         f"- source: commit {result['source']['commit'][:12]}"
         + (f", with uncommitted changes to {', '.join(result['source']['remat_files_modified_from_commit'])}"
            if result['source']['remat_files_modified_from_commit'] else ", remat/ as committed"),
@@ -288,7 +376,9 @@ def render_markdown(result: dict[str, Any], points: list[Point]) -> str:
         "per round, each round in a rotated order); spread = interquartile range / median of the step time",
         f"- grads: largest per-parameter relative error against plain Inductor with the same seed "
         f"({result['settings']['step_seed']}); wrong when >= {result['settings']['grad_rel_tol']:g}",
-        f"- remat's smallest feasible budget: {mb(result['min_feasible_bytes'])} MB; its sweep runs from there to "
+        (f"- remat could not plan at all (no sweep): {short(result['min_feasible_error'])}; "
+         if result.get("min_feasible_error") else "")
+        + f"- remat's smallest feasible budget: {mb(result['min_feasible_bytes'])} MB; its sweep runs from there to "
         "plain Inductor's measured peak (no recomputation beyond Inductor's default); budgets within "
         f"{100 * result['settings']['merge_fraction']:.0f}% of each other are planned once, at the smallest "
         "(column 'planned for')",
@@ -297,6 +387,10 @@ def render_markdown(result: dict[str, Any], points: list[Point]) -> str:
         "| method | setting | peak MB | step ms | fwd ms | bwd ms | spread | overhead vs inductor | grads vs inductor | compile s |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
+    if not points:
+        return "\n".join(lines) + "\n"
+    inductor = points[0]
+    points = display_order(points)
     for p in points:
         if not p.measured:
             lines.append(f"| {p.method} | {p.label} | - | - | - | - | - | - | - | {short(p.error)} |")
@@ -325,8 +419,26 @@ def render_markdown(result: dict[str, Any], points: list[Point]) -> str:
             f"{ms(p.est_extra_time_s)} | {ms(p.median('step_s') - inductor.median('step_s'))} | "
             f"{ms(p.median('backward_s') - inductor.median('backward_s'))} | "
             + (", ".join(warning_kind(w) for w in p.monitor_warnings) or "none") + " |")
-    lines += ["", "## Checks", ""] + render_checks(result["checks"])
+    lines += ["", "## Checks", ""] + (render_checks(result["checks"]) if result.get("checks") else
+                                       ["Not computed: plain Inductor has no measured peak."])
     return "\n".join(lines) + "\n"
+
+
+def display_order(points: list[Point]) -> list[Point]:
+    """Baselines as compiled, then remat by increasing budget (remat compiles in priority order)."""
+    remats = sorted((p for p in points if p.method == "remat"), key=lambda p: p.settings.get("budget_gb", 0.0))
+    return [p for p in points if p.method != "remat"] + remats
+
+
+def load_average_line(load: Optional[dict[str, Any]]) -> str:
+    if not load:
+        return "- load average: not recorded"
+    during = (f", 1-min load at the start of the {load['rounds']} measurement rounds: median {load['rounds_1min_median']:.2f} "
+              f"(min {load['rounds_1min_min']:.2f}, max {load['rounds_1min_max']:.2f})" if "rounds" in load else "")
+    start, end = load["start_1_5_15min"], load["end_1_5_15min"]
+    return (f"- load average (other processes share the {load['cpu_count']} CPUs): 1/5/15 min "
+            f"{start[0]:.2f}/{start[1]:.2f}/{start[2]:.2f} at the start, {end[0]:.2f}/{end[1]:.2f}/{end[2]:.2f} at the end"
+            + during)
 
 
 def short(text: Optional[str], limit: int = 220) -> str:
@@ -437,13 +549,13 @@ def write_plot(path: Path, result: dict[str, Any], points: list[Point]) -> Optio
     return path
 
 
-def write_model_results(out_dir: Path, result: dict[str, Any], points: list[Point]) -> list[Path]:
+def write_model_results(out_dir: Path, result: dict[str, Any], points: list[Point], plot: bool = True) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{result['model']}-{result['device'].split(':')[0]}"
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     md_path.write_text(render_markdown(result, points))
-    png = write_plot(out_dir / f"{stem}.png", result, points)
+    png = write_plot(out_dir / f"{stem}.png", result, points) if plot else None
     return [json_path, md_path] + ([png] if png else [])
 
 
@@ -457,7 +569,10 @@ def write_summary(out_dir: Path, device: str, results: list[dict[str, Any]]) -> 
                   f"{r['description']}; {machine['host']} ({machine.get('gpu', machine['processor'])}, "
                   f"{machine['torch_threads']} torch threads), torch {r['torch']}, commit {r['source']['commit'][:12]}; "
                   f"command `{r['command']}`; {r['wall_s'] / 60:.0f} min.", ""]
-        lines += render_checks(r["checks"]) + [""]
+        if r.get("status", "complete") != "complete":
+            lines += [f"Status: **{r['status']}**" + (f" ({short(r['error'])})" if r.get("error") else "") + ".", ""]
+        lines += (render_checks(r["checks"]) if r.get("checks") else ["No checks: plain Inductor has no measured peak."])
+        lines += [""]
     path = out_dir / f"pareto-{device}.md"
     path.write_text("\n".join(lines))
     return path
@@ -482,15 +597,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--render", type=Path, nargs="+", default=None, metavar="JSON",
                         help="measure nothing: write the tables, plot and summary again from these results files")
     parser.add_argument("--max-minutes", type=float, default=None,
-                        help="per model, start no compile after this many minutes (default: 5 on cuda, none on cpu); "
-                             "points not compiled by then are listed as skipped")
+                        help="the whole run's time limit, split evenly over the models left (default: 7 on cuda, none "
+                             f"on cpu). Within a model's share no compile starts after {COMPILE_SHARE:.0%} of it, no peak "
+                             f"measurement after {PEAK_SHARE:.0%}, no timing round after {TIMING_SHARE:.0%}; what was "
+                             "not compiled or measured by then is listed as skipped or cut")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     models = (args.models or ("gpt-tiny" if args.quick else "gpt-h200" if cuda else "gpt,cnn,gpt-deep")).split(",")
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"--models={args.models!r}: unknown {unknown}; choose from {sorted(MODELS)}")
-    base = QUICK if args.quick else SweepConfig(reps=10 if cuda else 31, max_minutes=5.0 if cuda else None)
+    base = QUICK if args.quick else SweepConfig(reps=10 if cuda else 31, max_minutes=CUDA_MAX_MINUTES if cuda else None)
     overrides = {k: v for k, v in (("reps", args.reps), ("peak_rounds", args.peak_rounds),
                                    ("sweep_points", args.sweep_points), ("max_minutes", args.max_minutes)) if v is not None}
     for key, value in overrides.items():
@@ -524,28 +641,48 @@ def load_results(path: Path) -> tuple[dict[str, Any], list[Point]]:
     return result, points
 
 
+def measure_models(args: argparse.Namespace, device: torch.device) -> list[tuple[dict[str, Any], list[Point]]]:
+    """Every model in turn, within ``--max-minutes`` over all of them; a model that fails is written with its error."""
+    run_deadline = time.monotonic() + 60 * args.config.max_minutes if args.config.max_minutes else math.inf
+    runs = []
+    for index, name in enumerate(args.models):
+        run = ModelRun(MODELS[name], device, args.config, Deadlines.share(run_deadline, len(args.models) - index))
+
+        def write(status: str, run: ModelRun = run) -> None:
+            try:    # partial results must never end the run
+                write_model_results(args.out_dir, run.snapshot(status), run.points, plot=False)
+            except Exception:  # noqa: BLE001
+                print(f"[{run.spec.name}] could not write partial results:\n{traceback.format_exc()}", flush=True)
+
+        try:
+            run_model(run, write)
+            result = run.snapshot("complete" if not run.sweep.rounds_cut else "complete, with rounds cut by --max-minutes")
+        except Exception as error:  # noqa: BLE001 - what was measured before the failure is still written
+            print(f"[{name}] failed:\n{traceback.format_exc()}", flush=True)
+            result = run.snapshot("failed", f"{type(error).__name__}: {error}")
+        runs.append((result, run.points))
+        print(render_markdown(result, run.points))
+        print("wrote " + ", ".join(str(p) for p in write_model_results(args.out_dir, result, run.points)), flush=True)
+    return runs
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    runs: list[tuple[dict[str, Any], list[Point]]] = []
     if args.render:
         runs = [load_results(path) for path in args.render]
-    else:
-        if device.type == "cuda" and not torch.cuda.is_available():
-            print("--device cuda: no CUDA device is available", file=sys.stderr)
-            return 2
-        configure_torch(device, args.threads)
-    for name in ([] if args.render else args.models):
-        result, points = run_model(MODELS[name], device, args.config)
-        runs.append((result, points))
-        print(render_markdown(result, points))
-        print("wrote " + ", ".join(str(p) for p in write_model_results(args.out_dir, result, points)), flush=True)
-    if args.render:
         for result, points in runs:
             print("wrote " + ", ".join(str(p) for p in write_model_results(args.out_dir, result, points)))
+    else:
+        if device.type == "cuda" and not torch.cuda.is_available():
+            print("--device cuda: no CUDA device is available (torch.cuda.is_available() is False); "
+                  "run on a machine with a GPU and a CUDA build of torch, or use --device cpu", file=sys.stderr)
+            return 2
+        configure_torch(device, args.threads)
+        runs = measure_models(args, device)
     summary = write_summary(args.out_dir, runs[0][0]["device"].split(":")[0], [r for r, _ in runs])
     print(f"wrote {summary}")
-    return 0
+    return 0 if all(r.get("status", "complete").startswith("complete") for r, _ in runs) else 1
 
 
 if __name__ == "__main__":
