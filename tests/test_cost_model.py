@@ -588,3 +588,29 @@ def test_annotate_costs_works_on_symbolic_graphs(dynamic_joint):
     costs = annotate_costs(dynamic_joint, ROUND)
     assert sum(c.flops for c in costs.values()) == sum(node_flops(n).flops for n in dynamic_joint.nodes)
     assert all(c.est_time_s >= 0 for c in costs.values())
+
+
+# ---------------------------------------------------------------- storages: views allocate nothing
+
+STORAGE_VIEW_CASES = [
+    # id, fn on a (4, 512, 512) fp32 input (4 MiB), the view op whose storage must be its input's
+    ("_unsafe_view after bmm", lambda x: torch.ops.aten._unsafe_view(torch.bmm(x, x), [4 * N, N]).relu(), "_unsafe_view"),
+    ("view", lambda x: torch.bmm(x, x).view(4 * N, N).relu(), "view"),
+    ("permute", lambda x: torch.bmm(x, x).permute(0, 2, 1).relu(), "permute"),
+    ("alias", lambda x: torch.ops.aten.alias(torch.bmm(x, x)).relu(), "alias"),
+]
+
+
+@pytest.mark.parametrize("fn,view_op", [c[1:] for c in STORAGE_VIEW_CASES], ids=[c[0] for c in STORAGE_VIEW_CASES])
+def test_view_ops_allocate_nothing_and_alias_their_input(fn, view_op):
+    from remat.passes.joint_graph import read_joint_graph
+
+    graph = trace(fn, m(4, N, N))
+    facts = read_joint_graph(graph, annotate_costs(graph, ROUND), num_fwd_outputs=1)
+    view = next(n for n in facts.nodes.values() if n.op.startswith(f"aten.{view_op}."))
+    bmm = next(n for n in facts.nodes.values() if n.op.startswith("aten.bmm"))
+    assert view.allocs == () and view.is_view
+    assert view.value_storages == bmm.value_storages == (bmm.name,)
+    assert bmm.allocs == ((bmm.name, 4 * MiB),)
+    # the graph allocates the input (4 MiB), bmm's output and relu's output, nothing else
+    assert sum(n.alloc_bytes for n in facts.nodes.values()) == 12 * MiB

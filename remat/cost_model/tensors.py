@@ -141,6 +141,12 @@ def is_aliasing_op(node: fx.Node) -> bool:
 _NO_COPY_NAMES = {"_unsafe_view"}
 
 
+def aliases_input(node: fx.Node) -> bool:
+    """True when the node's tensor output is its first tensor input's memory: a view or alias
+    by its schema (``is_aliasing_op``), or ``_unsafe_view``, whose schema says nothing."""
+    return node.op == "call_function" and (is_aliasing_op(node) or op_name(node) in _NO_COPY_NAMES)
+
+
 def is_free_op(node: fx.Node) -> bool:
     """True when running the node moves no bytes and launches no kernel.
 

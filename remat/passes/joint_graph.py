@@ -25,8 +25,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..cost_model.costs import NodeCost
 from ..cost_model.tensors import (
+    aliases_input,
     concrete_int,
-    is_aliasing_op,
     is_mutating_op,
     is_sym_node,
     is_tensor_node,
@@ -137,7 +137,7 @@ def recompute_ban_reason(node: fx.Node) -> Optional[str]:
 def _is_free_to_recompute(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
-    if node.target is operator.getitem or is_aliasing_op(node):
+    if node.target is operator.getitem or aliases_input(node):
         return True
     if torch.Tag.pointwise in op_tags(node):
         return True
@@ -159,7 +159,7 @@ def _op_name(node: fx.Node) -> str:
 
 def _is_inlinable(node: fx.Node) -> bool:
     """Pointwise-like ops Inductor evaluates inside the consumer's loop instead of writing a buffer."""
-    if node.op != "call_function" or isinstance(node_val(node), (list, tuple)) or is_aliasing_op(node):
+    if node.op != "call_function" or isinstance(node_val(node), (list, tuple)) or aliases_input(node):
         return False
     return torch.Tag.pointwise in op_tags(node) or _op_name(node) in _INLINABLE_NAMES
 
@@ -167,7 +167,7 @@ def _is_inlinable(node: fx.Node) -> bool:
 def _is_fusible_consumer(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
-    if node.target is operator.getitem or is_aliasing_op(node) or _is_inlinable(node):
+    if node.target is operator.getitem or aliases_input(node) or _is_inlinable(node):
         return True
     return torch.Tag.reduction in op_tags(node) or _op_name(node) in _REDUCTION_NAMES
 
@@ -175,7 +175,7 @@ def _is_fusible_consumer(node: fx.Node) -> bool:
 def _is_inner_reduction(node: fx.Node) -> bool:
     """True for a reduction over the innermost dims of its input (RMSNorm's mean over the last
     dim), whose result a loop over the same rows can use in the same outer loop."""
-    if node.op != "call_function" or not _is_fusible_consumer(node) or _is_inlinable(node) or is_aliasing_op(node):
+    if node.op != "call_function" or not _is_fusible_consumer(node) or _is_inlinable(node) or aliases_input(node):
         return False
     source = node.args[0] if node.args else None
     value = node_val(source) if isinstance(source, fx.Node) else None
@@ -205,7 +205,7 @@ def _storages(node: fx.Node, value_storages: dict[str, tuple[str, ...]]) -> tupl
         if len(parent) > 1 and isinstance(index, int) and index < len(parent):
             return (), (parent[index],)
         return (), parent
-    if is_aliasing_op(node):
+    if aliases_input(node):   # views, and _unsafe_view (no alias annotation, still no copy)
         base = next((a for a in node.all_input_nodes if is_tensor_node(a)), None)
         return (), (value_storages.get(base.name, ()) if base is not None else ())
     val = node_val(node)
@@ -275,7 +275,7 @@ def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_out
             is_multi_output=isinstance(node_val(node), (list, tuple)),
             is_getitem=node.target is operator.getitem,
             getitem_index=node.args[1] if node.target is operator.getitem and isinstance(node.args[1], int) else None,
-            is_view=is_aliasing_op(node),
+            is_view=aliases_input(node),
             inlinable=_is_inlinable(node),
             fusible_consumer=_is_fusible_consumer(node),
             free_to_recompute=_is_free_to_recompute(node),
