@@ -1,7 +1,15 @@
 """How good is remat's cost model? Estimated vs measured time, FLOPs vs FlopCounterMode.
 
-    python benchmarks/cost_model_accuracy.py                     # CPU, zoo GPT and CNN
-    python benchmarks/cost_model_accuracy.py --device cuda       # the same on a GPU
+    python benchmarks/cost_model_accuracy.py --threads 1         # CPU, zoo GPT and CNN
+    python benchmarks/cost_model_accuracy.py --device cuda       # the same on a GPU (< 8 min on an H200)
+
+On CUDA the zoo's batches are multiplied by ``--batch-scale`` (default 8) so kernels
+are not all launch-bound; nodes are timed with CUDA events, the calibration and the
+whole-graph times synchronise around each sample, and the profile is ``auto`` (the
+datasheet profile matching the GPU's name, e.g. h200). ``--max-minutes`` bounds the
+run (default 7.5 on CUDA): a model, or the Inductor compile of a model, that would
+start too late is skipped and says so. One model failing does not lose the others:
+its error is recorded, and the results files are rewritten after every model.
 
 For each model, the joint forward+backward graph is traced as the backend sees
 it (Inductor's decompositions and joint-graph passes, captured at the
@@ -374,10 +382,30 @@ def fusion_summary(graph: fx.Graph) -> dict[str, int]:
     return {"predicted_kernels": groups.kernel_count(), "predicted_loop_kernels": loops}
 
 
-def run_model(name: str, device: torch.device, profile_name: str, repeats: int, compiled: bool) -> dict[str, Any]:
+class Deadline:
+    """Seconds left before ``--max-minutes`` runs out (never, when it is 0)."""
+
+    def __init__(self, max_minutes: float) -> None:
+        self.end = time.perf_counter() + 60 * max_minutes if max_minutes > 0 else float("inf")
+
+    def left_s(self) -> float:
+        return self.end - time.perf_counter()
+
+
+ZOO_BATCH = {"mlp": 2048, "gpt": 8, "cnn": 16, "llama": 8}    # the zoo's defaults (tests/models.py)
+
+
+def model_factory(name: str, device: torch.device, batch_scale: int) -> Callable[[], tuple]:
     def make_model():
-        model, inputs = ZOO[name]()
+        model, inputs = ZOO[name](batch=ZOO_BATCH[name] * batch_scale) if batch_scale != 1 else ZOO[name]()
         return model.to(device).train(), tuple(t.to(device) for t in inputs)
+    return make_model
+
+
+def run_model(name: str, device: torch.device, profile_name: str, repeats: int, compiled: bool,
+              batch_scale: int = 1, deadline: Deadline | None = None, compile_reserve_s: float = 0.0) -> dict[str, Any]:
+    make_model = model_factory(name, device, batch_scale)
+    deadline = deadline or Deadline(0)
 
     print(f"[{name}] tracing the joint graph", flush=True)
     t0 = time.perf_counter()
@@ -397,8 +425,14 @@ def run_model(name: str, device: torch.device, profile_name: str, repeats: int, 
     nodes = [n.name for n in graph.nodes if n.name in in_context and n.name in calibration.times_s]
     sums = phase_sums(graph, roofline, calibrated, calibration.times_s, in_context)
     targets, phases = {n.name: n.target for n in graph.nodes}, node_phases(graph)
+    compile_now = compiled and deadline.left_s() > compile_reserve_s
+    if compiled and not compile_now:
+        print(f"[{name}] skipping the Inductor compile: {deadline.left_s():.0f} s left, "
+              f"{compile_reserve_s:.0f} s reserved for it", flush=True)
     return {
         "model": name,
+        "batch": ZOO_BATCH[name] * batch_scale,
+        "inductor_skipped_for_time": compiled and not compile_now,
         "graph_nodes": len(graph.nodes),
         "trace_s": trace_s,
         "calibrate_s": calibrate_s,
@@ -406,7 +440,7 @@ def run_model(name: str, device: torch.device, profile_name: str, repeats: int, 
         "joint_graph_run_s": graph_run_s,
         "per_node": per_node_metrics(graph, nodes, in_context, roofline, calibration.times_s, repeatability),
         "phase_sums": sums,
-        "totals": whole_graph_totals(name, make_model, sums, device, repeats, compiled),
+        "totals": whole_graph_totals(name, make_model, sums, device, repeats, compile_now),
         "fusion": fusion_summary(graph),
         "flops": flop_check(make_model, graph),
         "node_rows": [
@@ -448,6 +482,7 @@ def _load(values: Any) -> str:
 
 def _header(payload: dict[str, Any]) -> list[str]:
     m = payload["machine"]
+    batches = ", ".join(f"{r['model']} {r.get('batch', '?')}" for r in payload["models"])
     return [
         f"# Cost model accuracy on {payload['device']}",
         "",
@@ -455,7 +490,8 @@ def _header(payload: dict[str, Any]) -> list[str]:
         f"({m['torch_threads']} threads), host `{m['host']}`; load average (1/5/15 min) at start "
         f"{_load(m.get('load_average_at_start'))}, at end {_load(payload.get('load_average_at_end'))}.",
         f"Profile `{payload['profile']['name']}`: {payload['profile']['source']}.",
-        f"Command: `{payload['command']}` ({payload['wall_s']:.0f} s).",
+        f"Command: `{payload['command']}` ({payload.get('wall_s', 0):.0f} s); zoo batches x{payload.get('batch_scale', 1)} "
+        f"({batches}).",
     ]
 
 
@@ -534,11 +570,31 @@ def _fusion_section(models: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _problems_section(payload: dict[str, Any]) -> list[str]:
+    lines = ["## Not measured", ""]
+    lines += [f"- {f['model']}: failed, `{f['error'].splitlines()[0][:300]}`" for f in payload.get("failed", [])]
+    lines += [f"- {name}: not started, --max-minutes {payload.get('max_minutes')} ran out"
+              for name in payload.get("skipped_for_time", [])]
+    lines += [f"- {r['model']}: Inductor compile skipped, too little of --max-minutes left"
+              for r in payload["models"] if r.get("inductor_skipped_for_time")]
+    return lines if len(lines) > 2 else []
+
+
 def write_markdown(path: Path, payload: dict[str, Any]) -> None:
     models = payload["models"]
-    sections = [_header(payload), _per_node_section(models), _totals_section(models), _flops_section(models),
-                _fusion_section(models)]
+    sections = [_header(payload), _problems_section(payload), _per_node_section(models), _totals_section(models),
+                _flops_section(models), _fusion_section(models)]
+    sections = [section for section in sections if section]
     path.write_text("\n\n".join("\n".join(section) for section in sections) + "\n")
+
+
+def write_results(out_dir: Path, device: str, payload: dict[str, Any]) -> Path:
+    """Write the JSON and the markdown (again after every model, so a cut-short run keeps what it has)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"cost_model_accuracy-{device}"
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=str))
+    write_markdown(stem.with_suffix(".md"), payload)
+    return stem.with_suffix(".md")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -548,33 +604,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", default="auto", help="hardware profile: auto, cpu, cuda, a100, h100, h200")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--batch-scale", type=int, default=None,
+                        help="multiply the zoo's batch sizes (default: 1 on CPU, 8 on CUDA)")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="stop starting new work after this long (default: none on CPU, 7.5 on CUDA; 0: none)")
+    parser.add_argument("--compile-reserve-s", type=float, default=None,
+                        help="skip a model's Inductor compile with fewer seconds left (default: 20 CPU, 75 CUDA)")
     parser.add_argument("--no-compiled", action="store_true", help="skip the Inductor compile and its timings")
-    parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out-dir", "--out", dest="out_dir", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device on this machine")
+    on_cuda = device.type == "cuda"
+    batch_scale = args.batch_scale if args.batch_scale is not None else (8 if on_cuda else 1)
+    max_minutes = args.max_minutes if args.max_minutes is not None else (7.5 if on_cuda else 0.0)
+    reserve_s = args.compile_reserve_s if args.compile_reserve_s is not None else (75.0 if on_cuda else 20.0)
+    deadline = Deadline(max_minutes)
     start = time.perf_counter()
     profile = get_profile(args.profile, device)
     payload: dict[str, Any] = {
         "device": args.device, "machine": machine(device), "profile": profile_to_json(profile),
         "command": " ".join(["python", "benchmarks/cost_model_accuracy.py"] + list(argv if argv is not None else sys.argv[1:])),
-        "repeats": args.repeats, "models": [],
+        "repeats": args.repeats, "batch_scale": batch_scale, "max_minutes": max_minutes, "models": [], "failed": [],
+        "skipped_for_time": [],
     }
+    out_dir = Path(args.out_dir)
     for name in args.models:
-        payload["models"].append(run_model(name, device, args.profile, args.repeats, not args.no_compiled))
+        # a model takes about a minute on either device without its compile: do not start one with less left
+        if deadline.left_s() < 45:
+            print(f"[{name}] skipped: {deadline.left_s():.0f} s left of --max-minutes {max_minutes}", flush=True)
+            payload["skipped_for_time"].append(name)
+            continue
+        try:
+            payload["models"].append(run_model(name, device, args.profile, args.repeats, not args.no_compiled,
+                                               batch_scale, deadline, reserve_s))
+        except Exception as error:  # noqa: BLE001 - one model failing must not lose the others' results
+            import traceback
+
+            print(f"[{name}] FAILED: {type(error).__name__}: {error}", flush=True)
+            traceback.print_exc()
+            payload["failed"].append({"model": name, "error": f"{type(error).__name__}: {str(error)[:2000]}",
+                                      "traceback": traceback.format_exc()[-4000:]})
+        finally:
+            if on_cuda:
+                torch.cuda.empty_cache()
+        payload["wall_s"] = time.perf_counter() - start
+        if hasattr(os, "getloadavg"):
+            payload["load_average_at_end"] = os.getloadavg()
+        path = write_results(out_dir, args.device, payload)
     payload["wall_s"] = time.perf_counter() - start
-    if hasattr(os, "getloadavg"):
-        payload["load_average_at_end"] = os.getloadavg()
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"cost_model_accuracy-{args.device}"
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=str))
-    write_markdown(stem.with_suffix(".md"), payload)
-    print(stem.with_suffix(".md").read_text())
-    return 0
+    path = write_results(out_dir, args.device, payload)
+    print(path.read_text())
+    return 0 if payload["models"] and not payload["failed"] else 1
 
 
 if __name__ == "__main__":
