@@ -17,7 +17,10 @@ from typing import Any, Iterator, Mapping, Optional
 import sympy
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch < 2.13 names it hint_int (static shapes never reach it)
+    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
 
 # Ops with no data of their own: they allocate nothing and move no bytes.
 _FREE_TARGETS = {operator.getitem}

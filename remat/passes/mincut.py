@@ -14,9 +14,9 @@ least bytes to save for no extra compute.
 
 from __future__ import annotations
 
-import math
-
-import networkx as nx
+import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from .joint_graph import JointGraphFacts
 from .schedule import why_not_recomputable
@@ -33,39 +33,80 @@ def saved_cost_bytes(facts: JointGraphFacts, name: str) -> int:
     return total
 
 
-def min_cut_saved(facts: JointGraphFacts) -> frozenset[str]:
-    """Names of the forward values the free min-cut saves (primals excluded)."""
-    graph = nx.DiGraph()
-    relevant: set[str] = set()
+_INF = np.int32(2**31 - 1)
+_FINITE_TOTAL = 2**30          # finite capacities are scaled to sum to at most this (int32 flows)
+
+
+def _relevant(facts: JointGraphFacts) -> list[str]:
+    """Forward values and primals the backward reads or a recomputation could read, in graph order."""
+    found: set[str] = set()
     stack = list(facts.needed_by_backward)
     while stack:
         name = stack.pop()
-        if name in relevant:
+        if name in found:
             continue
-        relevant.add(name)
+        found.add(name)
         if facts.nodes[name].role == "forward":
             stack.extend(facts.nodes[name].inputs)
+    return [name for name in facts.order if name in found]
+
+
+def min_cut_saved(facts: JointGraphFacts) -> frozenset[str]:
+    """Names of the forward values the free min-cut saves (primals excluded).
+
+    Solved with scipy's max-flow (Dinic) on int32 capacities: when the bytes of all
+    values exceed 2**30, they are scaled down (rounded up) to fit, so the cut is
+    least up to that rounding. The network is built in graph order and the cut is
+    read from the residual graph (the least cut nearest the backward), so the same
+    graph gives the same cut whatever the hash seed.
+    """
+    relevant = _relevant(facts)
+    index = {"source": 0, "sink": 1}
+    edges: list[tuple[int, int, int]] = []      # (from, to, capacity); -1 = infinite
+
+    def node(key: str) -> int:
+        return index.setdefault(key, len(index))
+
+    inside = set(relevant)
     for name in relevant:
-        node = facts.nodes[name]
-        if node.role == "primal":
-            graph.add_edge("source", name + "_out", capacity=math.inf)
+        info = facts.nodes[name]
+        if info.role == "primal":
+            edges.append((0, node(name + "_out"), -1))
             continue
-        if node.role != "forward":
+        if info.role != "forward":
             continue
-        capacity = math.inf if node.is_multi_output else saved_cost_bytes(facts, name)
-        graph.add_edge(name + "_in", name + "_out", capacity=capacity)
-        must_run_in_forward = why_not_recomputable(facts, name) is not None or not node.free_to_recompute
-        if must_run_in_forward:
-            graph.add_edge("source", name + "_in", capacity=math.inf)
-        for inp in node.inputs:
-            if inp in relevant:
-                graph.add_edge(inp + "_out", name + "_in", capacity=math.inf)
+        capacity = -1 if info.is_multi_output else saved_cost_bytes(facts, name)
+        edges.append((node(name + "_in"), node(name + "_out"), capacity))
+        if why_not_recomputable(facts, name) is not None or not info.free_to_recompute:
+            edges.append((0, node(name + "_in"), -1))
+        for inp in info.inputs:
+            if inp in inside:
+                edges.append((node(inp + "_out"), node(name + "_in"), -1))
         if any(facts.nodes[u].role == "backward" for u in facts.users[name]):
-            graph.add_edge(name + "_out", "sink", capacity=math.inf)
-    if "sink" not in graph or "source" not in graph:
+            edges.append((node(name + "_out"), 1, -1))
+    if not any(a == 0 for a, _, _ in edges) or not any(b == 1 for _, b, _ in edges):
         return frozenset()
-    _, (reachable, _) = nx.minimum_cut(graph, "source", "sink")
+    total = sum(c for _, _, c in edges if c > 0)
+    scale = max(1, -(-total // _FINITE_TOTAL))
+    size = len(index)
+    capacity: dict[tuple[int, int], int] = {}
+    for a, b, c in edges:
+        value = int(_INF) if c < 0 else -(-c // scale)
+        capacity[(a, b)] = min(int(_INF), capacity.get((a, b), 0) + value)
+    rows = np.array([a for a, _ in capacity], dtype=np.int32)
+    cols = np.array([b for _, b in capacity], dtype=np.int32)
+    data = np.array(list(capacity.values()), dtype=np.int32)
+    graph = csr_matrix((data, (rows, cols)), shape=(size, size))
+    flow = maximum_flow(graph, 0, 1, method="dinic").flow
+    residual = (graph - flow).tocsr()
+    residual.data[residual.data < 0] = 0
+    residual.eliminate_zeros()
+    # Of the least cuts, the one nearest the backward (the source side is everything that cannot
+    # reach the sink in the residual graph): it recomputes the fewest values.
+    reaching = set(breadth_first_order(residual.T.tocsr(), 1, directed=True, return_predecessors=False).tolist())
+    reachable = set(range(size)) - reaching
     return frozenset(
         name for name in relevant
-        if facts.nodes[name].role == "forward" and name + "_in" in reachable and name + "_out" not in reachable
+        if facts.nodes[name].role == "forward"
+        and index[name + "_in"] in reachable and index[name + "_out"] not in reachable
     )

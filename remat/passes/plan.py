@@ -1,30 +1,36 @@
 """Decide what the forward saves and what the backward recomputes, under a budget.
 
-``make_plan`` starts from the free min-cut (``mincut.py``). If its simulated
-peak is over the budget, a greedy pass drops saved values one at a time: among
-the saved values live at the simulated peak, it tries them in order of least
-added recompute time per byte freed, and keeps the first drop that lowers the
-simulated peak. It stops when the peak fits, or raises ``BudgetInfeasibleError``
-when no drop lowers the peak any more. The sequence of drops does not depend on
-the budget (only where it stops does), so the planned peak is monotone in the
-budget.
+``make_plan`` returns, with no budget, the free min-cut (``mincut.py``: the
+least bytes to save for no recomputation beyond fusible ops). With a budget it
+asks a solver for the least estimated extra time whose simulated peak meets the
+target: ``solver="greedy"`` (the default, ``solve_greedy.py``: descent from
+saving everything with a covering knapsack per round, then polish), or
+``solver="milp"`` (``solve_milp.py``, exact, for small graphs; it starts from the
+greedy's plan and falls back to it on a time-out or failure, saying why in
+``Plan.solver``). The min-cut plan is taken instead when it fits and costs less.
+Every plan is read back through ``evaluate`` (the simulator): its peak is what
+the plan claims. Every tie is broken by joint-graph position, so the plan does
+not depend on ``PYTHONHASHSEED``.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import AbstractSet, Optional
+from typing import Optional
 
-from ..cost_model.memory import MemorySimulation, Step, simulate_memory
 from ..errors import BudgetInfeasibleError
 from ..units import format_bytes, format_seconds
+from .evaluate import Evaluated, evaluate
 from .joint_graph import JointGraphFacts
-from .mincut import saved_cost_bytes, min_cut_saved
-from .schedule import Partition, memory_steps, partition_nodes, recompute_time_s, why_not_recomputable
+from .mincut import min_cut_saved, saved_cost_bytes
+from .solve_greedy import smallest_peak_plan, solve_greedy
+from .solve_milp import solve_min_time
 
-MAX_TRIES_PER_DROP = 12
-RECOMPUTE_FLOOR_S = 5e-6
+_Evaluated = Evaluated    # the name older callers import
+SOLVER_NAMES = ("greedy", "milp")
+MILP_MAX_CANDIDATES = 400       # solver="milp" refuses graphs with more forward values to decide
+DEFAULT_MILP_TIME_LIMIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -60,109 +66,12 @@ class Plan:
     fits_budget: bool
 
 
-@dataclass(frozen=True)
-class _Evaluated:
-    chosen: frozenset[str]
-    partition: Partition
-    simulation: MemorySimulation
-    extra_time_s: float
-    steps: tuple[Step, ...]
-
-
-def evaluate(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> _Evaluated:
-    partition = partition_nodes(facts, chosen_saved)
-    steps, pinned = memory_steps(facts, partition)
-    extra = recompute_time_s(facts, partition)
-    return _Evaluated(frozenset(chosen_saved), partition, simulate_memory(steps, pinned), extra, tuple(steps))
-
-
-def _held_only_by_saving(current: _Evaluated, storages: tuple[str, ...]) -> bool:
-    """True when these storages are live at the peak only because they are saved: in the
-    forward, every forward reader ran before the peak; in the backward, the first
-    backward reader runs after it. Dropping such a value can lower the peak."""
-    peak = current.simulation.peak_step
-    in_backward = current.steps[peak].phase == "backward"
-    wanted = set(storages)
-    for index, step in enumerate(current.steps):
-        if not wanted.intersection(step.uses):
-            continue
-        if in_backward and step.phase == "backward" and index <= peak:
-            return False
-        if not in_backward and step.phase == "forward" and index >= peak:
-            return False
-    return True
-
-
-def _droppable_at_peak(facts: JointGraphFacts, current: _Evaluated) -> list[str]:
-    live = {sid for sid, _ in current.simulation.live_at_peak}
-    forced = set(current.partition.forced)
-    return [
-        name for name in current.partition.saved
-        if name not in forced and why_not_recomputable(facts, name) is None
-        and any(sid in live for sid in facts.nodes[name].value_storages)
-        and saved_cost_bytes(facts, name) > 0
-        and _held_only_by_saving(current, facts.nodes[name].value_storages)
-    ]
-
-
-def excess_bytes(simulation: MemorySimulation, target_bytes: int) -> int:
-    """Bytes above the target summed over every step: 0 exactly when the peak fits.
-
-    The greedy minimises this rather than the peak alone: repeated layers make
-    many steps peak at the same height, and a single drop lowers only one of them.
-    """
-    return sum(live - target_bytes for live in simulation.timeline_bytes if live > target_bytes)
-
-
-def greedy_reduce_peak(facts: JointGraphFacts, start: _Evaluated, budget_bytes: int) -> tuple[_Evaluated, list[str]]:
-    """Drop saved values until the simulated peak fits ``budget_bytes`` or no drop helps.
-
-    Each round ranks the saved values held live at the peak only by being saved,
-    by added recompute time per byte freed, and keeps the first drop that lowers
-    the bytes above the budget (``excess_bytes``). Then it re-adds dropped values,
-    last dropped first, wherever the plan still fits: that returns time the drops
-    no longer need. Returns the plan and the values it dropped; the plan's peak is
-    <= budget_bytes, or no single drop lowered the excess.
-    """
-    current = start
-    dropped: list[str] = []
-    excess = excess_bytes(current.simulation, budget_bytes)
-    while excess > 0:
-        ranked = []
-        for name in _droppable_at_peak(facts, current):
-            added_s = evaluate_partition_only(facts, current.chosen - {name}) - current.extra_time_s
-            # Every recomputation costs at least a kernel launch: without that floor, values
-            # of a few bytes that recompute "for free" would rank first and free nothing.
-            ranked.append(((max(added_s, 0.0) + RECOMPUTE_FLOOR_S) / max(saved_cost_bytes(facts, name), 1), name))
-        ranked.sort()
-        for _, name in ranked[:MAX_TRIES_PER_DROP]:
-            trial = evaluate(facts, current.chosen - {name})
-            trial_excess = excess_bytes(trial.simulation, budget_bytes)
-            if trial_excess < excess:
-                current, excess = trial, trial_excess
-                dropped.append(name)
-                break
-        else:
-            break
-    if excess == 0:
-        for name in reversed(list(dropped)):
-            trial = evaluate(facts, current.chosen | {name})
-            if trial.simulation.peak_bytes <= budget_bytes and trial.extra_time_s < current.extra_time_s:
-                current = trial
-                dropped.remove(name)
-    return current, dropped
-
-
-def evaluate_partition_only(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> float:
-    """Estimated recompute time of the partition ``chosen_saved`` closes into (no simulation)."""
-    return recompute_time_s(facts, partition_nodes(facts, chosen_saved))
-
-
 def _save_all(facts: JointGraphFacts) -> frozenset[str]:
     return frozenset(n for n in facts.needed_by_backward if facts.nodes[n].role == "forward")
 
 
-def _decisions(facts: JointGraphFacts, chosen: _Evaluated, mincut: frozenset[str], dropped: list[str]) -> tuple[NodeDecision, ...]:
+def _decisions(facts: JointGraphFacts, chosen: Evaluated, mincut: frozenset[str], dropped: tuple[str, ...],
+               is_mincut: bool) -> tuple[NodeDecision, ...]:
     part = chosen.partition
     dropped_set = set(dropped)
     decisions = []
@@ -174,12 +83,15 @@ def _decisions(facts: JointGraphFacts, chosen: _Evaluated, mincut: frozenset[str
             decision, reason = "save", part.forced[name]
         elif name in part.saved:
             decision = "save"
-            reason = "min-cut: the cheapest values to keep so the rest is free to recompute" if name in mincut else \
-                "kept: recomputing it would cost more time per byte than the values dropped"
+            if is_mincut and name in mincut:
+                reason = "min-cut: the cheapest values to keep so the rest is free to recompute"
+            else:
+                reason = "kept: the plan meets its target without recomputing it"
         elif name in part.recomputed:
             decision = "recompute"
             if name in dropped_set:
-                reason = f"dropped to meet the budget: frees {format_bytes(saved_cost_bytes(facts, name))} at the peak"
+                reason = (f"dropped to meet the budget: frees {format_bytes(saved_cost_bytes(facts, name))} "
+                          "between its last forward use and its first backward use")
             elif node.free_to_recompute:
                 reason = "free to recompute: a fusible op rebuilt inside the backward's kernels"
             else:
@@ -208,32 +120,74 @@ def _infeasible_reasons(facts: JointGraphFacts, best: _Evaluated) -> tuple[str, 
         else:
             kind = "backward temporaries"
         by_kind[kind] = by_kind.get(kind, 0) + nbytes
-    ranked = sorted(by_kind.items(), key=lambda kv: -kv[1])
+    ranked = sorted(by_kind.items(), key=lambda kv: (-kv[1], kv[0]))
     return tuple(f"{format_bytes(b)} of it is {kind}" for kind, b in ranked)
 
 
-BISECTION_ROUNDS = 4
+def _check_solver(facts: JointGraphFacts, solver: str, milp_time_limit_s: float) -> None:
+    if solver not in SOLVER_NAMES:
+        raise ValueError(f"solver={solver!r} is not one of {SOLVER_NAMES}.")
+    if solver == "milp":
+        candidates = sum(1 for n in facts.nodes.values() if n.role == "forward")
+        if candidates > MILP_MAX_CANDIDATES:
+            raise ValueError(
+                f"solver='milp' is for small graphs: this joint graph has {candidates} forward values to decide, "
+                f"more than {MILP_MAX_CANDIDATES}, and the exact MILP grows exponentially with them. "
+                "Use solver='greedy' (the default) for this model.")
+        if not milp_time_limit_s > 0:
+            raise ValueError(f"milp_time_limit_s={milp_time_limit_s!r} must be a positive number of seconds.")
 
 
-def _smallest_feasible(facts: JointGraphFacts, start: _Evaluated, infeasible_target: int, stuck: _Evaluated) -> _Evaluated:
-    """The smallest-peak plan the greedy reaches, found by bisecting its target.
+def _solve(facts: JointGraphFacts, target: int, solver: str, milp_time_limit_s: float,
+           mincut: Evaluated, no_remat: Evaluated) -> tuple[Optional[Evaluated], tuple[str, ...], str]:
+    """The plan meeting ``target`` (None if none found), the values dropped to get there, and the
+    solver's account of itself."""
+    greedy = solve_greedy(facts, target, starts=(mincut,), save_all=no_remat)
+    found, dropped = greedy.plan, greedy.dropped
+    if found is not None and mincut.peak_bytes <= target and mincut.extra_time_s < found.extra_time_s:
+        found, dropped = mincut, ()
+    if solver != "milp":
+        return found, dropped, "greedy"
+    start = None if found is None else set(found.chosen) - set(found.partition.forced)
+    try:
+        exact = solve_min_time(facts, target, time_limit_s=milp_time_limit_s, start=start)
+    except Exception as error:   # noqa: BLE001 - any failure of the MILP falls back, with its reason
+        return found, dropped, f"greedy (milp failed: {type(error).__name__}: {error}; fell back to the greedy's plan)"
+    if exact.status == "infeasible":
+        return None, dropped, "milp (infeasible: no plan's simulated peak meets the target)"
+    if exact.chosen_saved is None:
+        return found, dropped, (f"greedy (milp: time limit {milp_time_limit_s:g} s reached with no verified plan; "
+                                "fell back to the greedy's plan)")
+    chosen = evaluate(facts, set(exact.chosen_saved))
+    if found is not None and found.extra_time_s <= chosen.extra_time_s:
+        chosen = found
+    dropped = tuple(n for n in dropped if n not in chosen.chosen)
+    if exact.status == "optimal":
+        return chosen, dropped, f"milp (optimal, {exact.solves} solves in {exact.solve_time_s:.2f} s)"
+    return chosen, dropped, (f"milp (time limit {milp_time_limit_s:g} s reached: best verified plan kept, "
+                             f"within {exact.est_extra_time_s - exact.lower_bound_s:.3g} s of optimal)")
 
-    The greedy's path depends on its target, so the plan it is stuck at for an
-    infeasible target is not the smallest it can reach. Every plan returned was
-    reached by the greedy for a target it meets, so the budget it names is feasible.
-    """
-    low, best = infeasible_target, stuck
-    high = stuck.simulation.peak_bytes
-    for _ in range(BISECTION_ROUNDS):
-        if high - low <= max(high // 200, 1):
-            break
-        middle = (low + high) // 2
-        trial, _ = greedy_reduce_peak(facts, start, middle)
-        if trial.simulation.peak_bytes <= middle:
-            best, high = trial, trial.simulation.peak_bytes
-        else:
-            low = middle
-    return best
+
+def _infeasible_error(facts: JointGraphFacts, budget_bytes: int, target: int,
+                      smallest: Evaluated) -> BudgetInfeasibleError:
+    reasons = _infeasible_reasons(facts, smallest)
+    peak = smallest.peak_bytes
+    minimum = -(-peak * budget_bytes // max(target, 1))  # the budget whose target is this peak
+    headroom = (
+        "" if target == budget_bytes
+        else f" (the plan keeps its simulated peak {100 * (1 - target / budget_bytes):.0f}% under the budget "
+             "as headroom)"
+    )
+    return BudgetInfeasibleError(
+        f"budget {format_bytes(budget_bytes)} is below the smallest feasible budget "
+        f"{format_bytes(minimum)}{headroom}: the smallest simulated peak the planner reaches is "
+        f"{format_bytes(peak)}, and " + "; ".join(reasons)
+        + f". Raise the budget to at least {minimum / 1e9:.4f} GB (1 GB = 1e9 bytes), "
+        "or pass best_effort=True to run the smallest-peak plan anyway.",
+        budget_bytes=budget_bytes,
+        min_feasible_bytes=minimum,
+        reasons=reasons,
+    )
 
 
 def make_plan(
@@ -243,6 +197,7 @@ def make_plan(
     target_bytes: Optional[int] = None,
     best_effort: bool = False,
     solver: str = "greedy",
+    milp_time_limit_s: float = DEFAULT_MILP_TIME_LIMIT_S,
 ) -> Plan:
     """Plan one joint graph.
 
@@ -250,45 +205,38 @@ def make_plan(
     the backend passes the budget less its headroom.
     Guarantees: with a budget, ``predicted_peak_bytes <= target_bytes``, unless
     ``best_effort`` is set, in which case the plan is the smallest-peak plan found
-    and ``fits_budget`` says whether it fits. Raises ``BudgetInfeasibleError``
-    naming the smallest feasible budget otherwise.
+    and ``fits_budget`` says whether it fits. Otherwise raises ``BudgetInfeasibleError``
+    naming the smallest feasible budget: the budget whose target is the peak of
+    ``solve_greedy.smallest_peak``'s plan, a plan that was simulated, and that
+    ``make_plan`` falls back to for any target it meets, so planning at the named
+    budget succeeds. Values that may not be recomputed are never recomputed. The
+    plan depends only on the graph, the target and the solver (not on hash seeds).
+    ``solver="milp"``: ValueError for graphs with more than MILP_MAX_CANDIDATES
+    forward values; ``Plan.solver`` says whether the MILP answered or fell back, and why.
     """
     t0 = time.perf_counter()
+    _check_solver(facts, solver, milp_time_limit_s)
     target = budget_bytes if target_bytes is None else target_bytes
     no_remat = evaluate(facts, _save_all(facts))
     mincut_saved = min_cut_saved(facts)
     mincut = evaluate(facts, mincut_saved)
-    chosen, dropped = mincut, []
-    if target is not None and mincut.simulation.peak_bytes > target:
-        chosen, dropped = greedy_reduce_peak(facts, mincut, target)
-    fits = target is None or chosen.simulation.peak_bytes <= target
-    if not fits:
-        assert target is not None
-        chosen = _smallest_feasible(facts, mincut, target, chosen)
-    if not fits and not best_effort:
+    chosen: Optional[Evaluated] = mincut
+    dropped: tuple[str, ...] = ()
+    used = "min-cut (no budget)"
+    if target is not None:
+        chosen, dropped, used = _solve(facts, target, solver, milp_time_limit_s, mincut, no_remat)
+    fits = chosen is not None
+    if chosen is None:
         assert budget_bytes is not None and target is not None
-        reasons = _infeasible_reasons(facts, chosen)
-        peak = chosen.simulation.peak_bytes
-        minimum = -(-peak * budget_bytes // max(target, 1))  # the budget whose target is this peak
-        headroom = (
-            "" if target == budget_bytes
-            else f" (the plan keeps its simulated peak {100 * (1 - target / budget_bytes):.0f}% under the budget as headroom)"
-        )
-        raise BudgetInfeasibleError(
-            f"budget {format_bytes(budget_bytes)} is below the smallest feasible budget "
-            f"{format_bytes(minimum)}{headroom}: the smallest simulated peak any plan reaches is "
-            f"{format_bytes(peak)}, and " + "; ".join(reasons)
-            + f". Raise the budget to at least {minimum / 1e9:.4f} GB (1 GB = 1e9 bytes), "
-            "or pass best_effort=True to run the smallest-peak plan anyway.",
-            budget_bytes=budget_bytes,
-            min_feasible_bytes=minimum,
-            reasons=reasons,
-        )
+        smallest, _ = smallest_peak_plan(facts)
+        if not best_effort:
+            raise _infeasible_error(facts, budget_bytes, target, smallest)
+        chosen, dropped = smallest, tuple(n for n in facts.order if n in _save_all(facts) - smallest.chosen)
     part = chosen.partition
     return Plan(
         budget_bytes=budget_bytes,
         target_bytes=target,
-        solver=solver,
+        solver=used,
         saved=tuple(sorted(part.saved)),
         recomputed=tuple(sorted(part.recomputed)),
         saved_primals=tuple(sorted(part.saved_primals)),
@@ -301,6 +249,6 @@ def make_plan(
         recompute_flops=sum(facts.nodes[n].cost.flops for n in part.recomputed),
         est_extra_time_s=chosen.extra_time_s,
         plan_time_s=time.perf_counter() - t0,
-        decisions=_decisions(facts, chosen, mincut_saved, dropped),
+        decisions=_decisions(facts, chosen, mincut_saved, dropped, chosen is mincut),
         fits_budget=fits,
     )

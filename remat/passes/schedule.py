@@ -11,6 +11,7 @@ runs is the graph that was simulated.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import AbstractSet, Mapping
 
@@ -35,8 +36,7 @@ class Partition:
 _REDUCTIONS = {"sum", "mean", "var_mean", "var", "amax", "amin", "max", "min", "prod", "any", "all", "logsumexp"}
 
 
-def why_not_recomputable(facts: JointGraphFacts, name: str) -> str | None:
-    """The reason ``name`` must be saved rather than recomputed, or None if it may be recomputed."""
+def _why_not_recomputable_uncached(facts: JointGraphFacts, name: str) -> str | None:
     node = facts.nodes[name]
     if node.recompute_ban is not None:
         return node.recompute_ban
@@ -45,7 +45,7 @@ def why_not_recomputable(facts: JointGraphFacts, name: str) -> str | None:
     if node.is_getitem:
         source = node.inputs[0]
         if facts.nodes[source].is_multi_output:
-            return why_not_recomputable(facts, source)  # save this output, never the tuple
+            return _why_not_recomputable_uncached(facts, source)  # save this output, never the tuple
     op_name = node.op.split(".")[1] if node.op.startswith("aten.") else ""
     if op_name in _REDUCTIONS and 4 * node.cost.bytes_written <= node.cost.bytes_read:
         # A reduction recomputed in another kernel may round differently (another
@@ -55,13 +55,42 @@ def why_not_recomputable(facts: JointGraphFacts, name: str) -> str | None:
     return None
 
 
+# Per joint graph (keyed by id, checked through a weak reference): the planner asks
+# about the same nodes millions of times on a large graph.
+_PER_GRAPH: dict[int, tuple[weakref.ref, dict[str, str | None], dict[str, int]]] = {}
+
+
+def _per_graph(facts: JointGraphFacts) -> tuple[dict[str, str | None], dict[str, int]]:
+    """Every node's ``why_not_recomputable`` answer, and every node's position, for this graph."""
+    entry = _PER_GRAPH.get(id(facts))
+    if entry is not None and entry[0]() is facts:
+        return entry[1], entry[2]
+    for key in [k for k, (ref, _, _) in _PER_GRAPH.items() if ref() is None]:
+        del _PER_GRAPH[key]
+    bans = {name: _why_not_recomputable_uncached(facts, name) for name in facts.nodes}
+    position = facts.position()
+    _PER_GRAPH[id(facts)] = (weakref.ref(facts), bans, position)
+    return bans, position
+
+
+def why_not_recomputable(facts: JointGraphFacts, name: str) -> str | None:
+    """The reason ``name`` must be saved rather than recomputed, or None if it may be recomputed.
+
+    Worked out once per joint graph for every node (``facts`` is immutable), then looked up.
+    """
+    return _per_graph(facts)[0][name]
+
+
 def partition_nodes(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Partition:
     """Close ``chosen_saved`` into a valid partition.
 
     Every value the backward reads is either saved, a primal, or recomputed from
     saved values and primals. A value that may not be recomputed (random,
-    mutation, collective, symbolic size) is saved and recorded in ``forced``.
+    mutation, collective, symbolic size) is saved and recorded in ``forced``
+    (in joint-graph order: the result does not depend on set iteration order).
     """
+    bans, position = _per_graph(facts)
+    nodes = facts.nodes
     saved = set(chosen_saved)
     forced: dict[str, str] = {}
     primals: set[str] = set()
@@ -69,24 +98,24 @@ def partition_nodes(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> P
     stack = list(facts.needed_by_backward)
     while stack:
         name = stack.pop()
-        node = facts.nodes[name]
+        node = nodes[name]
         if node.role == "primal":
             primals.add(name)
             continue
         if name in saved or name in recomputed:
             continue
-        reason = why_not_recomputable(facts, name)
+        reason = bans[name]
         if reason is not None:
             saved.add(name)
             forced[name] = reason
             continue
         recomputed.add(name)
         stack.extend(node.inputs)
-    for name in saved - set(forced):
-        reason = why_not_recomputable(facts, name)
-        if reason is not None:
-            forced[name] = reason
-    return Partition(frozenset(saved), frozenset(primals), frozenset(recomputed), forced)
+    for name in saved:
+        if name not in forced and bans[name] is not None:
+            forced[name] = bans[name]  # type: ignore[assignment]
+    ordered = {name: forced[name] for name in sorted(forced, key=position.__getitem__)}
+    return Partition(frozenset(saved), frozenset(primals), frozenset(recomputed), ordered)
 
 
 def forward_order(facts: JointGraphFacts, partition: Partition) -> list[str]:

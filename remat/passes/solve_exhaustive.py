@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 from .joint_graph import JointGraphFacts
 from .mincut import saved_cost_bytes
-from .plan import evaluate
+from .evaluate import evaluate
 from .schedule import why_not_recomputable
 from .solve_milp import relevant_forward
 

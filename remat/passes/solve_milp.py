@@ -78,7 +78,7 @@ from . import schedule
 from .kernel_steps import RECOMPUTE_SUFFIX, kernel_kind
 from .joint_graph import JointGraphFacts
 from .mincut import min_cut_saved, saved_cost_bytes
-from .plan import evaluate
+from .evaluate import evaluate
 
 MAX_VIEW_CHAIN = 8       # views of views followed back to the storage they alias
 PROBES = 8               # random plans simulated up front to test the structural rows

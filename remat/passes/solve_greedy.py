@@ -1,0 +1,501 @@
+"""The fast default solver: least estimated extra time under a simulated-peak target.
+
+``solve_greedy(facts, target_bytes)`` starts from saving every value the backward
+reads (no extra time) and works in rounds, each ending in one simulation
+(``evaluate.evaluate``, the ground truth):
+
+1. Descent. The steps whose simulated live bytes exceed the target form the
+   excess. Dropping a saved value frees its storages between its last forward use
+   and its first backward use; it costs the recompute time of the value and of
+   every ancestor not already saved or recomputed (a walk up the graph, not a
+   re-partition). A covering knapsack picks the drops: for the step with the
+   most excess left, the cheapest set of drops that covers it (greedy by time per
+   byte, completed by the cheapest single drop that covers the rest); the bytes
+   they free are taken off every excess step they span; repeat until every step
+   is covered. The drops are applied together and simulated. Rounds repeat until
+   the peak fits, or no drop spans an excess step (stuck).
+2. Polish. Values the plan recomputes are saved again where the estimated
+   timeline leaves room (most time saved per byte first), a batch per
+   simulation, halved when the simulation says it does not fit. A batch is kept
+   only when it fits and lowers the extra time.
+3. Local search, on small graphs only: single re-saves and (re-save, drop) swaps
+   between neighbours, each simulated, first improvement kept, within a fixed
+   number of simulated steps (``LOCAL_SEARCH_STEPS``), so the work and the answer
+   do not depend on the machine's speed.
+
+Infeasible targets: ``smallest_peak`` descends from saving everything towards a
+peak 1/16 lower each round, independent of any target, and keeps the
+lowest-peak plan it simulates. A target that plan meets always gets a plan
+(the solver falls back to it), so the budget it names is feasible.
+
+Every choice is ordered by numbers, then by joint-graph position: the result does
+not depend on hash seeds or set iteration order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .evaluate import Evaluated, evaluate
+from .joint_graph import JointGraphFacts
+from .kernel_steps import RECOMPUTE_SUFFIX
+from .schedule import why_not_recomputable
+
+RECOMPUTE_FLOOR_S = 5e-6        # every recomputation costs at least a kernel launch
+MAX_DESCENT_ROUNDS = 64
+MAX_POLISH_EVALUATIONS = 6
+POLISH_STEPS = 8_000            # simulated steps the polish may spend (at least one simulation)
+MAX_SINGLE_RESAVES = 2          # of those, one-value tries the estimate refused
+SMALLEST_PEAK_STEP = 16         # smallest_peak aims 1/16 lower each round
+MAX_SMALLEST_PEAK_ROUNDS = 48
+LOCAL_SEARCH_STEPS = 30_000     # simulated steps the local search may spend (~1 s on this machine)
+LOCAL_SEARCH_MAX_STEPS = 1_000  # graphs with more steps get no local search
+
+
+@dataclass(frozen=True)
+class GreedyResult:
+    """``plan`` meets the target (None when none was found); ``dropped`` are the values
+    the descent stopped saving; ``evaluations`` counts simulations."""
+
+    plan: Optional[Evaluated]
+    dropped: tuple[str, ...]
+    evaluations: int
+
+
+class _Graph:
+    """Per-graph constants the rounds read."""
+
+    def __init__(self, facts: JointGraphFacts) -> None:
+        self.facts = facts
+        self.position = facts.position()
+        self.ban = {name: why_not_recomputable(facts, name) for name in facts.nodes
+                    if facts.nodes[name].role == "forward"}
+        self.evaluations = 0
+
+    def evaluate(self, chosen: frozenset[str]) -> Evaluated:
+        self.evaluations += 1
+        return evaluate(self.facts, chosen)
+
+    def save_all(self) -> frozenset[str]:
+        return frozenset(n for n in self.facts.needed_by_backward if self.facts.nodes[n].role == "forward")
+
+
+@dataclass(frozen=True)
+class _Option:
+    """Dropping ``members`` (saved values sharing storages) frees ``spans``: (first step, last step, bytes)."""
+
+    members: tuple[str, ...]
+    spans: tuple[tuple[int, int, int], ...]
+    position: int
+
+    def freed_at(self, step: int) -> int:
+        return sum(nbytes for lo, hi, nbytes in self.spans if lo <= step <= hi)
+
+
+def _storage_steps(current: Evaluated) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Per storage: its bytes, the last forward step that touches it, the first backward step that reads it."""
+    nbytes: dict[str, int] = {}
+    last_forward: dict[str, int] = {}
+    first_backward: dict[str, int] = {}
+    for index, step in enumerate(current.steps):
+        if step.phase == "forward":
+            for sid, size in step.allocs:
+                nbytes[sid] = size
+                last_forward[sid] = index
+            for sid in step.uses:
+                last_forward[sid] = index
+        else:
+            for sid, size in step.allocs:
+                nbytes.setdefault(sid, size)
+                first_backward.setdefault(sid, index)
+            for sid in step.uses:
+                first_backward.setdefault(sid, index)
+    return nbytes, last_forward, first_backward
+
+
+def _drop_options(g: _Graph, current: Evaluated) -> list[_Option]:
+    """Groups of chosen values that can stop being saved, with the bytes that frees and where."""
+    facts, part = g.facts, current.partition
+    holders: dict[str, list[str]] = {}
+    for name in sorted(part.saved, key=g.position.__getitem__):
+        for sid in facts.nodes[name].value_storages:
+            holders.setdefault(sid, []).append(name)
+    # saved values that share a storage are dropped together (a view keeps its base alive)
+    group_of: dict[str, str] = {}
+
+    def find(name: str) -> str:
+        while group_of.get(name, name) != name:
+            name = group_of[name]
+        return name
+
+    for names in holders.values():
+        root = find(names[0])
+        for other in names[1:]:
+            other_root = find(other)
+            if other_root != root:
+                group_of[other_root] = root
+    groups: dict[str, list[str]] = {}
+    for name in sorted(part.saved, key=g.position.__getitem__):
+        groups.setdefault(find(name), []).append(name)
+    nbytes, last_forward, first_backward = _storage_steps(current)
+    options = []
+    for members in groups.values():
+        if any(m not in current.chosen or g.ban.get(m) is not None or facts.nodes[m].is_multi_output for m in members):
+            continue
+        spans = []
+        for sid in sorted({s for m in members for s in facts.nodes[m].value_storages}):
+            owner = facts.nodes.get(sid.split("#")[0])
+            if owner is None or owner.role != "forward" or sid in current.pinned or sid not in nbytes:
+                continue
+            lo, hi = last_forward.get(sid, -1) + 1, first_backward.get(sid, len(current.steps)) - 1
+            if lo <= hi and nbytes[sid] > 0:
+                spans.append((lo, hi, nbytes[sid]))
+        if spans:
+            options.append(_Option(tuple(members), tuple(spans), g.position[members[0]]))
+    return options
+
+
+def _added_time(g: _Graph, members: tuple[str, ...], saved: set[str],
+                recomputed: set[str]) -> Optional[tuple[float, list[str]]]:
+    """Recompute time dropping ``members`` adds, and the values it newly recomputes; None when it
+    would force a value that may never be recomputed into being saved."""
+    nodes = g.facts.nodes
+    new: list[str] = []
+    seen: set[str] = set()
+    stack = list(members)
+    dropping = set(members)
+    while stack:
+        name = stack.pop()
+        if name in seen or name in recomputed:
+            continue
+        seen.add(name)
+        node = nodes[name]
+        if node.role == "primal" or (name in saved and name not in dropping):
+            continue
+        if g.ban.get(name) is not None:
+            return None
+        new.append(name)
+        stack.extend(node.inputs)
+    return sum(nodes[n].cost.est_time_s for n in new), new
+
+
+def _cheapest_cover(priced: list[tuple[float, int, int]], need: int) -> list[int]:
+    """Indices of a cheap set whose bytes sum to >= ``need``: greedy by time per byte, each
+    prefix completed by the cheapest single item that covers the rest; the cheapest found.
+    ``priced``: (time, bytes, index), bytes > 0. Returns [] when everything together falls short."""
+    if sum(b for _, b, _ in priced) < need:
+        return []
+    by_ratio = sorted(priced, key=lambda p: ((p[0] + RECOMPUTE_FLOOR_S) / p[1], p[2]))
+    by_time = sorted(priced, key=lambda p: (p[0], -p[1], p[2]))
+    taken: list[int] = []
+    taken_set: set[int] = set()
+    spent, left = 0.0, need
+    best: tuple[float, list[int]] = (math.inf, [])
+    for time_s, nbytes, index in by_ratio:
+        finisher = next((p for p in by_time if p[1] >= left and p[2] not in taken_set), None)
+        if finisher is not None and spent + finisher[0] < best[0]:
+            best = (spent + finisher[0], taken + [finisher[2]])
+        if nbytes >= left:
+            continue
+        taken.append(index)
+        taken_set.add(index)
+        spent += time_s
+        left -= nbytes
+        if left <= 0:
+            break
+    if left <= 0 and spent < best[0]:
+        best = (spent, taken)
+    return best[1]
+
+
+def _descent_round(g: _Graph, current: Evaluated, target_bytes: int) -> frozenset[str]:
+    """The drops one round applies (see the module docstring); empty when none spans an excess step."""
+    timeline = current.simulation.timeline_bytes
+    left = {i: live - target_bytes for i, live in enumerate(timeline) if live > target_bytes}
+    options = _drop_options(g, current)
+    saved = set(current.partition.saved)
+    recomputed = set(current.partition.recomputed)
+    picked: list[int] = []
+    used: set[int] = set()
+    while left:
+        step = min(left, key=lambda i: (-left[i], i))
+        priced = []
+        for index, option in enumerate(options):
+            if index in used:
+                continue
+            freed = option.freed_at(step)
+            if freed <= 0:
+                continue
+            added = _added_time(g, option.members, saved, recomputed)
+            if added is not None:
+                priced.append((added[0], freed, index))
+        chosen = _cheapest_cover(priced, left[step])
+        if not chosen:
+            # not coverable this round: take every drop that helps here, the simulation decides
+            chosen = [index for _, _, index in priced]
+            if not chosen:
+                del left[step]
+                continue
+        for index in sorted(chosen, key=lambda i: options[i].position):
+            option = options[index]
+            added = _added_time(g, option.members, saved, recomputed)
+            if added is None:
+                continue
+            used.add(index)
+            picked.append(index)
+            saved.difference_update(option.members)
+            recomputed.update(added[1])
+            for lo, hi, nbytes in option.spans:
+                for i in [i for i in left if lo <= i <= hi]:
+                    left[i] -= nbytes
+                    if left[i] <= 0:
+                        del left[i]
+        left.pop(step, None)
+    return frozenset(m for index in picked for m in options[index].members)
+
+
+def _descend(g: _Graph, start: Evaluated, target_bytes: int) -> tuple[Evaluated, list[str], Evaluated]:
+    """Drop rounds until the peak fits or no drop helps; returns the last plan, the values
+    dropped, and the lowest-peak plan seen."""
+    current, dropped, lowest = start, [], start
+    for _ in range(MAX_DESCENT_ROUNDS):
+        if current.peak_bytes <= target_bytes:
+            break
+        drops = _descent_round(g, current, target_bytes)
+        if not drops:
+            break
+        trial = g.evaluate(current.chosen - drops)
+        if trial.chosen == current.chosen:
+            break
+        current = trial
+        dropped += sorted(drops, key=g.position.__getitem__)
+        if current.peak_bytes < lowest.peak_bytes:
+            lowest = current
+    return current, dropped, lowest
+
+
+def _resave_options(g: _Graph, current: Evaluated) -> list[tuple[float, str, int, int, int]]:
+    """Recomputed values that could be saved again: (time saved per byte, name, bytes, first step, last step)."""
+    facts = g.facts
+    forward_index = {step.name: i for i, step in enumerate(current.steps) if step.phase == "forward"}
+    ordered_forward = sorted(forward_index.values())
+    first_use: dict[str, int] = {}   # original storage -> first backward step touching a recomputed copy
+    for index, step in enumerate(current.steps):
+        if step.phase == "backward":
+            for sid in (*step.uses, *(s for s, _ in step.allocs)):
+                base, mark, _ = sid.rpartition(RECOMPUTE_SUFFIX)
+                if mark:
+                    first_use.setdefault(base, index)
+    held = {s for name in current.partition.saved for s in facts.nodes[name].value_storages}
+    options = []
+    for name in sorted(current.partition.recomputed, key=g.position.__getitem__):
+        node = facts.nodes[name]
+        if node.is_multi_output:
+            continue
+        storages = [s for s in node.value_storages if s not in held]
+        nbytes = 0
+        for sid in storages:
+            owner = facts.nodes.get(sid.split("#")[0])
+            if owner is not None and owner.role == "forward":
+                nbytes += dict(owner.allocs).get(sid, 0)
+        uses = [first_use[s] for s in storages if s in first_use]
+        lo = forward_index.get(name)
+        if lo is None:   # not computed in this plan's forward: place it after its latest computed input
+            lo = max((forward_index.get(i, 0) for i in node.inputs), default=0)
+            lo = next((i for i in ordered_forward if i >= lo), lo)
+        hi = min(uses) - 1 if uses else len(current.steps) - 1
+        saved_s = node.cost.est_time_s
+        if saved_s <= 0:
+            continue
+        options.append((saved_s / max(nbytes, 1), name, nbytes, lo, hi))
+    options.sort(key=lambda o: (-o[0], g.position[o[1]]))
+    return options
+
+
+def _polish(g: _Graph, current: Evaluated, target_bytes: int) -> Evaluated:
+    """Save recomputed values again: first a batch that fits the estimated timeline (halved while
+    the simulation says it does not fit), then one value at a time, most time saved first, for
+    what the estimate refused; within MAX_POLISH_EVALUATIONS simulations and POLISH_STEPS simulated steps."""
+    allowed = min(MAX_POLISH_EVALUATIONS, max(1, POLISH_STEPS // max(len(current.steps), 1)))
+    spent = 0
+    tried: set[str] = set()
+    while spent < allowed and current.partition.recomputed:
+        timeline = list(current.simulation.timeline_bytes)
+        batch, refused = [], []
+        for _, name, nbytes, lo, hi in _resave_options(g, current):
+            if lo > hi or max(timeline[lo:hi + 1]) + nbytes <= target_bytes:
+                batch.append(name)
+                for i in range(lo, hi + 1):
+                    timeline[i] += nbytes
+            elif name not in tried:
+                refused.append(name)
+        improved = False
+        while batch and spent < allowed:
+            trial = g.evaluate(current.chosen | set(batch))
+            spent += 1
+            if trial.peak_bytes <= target_bytes and trial.extra_time_s < current.extra_time_s:
+                current, improved = trial, True
+                break
+            batch = batch[: len(batch) // 2]
+        if improved:
+            continue
+        refused.sort(key=lambda n: (-g.facts.nodes[n].cost.est_time_s, g.position[n]))
+        for name in refused[:max(MAX_SINGLE_RESAVES - len(tried), 0)]:
+            if spent >= allowed:
+                break
+            tried.add(name)
+            trial = g.evaluate(current.chosen | {name})
+            spent += 1
+            if trial.peak_bytes <= target_bytes and trial.extra_time_s < current.extra_time_s:
+                current, improved = trial, True
+                break
+        if not improved:
+            break
+    return current
+
+
+def _relevant(g: _Graph) -> list[str]:
+    """Forward values the backward reads, or that a recomputation of those could read; in graph order."""
+    facts = g.facts
+    found: set[str] = set()
+    stack = [n for n in facts.needed_by_backward if facts.nodes[n].role == "forward"]
+    while stack:
+        name = stack.pop()
+        if name in found or facts.nodes[name].role != "forward":
+            continue
+        found.add(name)
+        stack.extend(facts.nodes[name].inputs)
+    return sorted(found, key=g.position.__getitem__)
+
+
+def _neighbours(g: _Graph, name: str, chosen: frozenset[str]) -> list[str]:
+    """Chosen values next to ``name`` (its inputs, its users, and theirs): the drops worth pairing with saving it."""
+    facts = g.facts
+    near: set[str] = set()
+    for first in (*facts.nodes[name].inputs, *facts.users[name]):
+        near.add(first)
+        near.update(facts.nodes[first].inputs)
+        near.update(facts.users.get(first, ()))
+    return sorted((n for n in near if n in chosen and n != name), key=g.position.__getitem__)
+
+
+def _moves(g: _Graph, relevant: list[str], chosen: frozenset[str], with_drops: bool) -> list[frozenset[str]]:
+    """Saved sets one step from ``chosen``: save one more value, or save one and drop a neighbour
+    (and, ``with_drops``, drop one)."""
+    moves: list[frozenset[str]] = []
+    for name in relevant:
+        if name in chosen or g.ban.get(name) is not None or g.facts.nodes[name].is_multi_output:
+            continue
+        moves.append(chosen | {name})
+        moves.extend((chosen | {name}) - {other} for other in _neighbours(g, name, chosen))
+    if with_drops:
+        moves.extend(chosen - {name} for name in sorted(chosen, key=g.position.__getitem__))
+    return moves
+
+
+def _local_search(g: _Graph, current: Evaluated, target_bytes: Optional[int]) -> Evaluated:
+    """First-improvement search over the ``_moves`` of the current plan, each simulated, within
+    LOCAL_SEARCH_STEPS simulated steps. With a target: least (bytes over the target, extra time);
+    without (``None``): least (peak, extra time)."""
+    if len(current.steps) > LOCAL_SEARCH_MAX_STEPS:
+        return current
+    budget = LOCAL_SEARCH_STEPS // max(len(current.steps), 1)
+    relevant = _relevant(g)
+
+    def key(plan: Evaluated) -> tuple[int, float]:
+        over = plan.peak_bytes if target_bytes is None else max(plan.peak_bytes - target_bytes, 0)
+        return over, plan.extra_time_s
+
+    seen = {current.chosen}
+    improved = True
+    while improved and budget > 0:
+        improved = False
+        for chosen in _moves(g, relevant, current.chosen, with_drops=key(current)[0] > 0 or target_bytes is None):
+            if budget <= 0:
+                break
+            if chosen in seen:
+                continue
+            seen.add(chosen)
+            budget -= 1
+            trial = g.evaluate(chosen)
+            new, old = key(trial), key(current)
+            if new[0] < old[0] or (new[0] == old[0] and new[1] < old[1] - 1e-15):
+                current, improved = trial, True
+                break
+    return current
+
+
+def smallest_peak(g: _Graph, start: Evaluated) -> Evaluated:
+    """The lowest-peak plan of a descent that aims 1/SMALLEST_PEAK_STEP lower each round,
+    refined by the local search on small graphs; does not depend on any target."""
+    current, best = start, start
+    for _ in range(MAX_SMALLEST_PEAK_ROUNDS):
+        goal = current.peak_bytes - max(current.peak_bytes // SMALLEST_PEAK_STEP, 1)
+        drops = _descent_round(g, current, goal)
+        if not drops:
+            break
+        current = g.evaluate(current.chosen - drops)
+        if (current.peak_bytes, current.extra_time_s) < (best.peak_bytes, best.extra_time_s):
+            best = current
+    return _local_search(g, best, None)
+
+
+def _from(g: _Graph, start: Evaluated, target_bytes: int) -> tuple[Optional[Evaluated], tuple[str, ...]]:
+    """Descent then polish and local search from ``start``; None when the descent gets stuck."""
+    current, dropped, _ = _descend(g, start, target_bytes)
+    if current.peak_bytes > target_bytes:
+        return None, tuple(dropped)
+    current = _polish(g, current, target_bytes)
+    current = _local_search(g, current, target_bytes)
+    return current, tuple(d for d in dropped if d not in current.chosen)
+
+
+def _starts(save_all: Evaluated, others: tuple[Evaluated, ...], target_bytes: int) -> tuple[Evaluated, ...]:
+    """Where the descent starts. Small graphs: everywhere. Larger ones, to spend fewer
+    simulations: from saving everything when another start already fits (only a few drops are
+    needed; a start that fits is only polished), else only from the other starts (the min-cut
+    has the free savings already made)."""
+    if len(save_all.steps) <= LOCAL_SEARCH_MAX_STEPS or not others:
+        return (save_all, *others)
+    fitting = tuple(o for o in others if o.peak_bytes <= target_bytes)
+    return (save_all, *fitting) if fitting else others
+
+
+def solve_greedy(facts: JointGraphFacts, target_bytes: int, starts: tuple[Evaluated, ...] = (),
+                 save_all: Optional[Evaluated] = None) -> GreedyResult:
+    """A plan whose simulated peak is <= ``target_bytes`` with little extra time, or None.
+
+    ``save_all``: the simulation of saving everything, if the caller has it.
+    The search runs from saving everything and from each of ``starts`` (the planner passes
+    the simulated min-cut), and keeps the least extra time (ties: the lower peak, then the earlier start).
+    Guarantees: the plan returned was simulated and meets the target; values that
+    may not be recomputed are never dropped (the partition saves them); whenever
+    ``smallest_peak``'s plan meets the target a plan is returned.
+    """
+    g = _Graph(facts)
+    first = save_all if save_all is not None and save_all.chosen == g.save_all() else g.evaluate(g.save_all())
+    if first.peak_bytes <= target_bytes:
+        return GreedyResult(first, (), g.evaluations)
+    found: list[tuple[float, int, int, Evaluated, tuple[str, ...]]] = []
+    for index, start in enumerate(_starts(first, starts, target_bytes)):
+        plan, dropped = _from(g, start, target_bytes)
+        if plan is not None:
+            found.append((plan.extra_time_s, plan.peak_bytes, index, plan, dropped))
+    if not found:
+        fallback = smallest_peak(g, first)
+        if fallback.peak_bytes > target_bytes:
+            return GreedyResult(None, (), g.evaluations)
+        dropped = tuple(sorted(g.save_all() - fallback.chosen, key=g.position.__getitem__))
+        plan = _local_search(g, _polish(g, fallback, target_bytes), target_bytes)
+        found.append((plan.extra_time_s, plan.peak_bytes, 0, plan, dropped))
+    _, _, _, plan, dropped = min(found, key=lambda f: f[:3])
+    return GreedyResult(plan, tuple(d for d in dropped if d not in plan.chosen), g.evaluations)
+
+
+def smallest_peak_plan(facts: JointGraphFacts) -> tuple[Evaluated, int]:
+    """``smallest_peak`` from saving everything, and the simulations it took."""
+    g = _Graph(facts)
+    best = smallest_peak(g, g.evaluate(g.save_all()))
+    return best, g.evaluations
