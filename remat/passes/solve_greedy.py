@@ -397,33 +397,54 @@ def _moves(g: _Graph, relevant: list[str], chosen: frozenset[str], with_drops: b
 
 def _local_search(g: _Graph, current: Evaluated, target_bytes: Optional[int]) -> Evaluated:
     """First-improvement search over the ``_moves`` of the current plan, each simulated, within
-    LOCAL_SEARCH_STEPS simulated steps. With a target: least (bytes over the target, extra time);
-    without (``None``): least (peak, extra time)."""
+    LOCAL_SEARCH_STEPS simulated steps; when no single move lowers the peak (or the bytes over the
+    target), pairs of moves (the second from the plan the first makes) are tried. With a target: least (bytes over the target, extra
+    time); without (``None``): least (peak, extra time)."""
     if len(current.steps) > LOCAL_SEARCH_MAX_STEPS:
         return current
-    budget = LOCAL_SEARCH_STEPS // max(len(current.steps), 1)
+    budget = [LOCAL_SEARCH_STEPS // max(len(current.steps), 1)]
     relevant = _relevant(g)
+    cache: dict[frozenset[str], Evaluated] = {current.chosen: current}
 
     def key(plan: Evaluated) -> tuple[int, float]:
         over = plan.peak_bytes if target_bytes is None else max(plan.peak_bytes - target_bytes, 0)
         return over, plan.extra_time_s
 
-    seen = {current.chosen}
-    improved = True
-    while improved and budget > 0:
-        improved = False
-        for chosen in _moves(g, relevant, current.chosen, with_drops=key(current)[0] > 0 or target_bytes is None):
-            if budget <= 0:
+    def better(plan: Evaluated, than: Evaluated) -> bool:
+        new, old = key(plan), key(than)
+        return new[0] < old[0] or (new[0] == old[0] and new[1] < old[1] - 1e-15)
+
+    def simulated(chosen: frozenset[str]) -> Optional[Evaluated]:
+        if chosen not in cache:
+            if budget[0] <= 0:
+                return None
+            budget[0] -= 1
+            cache[chosen] = g.evaluate(chosen)
+        return cache[chosen]
+
+    def moves(plan: Evaluated) -> list[frozenset[str]]:
+        return _moves(g, relevant, plan.chosen, with_drops=key(plan)[0] > 0 or target_bytes is None)
+
+    while budget[0] > 0:
+        step = None
+        for chosen in moves(current):
+            trial = simulated(chosen)
+            if trial is not None and better(trial, current):
+                step = trial
                 break
-            if chosen in seen:
-                continue
-            seen.add(chosen)
-            budget -= 1
-            trial = g.evaluate(chosen)
-            new, old = key(trial), key(current)
-            if new[0] < old[0] or (new[0] == old[0] and new[1] < old[1] - 1e-15):
-                current, improved = trial, True
+        pairs = step is None and (target_bytes is None or key(current)[0] > 0)   # pairs only to reach a peak
+        for first in (moves(current) if pairs else []):
+            middle = simulated(first)
+            for chosen in moves(middle) if middle is not None else []:
+                trial = simulated(chosen)
+                if trial is not None and better(trial, current):
+                    step = trial
+                    break
+            if step is not None or budget[0] <= 0:
                 break
+        if step is None:
+            break
+        current = step
     return current
 
 
