@@ -39,7 +39,7 @@ from .cost_model.calibrate import measure_node_times
 from .cost_model.costs import annotate_costs
 from .cost_model.hardware import get_profile
 from .errors import BudgetInfeasibleError
-from .options import BudgetSpec, RematOptions, budget_from_env, make_options
+from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
 from .passes.plan import Plan, make_plan
 from .passes.random_ops import split_dropout_outputs
@@ -257,6 +257,7 @@ class RematBackend:
                 target_bytes=self.options.planning_target_bytes(),
                 best_effort=self.options.best_effort,
                 solver=self.options.solver,
+                milp_time_limit_s=self.options.milp_time_limit_s,
             )
         except BudgetInfeasibleError as error:
             raise _passthrough_error_class(BudgetInfeasibleError)(error) from None
@@ -300,6 +301,7 @@ def backend(
     dump_dir: Optional[os.PathLike | str] = None,
     hardware: str = "auto",
     solver: str = "greedy",
+    milp_time_limit_s: float = DEFAULT_MILP_TIME_LIMIT_S,
     best_effort: bool = False,
     headroom_fraction: float = 0.15,
     pareto_points: int = 0,
@@ -317,10 +319,14 @@ def backend(
     ``pareto_points > 0`` adds each graph's Pareto curve (that many budgets) to its dump.
     ``hardware`` picks the cost profile ("auto", "cpu", "cuda", "a100", "h100", "h200");
     ``estimator="profile"`` times each graph's real kernels once instead of the roofline.
+    ``solver``: "greedy" (default, fast) or "milp" (exact, small graphs only: larger ones raise
+    ValueError at compile time; it keeps its best verified plan after ``milp_time_limit_s`` seconds
+    and falls back to "greedy" on failure, and ``Plan.solver`` says which answered and why).
     """
     needs_free = isinstance(budget_gb, str) and budget_gb.strip().lower() == "auto"
     options = make_options(
-        budget_gb, dump_dir=dump_dir, hardware=hardware, solver=solver, best_effort=best_effort,
+        budget_gb, dump_dir=dump_dir, hardware=hardware, solver=solver, milp_time_limit_s=milp_time_limit_s,
+        best_effort=best_effort,
         headroom_fraction=headroom_fraction, pareto_points=pareto_points, estimator=estimator, free_bytes_for_auto=_free_device_bytes() if needs_free else None,
     )
     return RematBackend(options)

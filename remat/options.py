@@ -14,7 +14,8 @@ from typing import Optional, Union
 from .units import gb_to_bytes
 
 BUDGET_ENV_VAR = "REMAT_BUDGET_GB"
-SOLVERS = ("greedy",)
+SOLVERS = ("greedy", "milp")
+DEFAULT_MILP_TIME_LIMIT_S = 30.0
 HARDWARE_NAMES = ("auto", "cpu", "cuda", "a100", "h100", "h200")
 ESTIMATORS = ("roofline", "profile")
 
@@ -33,7 +34,8 @@ class RematOptions:
     budget_is_auto: bool = False
     dump_dir: Optional[str] = None
     hardware: str = "auto"
-    solver: str = "greedy"
+    solver: str = "greedy"          # "milp": exact on small graphs, falls back to "greedy" (Plan.solver says why)
+    milp_time_limit_s: float = DEFAULT_MILP_TIME_LIMIT_S   # per graph, solver="milp" only
     best_effort: bool = False
     # The planner keeps the simulated peak this fraction under the budget: Inductor
     # fuses and reorders kernels after planning, which the simulator models only in part.
@@ -50,7 +52,7 @@ class RematOptions:
     def cache_key(self) -> str:
         """A string that changes whenever an option that changes the plan changes."""
         return (
-            f"budget={self.budget_bytes};hw={self.hardware};solver={self.solver};"
+            f"budget={self.budget_bytes};hw={self.hardware};solver={self.solver};milp_s={self.milp_time_limit_s};"
             f"best_effort={self.best_effort};headroom={self.headroom_fraction};estimator={self.estimator}"
         )
 
@@ -110,6 +112,7 @@ def make_options(
     dump_dir: Optional[Union[str, os.PathLike]] = None,
     hardware: str = "auto",
     solver: str = "greedy",
+    milp_time_limit_s: float = DEFAULT_MILP_TIME_LIMIT_S,
     best_effort: bool = False,
     headroom_fraction: float = 0.15,
     pareto_points: int = 0,
@@ -123,7 +126,14 @@ def make_options(
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator={estimator!r} is not one of {ESTIMATORS}.")
     if solver not in SOLVERS:
-        raise ValueError(f"solver={solver!r} is not one of {SOLVERS}.")
+        raise ValueError(
+            f"solver={solver!r} is not one of {SOLVERS}: 'greedy' (the default, fast on any graph) or "
+            "'milp' (exact, for small graphs, with a time limit and a fallback to 'greedy').")
+    if isinstance(milp_time_limit_s, bool) or not isinstance(milp_time_limit_s, (int, float)) \
+            or not math.isfinite(milp_time_limit_s) or milp_time_limit_s <= 0:
+        raise ValueError(
+            f"milp_time_limit_s={milp_time_limit_s!r} must be a positive finite number of seconds "
+            f"(default {DEFAULT_MILP_TIME_LIMIT_S:g}); on a time-out solver='milp' keeps its best verified plan.")
     if not isinstance(best_effort, bool):
         raise TypeError(f"best_effort={best_effort!r} must be a bool.")
     if isinstance(headroom_fraction, bool) or not isinstance(headroom_fraction, (int, float)) or not 0.0 <= headroom_fraction < 0.9:
@@ -145,6 +155,7 @@ def make_options(
         dump_dir=os.fspath(dump_dir) if dump_dir is not None else None,
         hardware=hardware,
         solver=solver,
+        milp_time_limit_s=float(milp_time_limit_s),
         best_effort=best_effort,
         headroom_fraction=float(headroom_fraction),
         pareto_points=pareto_points,

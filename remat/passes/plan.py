@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import BudgetInfeasibleError
+from ..options import DEFAULT_MILP_TIME_LIMIT_S, SOLVERS
 from ..units import format_bytes, format_seconds
 from .evaluate import Evaluated, evaluate
 from .joint_graph import JointGraphFacts
@@ -28,9 +29,8 @@ from .solve_greedy import smallest_peak_plan, solve_greedy
 from .solve_milp import solve_min_time
 
 _Evaluated = Evaluated    # the name older callers import
-SOLVER_NAMES = ("greedy", "milp")
+SOLVER_NAMES = SOLVERS
 MILP_MAX_CANDIDATES = 400       # solver="milp" refuses graphs with more forward values to decide
-DEFAULT_MILP_TIME_LIMIT_S = 30.0
 
 
 @dataclass(frozen=True)
