@@ -38,6 +38,7 @@ from torch import fx
 from .cost_model.calibrate import measure_node_times
 from .cost_model.costs import annotate_costs
 from .cost_model.hardware import get_profile
+from .distributed import DistributedGraphRecord, StepLedger, record_graph, share_for_graph
 from .errors import BudgetInfeasibleError
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
@@ -67,6 +68,7 @@ class CompiledGraph:
     plan: Plan
     regions: tuple[RegionSummary, ...]
     dump_path: Optional[str]
+    distributed: Optional[DistributedGraphRecord] = None  # set under torch.distributed (remat/distributed.py)
 
 
 def _passthrough_error_class(cls: type) -> type:
@@ -223,6 +225,7 @@ class RematBackend:
         self.compiled_graphs: list[CompiledGraph] = []
         self._counter = itertools.count()
         self._lock = threading.Lock()
+        self._step_ledger = StepLedger()  # what earlier DDP pieces of a step keep for their backward
         self.partitioner = _make_partitioner(self)
 
     def cache_key(self) -> str:
@@ -250,11 +253,14 @@ class RematBackend:
                                      static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
         with self._lock:
             graph_id = f"graph_{next(self._counter):03d}"
+        # Under DDP / FSDP2 the per-rank budget is split across the step's graphs (remat/distributed.py).
+        static_indices = kwargs.get("static_lifetime_input_indices")
+        share = share_for_graph(self._step_ledger, self.options.planning_target_bytes(), joint, num_fwd_outputs, static_indices)
         try:
             plan = make_plan(
                 facts,
                 self.options.budget_bytes,
-                target_bytes=self.options.planning_target_bytes(),
+                target_bytes=self.options.planning_target_bytes() if share is None else max(share.target_bytes, 1),
                 best_effort=self.options.best_effort,
                 solver=self.options.solver,
                 milp_time_limit_s=self.options.milp_time_limit_s,
@@ -275,7 +281,9 @@ class RematBackend:
 
             dump_path = write_dump(Path(self.options.dump_dir) / graph_id, graph_id, plan, regions, fw, bw, facts, profile,
                                    pareto_points=self.options.pareto_points)
-        record = CompiledGraph(graph_id, _current_compile_id(), plan, regions, dump_path)
+        distributed = record_graph(self._step_ledger, share, joint, plan.saved_bytes, plan.saved_primals, fw, bw,
+                                   num_fwd_outputs, static_indices, dump_path)
+        record = CompiledGraph(graph_id, _current_compile_id(), plan, regions, dump_path, distributed)
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw

@@ -36,7 +36,14 @@ from ..cost_model.tensors import (
     tensor_nbytes,
 )
 
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional", "_dtensor")
+# Operator namespaces whose ops communicate between ranks (checked on torch 2.13.0):
+# functional collectives and their waits (``_c10d_functional.all_gather_into_tensor``,
+# ``.reduce_scatter_tensor``, ``.all_reduce``, ``.wait_tensor``, ...), their differentiable
+# variants (``_c10d_functional_autograd``), the in-place c10d ops (``c10d.allreduce_``),
+# the legacy ``c10d_functional`` namespace, DTensor's redistribution ops and symmetric memory.
+COLLECTIVE_NAMESPACES = (
+    "_c10d_functional", "_c10d_functional_autograd", "c10d", "c10d_functional", "_dtensor", "symm_mem",
+)
 _FREE_TO_RECOMPUTE_NAMES = {
     "full", "iota", "arange", "zeros", "ones", "empty", "scalar_tensor", "full_like", "zeros_like",
     "ones_like", "empty_like", "clone", "_to_copy", "convert_element_type", "inductor_random",
@@ -114,6 +121,16 @@ def _randomness_disabled(node: fx.Node) -> bool:
     return False
 
 
+def is_collective(node: fx.Node) -> bool:
+    """True for a call to an op that communicates between ranks, or waits for such an op
+    (``wait_tensor``): one of ``COLLECTIVE_NAMESPACES``."""
+    if node.op != "call_function":
+        return False
+    qualified = getattr(node.target, "_qualified_op_name", None)  # "ns::op" on overloads and packets
+    namespace = qualified.split("::")[0] if isinstance(qualified, str) else getattr(node.target, "namespace", "")
+    return namespace in COLLECTIVE_NAMESPACES
+
+
 def recompute_ban_reason(node: fx.Node) -> Optional[str]:
     """Why ``node`` may never be recomputed, or None if recomputing it is safe."""
     if node.op != "call_function":
@@ -122,8 +139,7 @@ def recompute_ban_reason(node: fx.Node) -> Optional[str]:
         return "random op: recomputing it would draw fresh random numbers (its seed is not replayed)"
     if is_mutating_op(node):
         return "mutates its input: recomputing it would apply the mutation twice"
-    namespace = getattr(node.target, "namespace", "")
-    if namespace in _COLLECTIVE_NAMESPACES:
+    if is_collective(node):
         return "collective: recomputing it would communicate again"
     if node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE:
         return "a checkpoint policy marked it MUST_SAVE"

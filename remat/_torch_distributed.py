@@ -1,0 +1,161 @@
+"""The thin torch-private layer of remat's distributed support: what Dynamo's DDP optimizer
+and FSDP2 are doing while a graph compiles, read from torch 2.13.0's internals.
+
+Nothing here changes torch's state; each function returns plain numbers or None when the
+context it looks for is absent (then remat plans the graph with the whole budget, as for
+one process). Private APIs used, verified on torch 2.13.0:
+
+- ``torch._dynamo.backends.distributed.SubmodCompiler``: Dynamo's DDP optimizer
+  (``torch._dynamo.config.optimize_ddp``, on by default) splits the graph at DDP's bucket
+  boundaries into ``submod_<i>`` of one ``split_gm`` and compiles them in forward order,
+  each by calling the backend from ``SubmodCompiler.compile_submod``. No API hands the
+  backend the other pieces, so ``ddp_pieces`` finds that frame on the Python stack.
+- ``DistributedDataParallel._get_active_ddp_module()``: the DDP module whose forward is
+  being traced (its parameters give the step's gradient bytes).
+- FSDP2 (``torch.distributed.fsdp.fully_shard``): its hooks are wrapped in
+  ``torch._dynamo.disable`` (``_fully_shard/_fsdp_common.py``), so the all-gathers and
+  reduce-scatters run eagerly around the compiled graphs, and a module's forward compiles
+  as its own graph, shared by every module of the same class. ``fsdp_unit`` finds the
+  ``FSDPModule`` whose forward is compiling (the nearest ``self`` on the stack) and reads
+  ``_get_fsdp_state()._state_ctx.all_states`` and each state's ``_fsdp_param_groups``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+_MAX_FRAMES = 200  # how far up the stack to look; Dynamo + Inductor compile stacks are ~100 frames
+
+
+def _frames():
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return
+        yield frame
+        frame = frame.f_back
+
+
+@dataclass(frozen=True)
+class DDPPieces:
+    """The DDP optimizer's split of one Dynamo graph, seen while piece ``index`` compiles."""
+
+    index: int                         # which piece is compiling (forward order)
+    count: int                         # how many pieces the graph was split into
+    split_id: int                      # identity of the split graph: pieces of one step share it
+    forward_bytes: tuple[int, ...]     # per piece: bytes of the tensors its forward computes (Dynamo's meta)
+
+
+def _forward_tensor_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of every tensor a Dynamo-level graph computes (its placeholders excluded)."""
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        value = node.meta.get("example_value")
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                try:
+                    total += int(v.numel()) * v.element_size()
+                except (TypeError, RuntimeError):  # a symbolic size without a hint
+                    pass
+    return total
+
+
+def _piece_number(name: str) -> int:
+    tail = name.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def ddp_pieces() -> Optional[DDPPieces]:
+    """Where the graph now compiling sits in the DDP optimizer's split, or None when the
+    backend was not called by the DDP optimizer."""
+    try:
+        from torch._dynamo.backends.distributed import SubmodCompiler
+    except ImportError:
+        return None
+    for frame in _frames():
+        compiler = frame.f_locals.get("self")
+        if frame.f_code.co_name != "compile_submod" or not isinstance(compiler, SubmodCompiler):
+            continue
+        piece = frame.f_locals.get("input_mod")
+        # Pieces already compiled are renamed "compiled_submod_<i>"; the others are "submod_<i>".
+        ordered = sorted(compiler.module.named_children(), key=lambda nm: _piece_number(nm[0]))
+        index = next((i for i, (_, mod) in enumerate(ordered) if mod is piece), None)
+        if index is None:
+            return None
+        sizes = tuple(_forward_tensor_bytes(mod) if isinstance(mod, fx.GraphModule) else 0 for _, mod in ordered)
+        return DDPPieces(index=index, count=len(ordered), split_id=id(compiler.module), forward_bytes=sizes)
+    return None
+
+
+def ddp_param_grad_bytes() -> Optional[int]:
+    """Bytes of the gradients of the active DDP module's trainable parameters, or None."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    module = DistributedDataParallel._get_active_ddp_module()
+    if module is None:
+        return None
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+@dataclass(frozen=True)
+class FSDPUnit:
+    """The FSDP2 unit whose forward is compiling, and the step's FSDP memory outside graphs."""
+
+    module_class: str
+    repeats: int                  # FSDP units of this class: the compiled graph runs once per unit
+    unit_unsharded_bytes: int     # all-gathered parameters of one unit (freed after its forward and backward)
+    root_unsharded_bytes: int     # the root's own parameters, all-gathered for the whole step
+    sharded_grad_bytes: int       # this rank's reduce-scattered gradients of every unit, kept after backward
+    world_size: int
+
+
+def _state_param_bytes(state: Any) -> tuple[int, int]:
+    """(unsharded bytes, sharded bytes on this rank) of one FSDP state's parameters."""
+    unsharded = sharded = 0
+    for group in getattr(state, "_fsdp_param_groups", None) or []:
+        for param in group.fsdp_params:
+            dtype = param.param_dtype or param.orig_dtype
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            unsharded += int(param._orig_size.numel()) * itemsize
+            sharded += int(param.padded_sharded_param_size.numel()) * torch.empty((), dtype=param.orig_dtype).element_size()
+    return unsharded, sharded
+
+
+def fsdp_unit() -> Optional[FSDPUnit]:
+    """The FSDP2 unit whose forward is being compiled, or None outside FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    for frame in _frames():
+        module = frame.f_locals.get("self")
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        states = list(state._state_ctx.all_states) or [state]
+        cls = type(module)
+        same = [s for s in states if any(type(m) is cls for m in s._modules)]
+        root = next((s for s in states if s._is_root), None)
+        unit_bytes, _ = _state_param_bytes(state)
+        root_bytes = _state_param_bytes(root)[0] if root is not None and root is not state else 0
+        sharded = sum(_state_param_bytes(s)[1] for s in states)
+        mesh = state._fsdp_param_groups[0].mesh_info.mesh if state._fsdp_param_groups else None
+        return FSDPUnit(
+            module_class=cls.__name__.removeprefix("FSDP"),
+            repeats=max(len(same), 1),
+            unit_unsharded_bytes=unit_bytes,
+            root_unsharded_bytes=root_bytes,
+            sharded_grad_bytes=sharded,
+            world_size=mesh.size() if mesh is not None else 1,
+        )
+    return None

@@ -1,0 +1,317 @@
+"""Split one per-rank budget across the graphs of a distributed training step.
+
+Under DDP, Dynamo's DDP optimizer splits the step into pieces (at DDP's bucket boundaries)
+and remat plans each piece separately; under FSDP2 (torch 2.13), each ``fully_shard`` unit's
+forward compiles as its own graph, shared by every unit of the same class. The budget
+(DESIGN.md: the peak above what was resident at step start, per rank) holds for the whole
+step, so each graph gets a *planning target*: the simulated peak its plan must meet.
+
+The step, as the ledger models it (pieces in forward order, k = 0 .. n-1)::
+
+    forward:  P0.fw  P1.fw ... Pk.fw ...      backward: ... Pk.bw ... P1.bw  P0.bw
+
+While piece k runs (forward or backward), these are live besides what its own plan
+simulates (its simulated peak ``p_k`` counts its saved values, temporaries and the
+gradients it produces, above its inputs):
+
+- ``held_j`` for every earlier piece j < k: what j's forward keeps for j's backward
+  (its saved activations, and its activation inputs if it saves them), exactly known when
+  k compiles, because pieces compile in forward order and the ledger records each plan;
+- ``a_k``: piece k's own activation inputs (not parameters);
+- ``G_>k``: gradients the later pieces' backwards already produced (parameter bytes of
+  the model, less those of pieces <= k, known from AOTAutograd's static inputs);
+- ``outside``: memory the step allocates outside remat's graphs that remat can count:
+  FSDP2's all-gathered parameters (two units at a time: the one running and the one
+  prefetched, plus the root's), and the sharded gradients it reduce-scatters into.
+
+So the step fits when, for every piece, ``sum_{j<k} held_j + a_k + G_>k + outside + p_k <= T``
+(T: the budget less remat's headroom). The later pieces' ``held`` never coexist with piece
+k's peak (their backwards ran and freed them first), but piece k's ``held`` lowers the
+room every later piece gets, so each piece is planned under
+
+    target_k = room_k - sum_{j>k} share_j,   room_k = T - sum_{j<k} held_j - a_k - G_>k - outside
+
+where ``share_j`` reserves room for later piece j, in proportion to its need (the bytes of
+the tensors its forward computes, read from Dynamo's graph before it is planned):
+``share_j = (T - G - outside) * need_j / sum(need)``. By induction every piece k gets at least
+``share_k``, and a piece that uses less leaves the rest to the pieces after it (the ledger
+records what it actually holds). A graph that runs ``r`` times per step (an FSDP2 unit class
+of ``r`` identical blocks) stacks ``r`` copies of its held bytes, so it is planned under
+``target / r``.
+
+What is approximate: ``held_j <= p_j`` is used as the bound on what a piece keeps (exact
+saved bytes are recorded, but the pieces' outputs between them are counted as the next
+piece's inputs); later pieces' needs are a proxy (forward tensor bytes), so the reserve can
+be more or less than they need; memory the step allocates outside the graphs in eager code
+(FSDP2 runs the root's own forward eagerly on torch 2.13: the embedding, the head's
+logits, the loss) is not in the ledger and must fit in the headroom.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from torch import fx
+
+from .units import format_bytes
+
+
+@dataclass(frozen=True)
+class GraphShare:
+    """What one graph of a distributed step was given, and why (all sizes bytes)."""
+
+    kind: str                      # "ddp" | "fsdp2"
+    index: int                     # its position in the step (DDP piece, forward order); 0 for FSDP2
+    count: int                     # pieces in the step (DDP) or 1 (FSDP2)
+    repeats: int                   # times the graph runs per step (FSDP2 units of one class)
+    step_target_bytes: int         # T: the per-rank budget less remat's headroom
+    held_before_bytes: int         # sum of held_j of earlier pieces (ledger)
+    input_activation_bytes: int    # a_k
+    later_grad_bytes: int          # G_>k
+    outside_bytes: int             # FSDP2's unsharded parameters and sharded gradients
+    reserved_later_bytes: int      # sum of share_j of later pieces
+    own_share_bytes: int           # share_k
+    target_bytes: int              # the simulated peak this graph's plan must meet
+
+    def explain(self) -> str:
+        """One paragraph for report.md: how the budget was split and why the step fits."""
+        where = (f"DDP piece {self.index + 1} of {self.count}" if self.kind == "ddp"
+                 else f"FSDP2 unit graph, run {self.repeats} times per step")
+        return (
+            f"{where}. Per-rank step target {format_bytes(self.step_target_bytes)} (budget less headroom); "
+            f"held for their backward by earlier pieces {format_bytes(self.held_before_bytes)}; "
+            f"activation inputs {format_bytes(self.input_activation_bytes)}; gradients of later pieces "
+            f"{format_bytes(self.later_grad_bytes)}; outside the graphs (FSDP2 parameters and gradients) "
+            f"{format_bytes(self.outside_bytes)}; reserved for later pieces {format_bytes(self.reserved_later_bytes)} "
+            f"(own share {format_bytes(self.own_share_bytes)}). Target for this graph's simulated peak: "
+            f"{format_bytes(self.target_bytes)}"
+            + (f" (the room divided by its {self.repeats} runs)" if self.repeats > 1 else "")
+            + ". The step fits if every piece meets its target: each piece's peak plus what the earlier "
+            "pieces hold, the later pieces' gradients and the memory outside the graphs stays under the step target."
+        )
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def split_shares(available_bytes: int, needs: tuple[int, ...]) -> tuple[int, ...]:
+    """``available_bytes`` split in proportion to ``needs`` (equal parts if every need is 0).
+
+    Guarantees: the shares are >= 0 and sum to at most ``available_bytes``.
+    """
+    available = max(int(available_bytes), 0)
+    total = sum(max(n, 0) for n in needs)
+    if not needs:
+        return ()
+    if total == 0:
+        return tuple(available // len(needs) for _ in needs)
+    return tuple(available * max(n, 0) // total for n in needs)
+
+
+def piece_target(
+    *, step_target_bytes: int, index: int, needs: tuple[int, ...], held_before_bytes: int,
+    input_activation_bytes: int, total_grad_bytes: int, grads_so_far_bytes: int, outside_bytes: int = 0,
+    repeats: int = 1, kind: str = "ddp",
+) -> GraphShare:
+    """The planning target of piece ``index`` of a step (see the module docstring).
+
+    ``grads_so_far_bytes`` are the parameter-gradient bytes of pieces 0..index (this one
+    included). Guarantees: if every earlier piece met its target, piece ``index`` gets at
+    least its own share of the room, divided by ``repeats``; the target may be <= 0 when the
+    fixed costs alone exceed the step target (the planner then reports the budget infeasible).
+    """
+    if not 0 <= index < len(needs):
+        raise ValueError(f"piece index {index} is outside the {len(needs)} pieces of the step")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: a graph runs at least once per step")
+    later_grads = max(total_grad_bytes - grads_so_far_bytes, 0)
+    shares = split_shares(step_target_bytes - total_grad_bytes - outside_bytes, needs)
+    reserved = sum(shares[index + 1:])
+    room = step_target_bytes - held_before_bytes - input_activation_bytes - later_grads - outside_bytes
+    # r runs stack r copies of (peak + activation inputs): r * (p + a) <= room + a - reserved.
+    target = (room + input_activation_bytes - reserved) // repeats - input_activation_bytes
+    return GraphShare(
+        kind=kind, index=index, count=len(needs), repeats=repeats, step_target_bytes=step_target_bytes,
+        held_before_bytes=held_before_bytes, input_activation_bytes=input_activation_bytes,
+        later_grad_bytes=later_grads, outside_bytes=outside_bytes, reserved_later_bytes=reserved,
+        own_share_bytes=(shares[index] + input_activation_bytes) // repeats - input_activation_bytes,
+        target_bytes=int(target),
+    )
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """What one planned piece keeps live for its backward, recorded after its plan is made."""
+
+    index: int
+    held_bytes: int          # saved activations + saved activation inputs
+    param_grad_bytes: int    # gradients of its parameters its backward produces
+
+
+@dataclass
+class StepLedger:
+    """The pieces of one DDP step planned so far, keyed by the split they belong to.
+
+    Lives on the backend object; a new split (a recompile, or another model) starts a new
+    ledger. Thread-safe: Inductor may compile on several threads.
+    """
+
+    split_id: Optional[int] = None
+    needs: tuple[int, ...] = ()
+    entries: dict[int, LedgerEntry] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def _switch(self, split_id: int, needs: tuple[int, ...]) -> None:
+        if self.split_id != split_id:
+            self.split_id, self.needs, self.entries = split_id, needs, {}
+
+    def before(self, split_id: int, index: int, needs: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
+        """(held bytes, parameter-gradient bytes) of the pieces before ``index`` of ``split_id``,
+        and the pieces' needs as first seen (when no piece was compiled yet, so that every
+        piece's share is computed from the same numbers)."""
+        with self._lock:
+            self._switch(split_id, needs)
+            earlier = [e for i, e in self.entries.items() if i < index]
+            return sum(e.held_bytes for e in earlier), sum(e.param_grad_bytes for e in earlier), self.needs
+
+    def record(self, split_id: int, entry: LedgerEntry) -> None:
+        with self._lock:
+            self._switch(split_id, ())
+            self.entries[entry.index] = entry
+
+
+def write_share_to_dump(dump_path: str, share: GraphShare) -> None:
+    """Add the budget split to a graph's dump: a section of report.md, a key of plan.json."""
+    import json
+    from pathlib import Path
+
+    directory = Path(dump_path)
+    report = directory / "report.md"
+    if report.exists():
+        with report.open("a") as f:
+            f.write("\n## Distributed budget split\n\n" + share.explain() + "\n")
+    plan_json = directory / "plan.json"
+    if plan_json.exists():
+        payload = json.loads(plan_json.read_text())
+        payload["distributed"] = share.to_json()
+        plan_json.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+@dataclass(frozen=True)
+class DistributedGraphRecord:
+    """The distributed side of one planned graph: its share of the budget (None when it got
+    the whole budget) and the collectives in its graphs, by node name."""
+
+    share: Optional[GraphShare]
+    collective_nodes: tuple[str, ...]         # collectives (and waits) in the forward and backward
+    recomputed_collectives: tuple[str, ...]   # collectives inside a recompute region of the backward: always empty
+
+
+def collectives_of(fw: "fx.GraphModule", bw: "fx.GraphModule") -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(collective nodes of both graphs, collective nodes the backward recomputes).
+
+    A recomputed node is one ``place_recompute_regions`` tagged with ``node.meta[REMAT_KEY]``.
+    """
+    from .passes.joint_graph import is_collective
+    from .passes.rewrite import REMAT_KEY
+
+    found = tuple(f"{gm_name}.{n.name}" for gm_name, gm in (("forward", fw), ("backward", bw))
+                  for n in gm.graph.nodes if is_collective(n))
+    recomputed = tuple(f"backward.{n.name}" for n in bw.graph.nodes if is_collective(n) and REMAT_KEY in n.meta)
+    return found, recomputed
+
+
+# ---------------------------------------------------------------- the backend's two hooks
+
+def _value_bytes(value: object) -> int:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return 0
+    try:
+        return int(value.numel()) * value.element_size()
+    except (TypeError, RuntimeError):  # an unbacked symbolic size
+        return 0
+
+
+def _primal_bytes(joint: "fx.GraphModule", static_indices: Optional[Sequence[int]]) -> tuple[dict[str, int], set[str]]:
+    """Bytes of each primal placeholder, and the names of the activation (non-static) ones."""
+    static = set(static_indices or ())
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and str(n.target).startswith("primals")]
+    sizes = {n.name: _value_bytes(n.meta.get("val")) for n in primals}
+    return sizes, {n.name for i, n in enumerate(primals) if i not in static}
+
+
+def _param_grad_bytes(joint: "fx.GraphModule", num_fwd_outputs: int, static_indices: Optional[Sequence[int]]) -> int:
+    """Bytes of the gradients the joint graph returns for its parameters (static inputs):
+    the joint's outputs after the forward's are the primals' gradients, in primal order."""
+    from torch import fx
+
+    static = set(static_indices or ())
+    output = next(n for n in joint.graph.nodes if n.op == "output")
+    grads = list(output.args[0])[num_fwd_outputs:]
+    return sum(_value_bytes(g.meta.get("val")) for i, g in enumerate(grads) if i in static and isinstance(g, fx.Node))
+
+
+def share_for_graph(ledger: StepLedger, step_target_bytes: Optional[int], joint: "fx.GraphModule",
+                    num_fwd_outputs: int, static_indices: Optional[Sequence[int]]) -> Optional[GraphShare]:
+    """The planning target of a joint graph that is a piece of a DDP step or an FSDP2 unit's
+    graph, or None (no budget, or not distributed: the graph gets the whole budget).
+
+    Call it before planning, from the partitioner: it reads the DDP optimizer's or FSDP2's
+    state off the Python stack (``remat/_torch_distributed.py``).
+    """
+    from . import _torch_distributed as tdist
+
+    if step_target_bytes is None:
+        return None
+    sizes, activations = _primal_bytes(joint, static_indices)
+    activation_bytes = sum(sizes[name] for name in activations)
+    pieces = tdist.ddp_pieces()
+    if pieces is not None:
+        own_grads = _param_grad_bytes(joint, num_fwd_outputs, static_indices)
+        total_grads = tdist.ddp_param_grad_bytes() or 0
+        held_before, grads_before, needs = ledger.before(pieces.split_id, pieces.index, pieces.forward_bytes)
+        return piece_target(
+            step_target_bytes=step_target_bytes, index=pieces.index, needs=needs, held_before_bytes=held_before,
+            input_activation_bytes=activation_bytes, total_grad_bytes=max(total_grads, grads_before + own_grads),
+            grads_so_far_bytes=grads_before + own_grads, kind="ddp",
+        )
+    unit = tdist.fsdp_unit()
+    if unit is not None:
+        # One unit running, the next one prefetched by its backward, and the reduce-scatter's
+        # input buffer: three units' unsharded bytes; the root's parameters stay unsharded.
+        outside = 3 * unit.unit_unsharded_bytes + unit.root_unsharded_bytes + unit.sharded_grad_bytes
+        return piece_target(
+            step_target_bytes=step_target_bytes, index=0, needs=(1,), held_before_bytes=0,
+            input_activation_bytes=activation_bytes, total_grad_bytes=0, grads_so_far_bytes=0,
+            outside_bytes=outside, repeats=unit.repeats, kind="fsdp2",
+        )
+    return None
+
+
+def record_graph(ledger: StepLedger, share: Optional[GraphShare], joint: "fx.GraphModule", saved_bytes: int,
+                 saved_primals: Sequence[str], fw: "fx.GraphModule", bw: "fx.GraphModule", num_fwd_outputs: int,
+                 static_indices: Optional[Sequence[int]], dump_path: Optional[str]) -> Optional[DistributedGraphRecord]:
+    """After planning: enter a DDP piece's held bytes in the ledger, add the split to the
+    graph's dump, and list the collectives in its graphs. None outside torch.distributed."""
+    import torch
+
+    from . import _torch_distributed as tdist
+
+    if share is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    if share is not None and share.kind == "ddp":
+        pieces = tdist.ddp_pieces()
+        if pieces is not None:
+            sizes, activations = _primal_bytes(joint, static_indices)
+            held = saved_bytes + sum(sizes.get(name, 0) for name in saved_primals if name in activations)
+            grads = _param_grad_bytes(joint, num_fwd_outputs, static_indices)
+            ledger.record(pieces.split_id, LedgerEntry(pieces.index, held, grads))
+    if share is not None and dump_path is not None:
+        write_share_to_dump(dump_path, share)
+    in_graphs, recomputed = collectives_of(fw, bw)
+    return DistributedGraphRecord(share=share, collective_nodes=in_graphs, recomputed_collectives=recomputed)
