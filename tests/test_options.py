@@ -158,3 +158,21 @@ def test_cache_key_changes_with_every_plan_option():
     }
     assert len(keys) == 6
     assert remat.backend(1).partitioner.uuid() == remat.backend(1.0).partitioner.uuid()
+
+
+def test_solver_milp_and_its_time_limit_are_options():
+    options = remat.backend(1, solver="milp", milp_time_limit_s=2.5).options
+    assert (options.solver, options.milp_time_limit_s) == ("milp", 2.5)
+    assert "solver=milp;milp_s=2.5" in options.cache_key()
+    assert remat.backend(1).options.solver == "greedy"
+
+
+@pytest.mark.parametrize("limit", [0, -1.0, math.nan, math.inf, "10", True])
+def test_bad_milp_time_limit_fails_at_the_boundary(limit):
+    with pytest.raises(ValueError, match=rf"milp_time_limit_s={limit!r} must be a positive finite number of seconds"):
+        remat.backend(1, solver="milp", milp_time_limit_s=limit)
+
+
+def test_unknown_solver_fails_at_the_boundary():
+    with pytest.raises(ValueError, match=r"solver='ilp' is not one of \('greedy', 'milp'\)"):
+        remat.backend(1, solver="ilp")

@@ -382,3 +382,118 @@ def test_a_row_that_overstates_a_simulated_peak_is_caught():
     assert model.unsound_rows(trial) == []
     model.add_memory_row(trial.simulation.peak_bytes + 1, [], "bogus")
     assert model.unsound_rows(trial) == ["bogus"]
+
+
+# -- every solver path: named budgets, determinism ------------------------------------------------
+
+@pytest.mark.parametrize("name", TINY)
+def test_the_smallest_feasible_budget_named_is_feasible(name):
+    facts = facts_of(name)
+    below = min(budgets_of(name)) - 1
+    with pytest.raises(BudgetInfeasibleError) as info:
+        make_plan(facts, below)
+    named = info.value.min_feasible_bytes
+    plan = make_plan(facts, named)
+    assert plan.fits_budget and plan.predicted_peak_bytes <= named
+    assert make_plan(facts, below, best_effort=True).predicted_peak_bytes == named
+
+
+_DETERMINISM_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, "tests")
+import test_solvers as ts
+from remat.errors import BudgetInfeasibleError
+from remat.passes.plan import evaluate, make_plan, _save_all
+out = []
+for name in ("attention", "mlp_dropout", "random3"):
+    facts = ts.facts_of(name)
+    top = evaluate(facts, _save_all(facts)).simulation.peak_bytes
+    for fraction in (0.95, 0.8, 0.65, 0.3):
+        try:
+            plan = make_plan(facts, int(top * fraction))
+            out.append([name, fraction, plan.saved, plan.recomputed, plan.predicted_peak_bytes,
+                        plan.est_extra_time_s, [d.reason for d in plan.decisions]])
+        except BudgetInfeasibleError as error:
+            out.append([name, fraction, "infeasible", error.min_feasible_bytes, list(error.reasons)])
+print(json.dumps(out))
+"""
+
+
+def test_plans_do_not_depend_on_the_hash_seed():
+    """Issue 4: the same graph and budget give the same plan under two PYTHONHASHSEEDs."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    results = []
+    for seed in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        run = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    assert len(results[0]) == 12
+    assert any(row[2] == "infeasible" for row in results[0]), "one budget should be out of reach"
+    assert results[0] == results[1]
+
+
+# -- solver="milp" ----------------------------------------------------------------------------------
+
+def test_milp_solver_returns_the_exhaustive_optimum():
+    name = "mlp3"
+    for target in budgets_of(name)[1:4]:
+        plan = make_plan(facts_of(name), target, solver="milp")
+        truth = best_under(plans_of(name), target)
+        assert plan.solver.startswith("milp (optimal"), plan.solver
+        assert plan.predicted_peak_bytes <= target
+        assert plan.est_extra_time_s == pytest.approx(truth.est_extra_time_s, rel=1e-9, abs=1e-15)
+
+
+def test_milp_time_out_keeps_the_best_verified_plan():
+    name = "random2"
+    target = budgets_of(name)[-2]
+    greedy = make_plan(facts_of(name), target)
+    plan = make_plan(facts_of(name), target, solver="milp", milp_time_limit_s=1e-9)
+    assert plan.solver.startswith("milp (time limit 1e-09 s reached: best verified plan kept"), plan.solver
+    assert plan.predicted_peak_bytes <= target
+    assert plan.est_extra_time_s <= greedy.est_extra_time_s
+
+
+def test_milp_failure_falls_back_to_the_greedy_with_the_reason(monkeypatch):
+    from remat.passes import plan as plan_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("HiGHS is unavailable")
+
+    monkeypatch.setattr(plan_module, "solve_min_time", broken)
+    target = budgets_of("mlp3")[2]
+    plan = make_plan(facts_of("mlp3"), target, solver="milp")
+    assert plan.solver == ("greedy (milp failed: RuntimeError: HiGHS is unavailable; "
+                           "fell back to the greedy's plan)")
+    greedy = make_plan(facts_of("mlp3"), target)
+    assert (plan.saved, plan.est_extra_time_s) == (greedy.saved, greedy.est_extra_time_s)
+
+
+def test_milp_refuses_graphs_too_large(monkeypatch):
+    from remat.passes import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "MILP_MAX_CANDIDATES", 5)
+    forward = sum(1 for n in facts_of("mlp3").nodes.values() if n.role == "forward")
+    with pytest.raises(ValueError, match=rf"solver='milp' is for small graphs: this joint graph has {forward} "
+                                         r"forward values to decide, more than 5.*Use solver='greedy'"):
+        make_plan(facts_of("mlp3"), budgets_of("mlp3")[0], solver="milp")
+
+
+def test_milp_infeasible_budget_names_a_feasible_budget():
+    facts = facts_of("mlp3")
+    with pytest.raises(BudgetInfeasibleError) as info:
+        make_plan(facts, min(budgets_of("mlp3")) - 1, solver="milp")
+    assert make_plan(facts, info.value.min_feasible_bytes, solver="milp").fits_budget
+
+
+def test_unknown_solver_is_refused():
+    with pytest.raises(ValueError, match="solver='ilp' is not one of"):
+        make_plan(facts_of("mlp2"), None, solver="ilp")

@@ -24,6 +24,7 @@ from ..options import DEFAULT_MILP_TIME_LIMIT_S, SOLVERS
 from ..units import format_bytes, format_seconds
 from .evaluate import Evaluated, evaluate
 from .joint_graph import JointGraphFacts
+from .kernel_steps import storage_owner
 from .mincut import min_cut_saved, saved_cost_bytes
 from .solve_greedy import smallest_peak_plan, solve_greedy
 from .solve_milp import solve_min_time
@@ -104,7 +105,7 @@ def _decisions(facts: JointGraphFacts, chosen: Evaluated, mincut: frozenset[str]
 
 def _infeasible_reasons(facts: JointGraphFacts, best: _Evaluated) -> tuple[str, ...]:
     grads = {s for o in facts.bwd_outputs for s in facts.nodes[o].value_storages}
-    owners = {sid: sid.split("#")[0].removesuffix("@r") for sid, _ in best.simulation.live_at_peak}
+    owners = {sid: storage_owner(sid) for sid, _ in best.simulation.live_at_peak}
     by_kind: dict[str, int] = {}
     for sid, nbytes in best.simulation.live_at_peak:
         owner = owners[sid]
@@ -154,6 +155,8 @@ def _solve(facts: JointGraphFacts, target: int, solver: str, milp_time_limit_s: 
     except Exception as error:   # noqa: BLE001 - any failure of the MILP falls back, with its reason
         return found, dropped, f"greedy (milp failed: {type(error).__name__}: {error}; fell back to the greedy's plan)"
     if exact.status == "infeasible":
+        if found is not None:   # cannot happen while the MILP's rows are sound; the simulated plan wins
+            return found, dropped, "greedy (milp reported infeasible, but the greedy's simulated plan fits)"
         return None, dropped, "milp (infeasible: no plan's simulated peak meets the target)"
     if exact.chosen_saved is None:
         return found, dropped, (f"greedy (milp: time limit {milp_time_limit_s:g} s reached with no verified plan; "
