@@ -4,11 +4,15 @@
     python benchmarks/pareto.py --quick                  # smoke run: tiny GPT, fewer points -> /tmp
     python benchmarks/pareto.py --device cuda            # gpt-h200 on one GPU (< 8 min on an H200)
 
-``--device cuda`` has not been run yet (no GPU was lent to the session that wrote it). It
-shares every line with the CPU path except the model (``gpt-h200``: ~0.34 B parameters,
-activations of an estimated 10 GB at batch 8 x 2048 tokens), TF32 matmuls, CUDA events for the
-times and the CUDA allocator for the peak; compiles stop starting after 5 minutes
-(``--max-minutes``) so that the measurements of what compiled finish inside 8.
+``--device cuda`` shares every line with the CPU path except the model (``gpt-h200``: ~0.34 B
+parameters, fp32 with TF32 matmuls, a peak of ~12 GB above the resident state at batch 8 x 2048
+tokens), CUDA events for the times, the CUDA allocator for the peak
+(``reset_peak_memory_stats``, then ``max_memory_allocated()`` minus the bytes allocated at step
+start), and remat's datasheet profile of the GPU. It runs under ``--max-minutes 7`` by default:
+compiles stop starting at 75% of that, peak measurements at 85%, timing rounds at 95%, and
+what was skipped or cut is written as such. Results are written after each phase, so a run that
+is killed leaves its partial results. A development version ran on an H200 (torch 2.11.0+cu130)
+in 4.9 minutes: compiles took 11-23 s each.
 
 Methods, all compiled from the same parameters: plain ``backend="inductor"``; PyTorch's
 ``torch._functorch.config.activation_memory_budget`` at 0.8 / 0.5 / 0.3 / 0.1 / 0.0; full
@@ -107,8 +111,9 @@ def baseline_methods(sweep: Sweep, config: SweepConfig) -> None:
 
 def smallest_feasible_bytes(sweep: Sweep) -> int:
     """Ask remat for a 1 kB budget: the error names the smallest feasible budget (planning only, no codegen)."""
+    backend = remat.backend(1e-6, hardware=hardware_profile_name(sweep.device))
     try:
-        sweep.one_step(sweep.forward_of(torch.compile(sweep.model, backend=remat.backend(1e-6))))
+        sweep.one_step(sweep.forward_of(torch.compile(sweep.model, backend=backend)))
     except remat.BudgetInfeasibleError as error:
         return error.min_feasible_bytes
     raise RuntimeError("a 1 kB budget was feasible: this model's step allocates next to nothing")
@@ -136,7 +141,10 @@ def remat_budgets(min_feasible: Optional[int], inductor_peak: int, baselines: li
 
 # Shares of a model's time (``--max-minutes`` split over the models left) after which a phase starts
 # nothing new: compiles, then peak measurements, then timing rounds; the rest is for writing results.
-COMPILE_SHARE, PEAK_SHARE, TIMING_SHARE = 0.60, 0.75, 0.95
+# Measured on an H200 (torch 2.11, gpt-h200): compiles take 11-23 s each, every peak and timing round
+# of ~20 methods under 5 s, so measuring needs under a fifth of the time the compiles take.
+COMPILE_SHARE, PEAK_SHARE, TIMING_SHARE = 0.75, 0.85, 0.95
+INFEASIBLE_MARGIN = 0.99       # a budget under 99% of the smallest feasible one is not compiled
 
 
 @dataclass(frozen=True)
@@ -203,6 +211,17 @@ def load_average_json(start: tuple[float, float, float], during: list[float], en
     return out
 
 
+def hardware_profile_name(device: torch.device) -> str:
+    """remat's cost profile for ``device``, named explicitly: the datasheet profile of a recognised GPU
+    (else the measured "cuda" one), the measured CPU on CPU. ``hardware="auto"`` chose the CPU profile on
+    an H200 (predicted recompute 7.4 s against 16 ms measured), so the benchmark does not rely on it."""
+    if device.type != "cuda":
+        return "cpu"
+    from remat.cost_model.hardware import datasheet_name_for
+
+    return datasheet_name_for(torch.cuda.get_device_name(device)) or "cuda"
+
+
 def compile_priority(budget_roles: tuple[int, list[str]]) -> tuple[int, int]:
     """The checks' budgets (each baseline's peak, 50% of Inductor's, the smallest feasible) before the rest
     of the sweep; by increasing budget within each group."""
@@ -233,10 +252,18 @@ def run_model(run: ModelRun, write: Callable[[str], None]) -> None:
     print(f"[{spec.name}] smallest feasible budget {run.min_feasible} B; compiling remat at {len(budgets)} budgets",
           flush=True)
     first_remat = len(sweep.live)
+    hardware = hardware_profile_name(device)
     for budget, roles in sorted(budgets, key=compile_priority):   # under a time limit the least needed go last
         size = f"{budget / 1e9:.3f} GB" if budget >= 1e9 else f"{budget / 1e6:.3f} MB"
-        point = Point("remat", f"remat {size}", {"budget_gb": budget / 1e9}, planned_for=roles)
-        sweep.add(point, sweep.model, remat.backend(budget / 1e9))
+        point = Point("remat", f"remat {size}", {"budget_gb": budget / 1e9, "hardware": hardware}, planned_for=roles)
+        if run.min_feasible is not None and budget < INFEASIBLE_MARGIN * run.min_feasible:
+            sweep.points.append(point)   # planning it again would only spend the time limit on the same answer
+            point.error = (f"infeasible: budget {budget / 1e9:.4g} GB is below remat's smallest feasible budget "
+                           f"{run.min_feasible / 1e9:.4g} GB (1 GB = 1e9 bytes; from the planner's error for a "
+                           "1 kB budget; not compiled again)")
+            point.min_feasible_bytes = run.min_feasible
+            continue
+        sweep.add(point, sweep.model, remat.backend(budget / 1e9, hardware=hardware))
     sweep.measure_peaks(1, sweep.live[first_remat:])
     sweep.measure_peaks(config.peak_rounds - 1, sweep.live[first_remat:])
     sweep.measure_peaks(1)                     # one more round of every method, interleaved
