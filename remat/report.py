@@ -14,7 +14,8 @@ from .cost_model.hardware import HardwareProfile
 from .cost_model.symbolic import evaluate as evaluate_expr
 from .cost_model.symbolic import format_expr, shape_hints, symbol_sources, to_sympy
 from .passes.joint_graph import JointGraphFacts
-from .passes.plan import Plan, evaluate
+from .passes.evaluate import evaluate
+from .passes.plan import Plan
 from .passes.rewrite import RegionSummary, describe_region
 from .units import format_bytes, format_seconds
 

@@ -38,7 +38,8 @@ from .cost_model.tensors import sizes_evaluated_at
 from .errors import BudgetInfeasibleError
 from .options import make_options
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
-from .passes.plan import Plan, evaluate, make_plan
+from .passes.evaluate import evaluate
+from .passes.plan import Plan, make_plan
 from .units import format_bytes
 
 

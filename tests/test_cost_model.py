@@ -614,3 +614,37 @@ def test_view_ops_allocate_nothing_and_alias_their_input(fn, view_op):
     assert bmm.allocs == ((bmm.name, 4 * MiB),)
     # the graph allocates the input (4 MiB), bmm's output and relu's output, nothing else
     assert sum(n.alloc_bytes for n in facts.nodes.values()) == 12 * MiB
+
+
+# ---------------------------------------------------------------- eager families below the roofline
+
+EAGER_FAMILY_CASES = [
+    # id, fn on a (512, 512) fp32 input, op, family (None: the roofline describes it)
+    ("var_mean: Welford", lambda x: torch.var_mean(x, dim=1), "var_mean", "welford"),
+    ("gt: floats in, bools out", lambda x: x > 0, "gt", "compare"),
+    ("logical_not: bools in and out", lambda x: (x > 0).logical_not(), "logical_not", None),
+    ("where", lambda x: torch.where(x > 0, x, 0.0), "where", "select"),
+    ("any over bools", lambda x: (x > 0).any(dim=1), "any", "bool_reduction"),
+    ("full", lambda x: torch.full((N, N), 1.0) + x, "full", "factory"),
+    ("add", lambda x: x + x, "add", None),
+    ("mm", lambda x: x @ x, "mm", None),
+]
+
+
+@pytest.mark.parametrize("fn,op,family", [c[1:] for c in EAGER_FAMILY_CASES], ids=[c[0] for c in EAGER_FAMILY_CASES])
+def test_eager_family_sets_the_op_alone_time_never_the_fused_one(fn, op, family):
+    from remat.cost_model.eager_ops import eager_class
+
+    graph = trace(fn, m(N, N))
+    node = next(n for n in graph.nodes if n.op == "call_function" and n.target.overloadpacket.__name__ == op)
+    assert eager_class(node) == family
+    slow = ROUND.__class__(**{**ROUND.__dict__, "eager_classes": ((family or "none", 1e-3, 1e-8),)})
+    plain, eager = estimate_node_cost(node, ROUND), estimate_node_cost(node, slow)
+    if family is None:
+        assert eager == plain
+        return
+    # N*N elements (the largest tensor it touches) at 10 ns each plus 1 ms: far above the roofline
+    assert eager.unfused_time_s == pytest.approx(1e-3 + 1e-8 * N * N) and plain.unfused_time_s < 1e-3
+    fused_plain, fused_eager = annotate_costs(graph, ROUND), annotate_costs(graph, slow)
+    if fused_plain[node.name].fusion_group:   # Inductor's loop, not the eager kernel: the roofline stays
+        assert fused_eager[node.name].est_time_s == fused_plain[node.name].est_time_s

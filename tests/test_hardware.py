@@ -94,6 +94,8 @@ CORRUPT_FILES = [
     ("implausible: 1.45 TFLOP/s on one CPU thread",
      json.dumps({**profile_to_json(fake_profile()), "flops_per_s": {"float32": 1.45e13}})),
     ("implausible launch floor", json.dumps({**profile_to_json(fake_profile()), "kernel_launch_s": 0.17})),
+    ("negative eager family cost", json.dumps({**profile_to_json(fake_profile()), "eager_classes": [["welford", 0.0, -1e-9]]})),
+    ("eager family entry of the wrong shape", json.dumps({**profile_to_json(fake_profile()), "eager_classes": [["welford"]]})),
     # what a profile measured under AOTAutograd's fake mode looked like (two cores, found in a cache file)
     ("measured under a fake mode", json.dumps({**profile_to_json(fake_profile()), "flops_per_s": {"float32": 1.408e12},
                                                "bandwidth_bytes_per_s": 6.89e11, "kernel_launch_s": 1.95e-4})),
@@ -198,6 +200,22 @@ def test_real_cpu_measurement_is_plausible_even_under_a_fake_mode(tmp_path):
     assert len(profile.bandwidth_levels) == 3 and profile.kernel_launch_s < 1e-3
     assert profile.transcendentals_per_s > 0 and profile.random_values_per_s > 0
     assert profile.source.startswith("measured on")
+    families = {name: (fixed, per) for name, fixed, per in profile.eager_classes}
+    assert set(families) == {"welford", "compare", "select", "bool_reduction", "convert", "factory", "python_prim"}
+    # a Welford reduction costs more per element than a copy moves one (8 bytes at the DRAM bandwidth)
+    assert families["welford"][1] > 8 / profile.bandwidth_bytes_per_s
+
+
+def test_eager_families_round_trip_through_the_cache(tmp_path):
+    profile = fake_profile(eager_classes=(("welford", 0.0, 5e-9), ("python_prim", 1e-5, 0.0)))
+    assert profile_from_json(json.loads(json.dumps(profile_to_json(profile)))) == profile
+
+
+def test_faster_of_keeps_each_familys_faster_fit():
+    slow = fake_profile(eager_classes=(("welford", 1e-6, 9e-9), ("select", 0.0, 1e-9)))
+    fast = fake_profile(eager_classes=(("welford", 2e-6, 4e-9), ("convert", 2e-5, 1e-9)))
+    merged = dict((n, (f, p)) for n, f, p in hardware._faster_of(slow, fast).eager_classes)
+    assert merged == {"welford": (2e-6, 4e-9), "select": (0.0, 1e-9), "convert": (2e-5, 1e-9)}
 
 
 @pytest.mark.cuda

@@ -15,7 +15,10 @@ Time is a roofline on a ``HardwareProfile``::
     compute = flops / peak_rate(dtype) + transcendentals / special_rate + random_values / rng_rate
     time = max(compute, bytes / bandwidth(working set)) + launches * launch_floor
 
-``unfused_time_s`` applies it to the op alone (its own kernel, unfused bytes).
+``unfused_time_s`` applies it to the op alone (its own kernel, unfused bytes),
+and is never below the profile's fitted eager time of the op's family
+(``eager_ops.py``: Welford reductions, bool masks, Python prims run eagerly far
+below the roofline).
 ``est_time_s``, what the planner uses, applies it once per fused kernel (the
 kernel's summed FLOPs and fused bytes, one launch) and shares that time among
 the kernel's nodes in proportion to each node's own roofline; the launch is
@@ -36,6 +39,7 @@ from torch import fx
 
 from .flops import TORCH_RULE, node_flops, node_special_ops
 from .fusion import FusionGroups, find_fusion_groups, is_loop_op
+from .eager_ops import eager_time_s
 from .hardware import HardwareProfile
 from .phases import node_phases
 from .tensors import is_free_op, iter_tensors, node_val, op_name, touched_nbytes, value_nbytes
@@ -124,6 +128,7 @@ def estimate_node_cost(node: fx.Node, profile: HardwareProfile) -> NodeCost:
     time_s = roofline_time_s(profile, estimate.flops, bytes_read + bytes_written, 1, dtype,
                              tensor_cores=profile.name != "cpu" and _uses_tensor_cores(node, estimate.rule),
                              transcendentals=transcendentals, random_values=random_values)
+    time_s = max(time_s, eager_time_s(profile.eager_classes, node)) if profile.eager_classes else time_s
     return NodeCost(
         flops=estimate.flops, bytes_read=bytes_read, bytes_written=bytes_written, est_time_s=time_s,
         has_flop_formula=estimate.has_formula, flop_rule=estimate.rule,

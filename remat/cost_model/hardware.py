@@ -8,7 +8,8 @@ than a 100 MiB one) and a per-kernel launch floor.
   labelled as such in ``source``.
 - ``cpu``: measured once on this machine (matmuls per dtype, copies at four
   working-set sizes, exp and rand for the special-function and random-number
-  rates, a tiny op for the launch floor) and cached on disk under
+  rates, a tiny op for the launch floor, one op per family of slow eager
+  kernels, ``eager_ops.py``) and cached on disk under
   ``$REMAT_CACHE_DIR`` (default ``~/.cache/remat``), keyed by host, thread count
   and torch version. ``cuda``: the same measurement on the current CUDA device.
   A missing, corrupt or implausible cache file is measured again and rewritten;
@@ -33,8 +34,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 
+from .eager_ops import measure_eager_classes
+
 CACHE_ENV_VAR = "REMAT_CACHE_DIR"
-CACHE_SCHEMA = 4
+CACHE_SCHEMA = 5
 DATASHEET_NAMES = ("a100", "h100", "h200")
 PROFILE_NAMES = ("auto", "cpu", "cuda") + DATASHEET_NAMES
 
@@ -51,6 +54,8 @@ class HardwareProfile:
     bandwidth_levels: tuple[tuple[int, float], ...] = ()
     transcendentals_per_s: float = 0.0        # fp32 exp/erf/tanh evaluations per second (0: not charged)
     random_values_per_s: float = 0.0          # fp32 uniform random numbers drawn per second (0: not charged)
+    # (family, fixed s, s per element): eager ops that run far below the roofline (eager_ops.py); measured only
+    eager_classes: tuple[tuple[str, float, float], ...] = ()
 
     def peak_flops_per_s(self, dtype: Optional[torch.dtype], *, tensor_cores: bool = False) -> float:
         """Peak rate for ``dtype``; fp32 matmuls use the TF32 rate when ``tensor_cores`` and the profile has one."""
@@ -175,6 +180,7 @@ def _measure_once(device: torch.device) -> HardwareProfile:
     tiny = torch.ones(4, device=device)
     # the floor of one op called the way an FX graph calls it (an OpOverload), output allocation included
     launch_s = best(lambda: torch.ops.aten.add.Tensor(tiny, tiny))
+    eager_classes = measure_eager_classes(device, best)
     return HardwareProfile(
         name=device.type,
         flops_per_s=flops,
@@ -184,6 +190,7 @@ def _measure_once(device: torch.device) -> HardwareProfile:
         bandwidth_levels=tuple(levels[:-1]),
         transcendentals_per_s=special.numel() / transcendentals_s,
         random_values_per_s=special.numel() / random_s,
+        eager_classes=eager_classes,
     )
 
 
@@ -197,7 +204,22 @@ def _faster_of(a: HardwareProfile, b: HardwareProfile) -> HardwareProfile:
         kernel_launch_s=min(a.kernel_launch_s, b.kernel_launch_s),
         transcendentals_per_s=max(a.transcendentals_per_s, b.transcendentals_per_s),
         random_values_per_s=max(a.random_values_per_s, b.random_values_per_s),
+        eager_classes=_faster_classes(a.eager_classes, b.eager_classes),
     )
+
+
+def _faster_classes(a: tuple[tuple[str, float, float], ...], b: tuple[tuple[str, float, float], ...]
+                    ) -> tuple[tuple[str, float, float], ...]:
+    """Per family, the measurement with the smaller time at the larger size timed (the other's when one lacks it)."""
+    by_name = {name: (fixed, per) for name, fixed, per in b}
+    out = []
+    for name, fixed, per in a:
+        other = by_name.pop(name, None)
+        if other is not None and other[0] + other[1] * 65536 < fixed + per * 65536:
+            fixed, per = other
+        out.append((name, fixed, per))
+    out += [(name, fixed, per) for name, (fixed, per) in by_name.items()]
+    return tuple(out)
 
 
 def _monotone_levels(profile: HardwareProfile) -> HardwareProfile:
@@ -260,6 +282,9 @@ def check_plausible(profile: HardwareProfile, threads: int = 1) -> None:
         value = getattr(profile, key)
         if not (math.isfinite(value) and value >= 0):   # 0: not charged
             raise ValueError(f"{key}={value!r} is not a finite number >= 0")
+    for name, fixed_s, per_element_s in profile.eager_classes:
+        if not all(math.isfinite(v) and v >= 0 for v in (fixed_s, per_element_s)) or fixed_s > 1.0:
+            raise ValueError(f"eager class {name!r}: fixed {fixed_s!r} s, {per_element_s!r} s per element")
     if "float32" not in profile.flops_per_s:
         raise ValueError("no float32 rate")
     if profile.name == "cpu" and profile.flops_per_s["float32"] > _MAX_FLOPS_PER_THREAD * threads:
@@ -283,6 +308,7 @@ def profile_to_json(profile: HardwareProfile) -> dict:
         "kernel_launch_s": profile.kernel_launch_s,
         "transcendentals_per_s": profile.transcendentals_per_s,
         "random_values_per_s": profile.random_values_per_s,
+        "eager_classes": [list(entry) for entry in profile.eager_classes],
         "source": profile.source,
     }
 
@@ -300,6 +326,7 @@ def profile_from_json(data: Any, threads: int = 1) -> HardwareProfile:
         bandwidth_levels=tuple((int(limit), float(rate)) for limit, rate in data["bandwidth_levels"]),
         transcendentals_per_s=float(data["transcendentals_per_s"]),
         random_values_per_s=float(data["random_values_per_s"]),
+        eager_classes=tuple((str(name), float(fixed), float(per)) for name, fixed, per in data["eager_classes"]),
     )
     check_plausible(profile, threads)
     return profile

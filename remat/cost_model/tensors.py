@@ -38,7 +38,9 @@ class _SizePoint:
         if expr not in self.cache:
             result = expr.xreplace({s: self.values[s.name] for s in expr.free_symbols if s.name in self.values})
             if result.free_symbols:  # a symbol the caller gave no value for: its hint
-                result = result.xreplace({s: sympy.Integer(value.node.shape_env.optimization_hint(s)) for s in result.free_symbols})
+                env = value.node.shape_env
+                hints = getattr(env, "backed_var_to_val", None) or env.var_to_val   # torch < 2.13: var_to_val
+                result = result.xreplace({s: sympy.Integer(int(hints[s])) for s in result.free_symbols})
             self.cache[expr] = int(result)
         return self.cache[expr]
 
