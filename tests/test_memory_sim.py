@@ -13,7 +13,7 @@ import torch
 
 from remat.cost_model.kernel_schedule import EXTERN, POINTWISE, REDUCTION, GraphOp, schedule_kernels
 from remat.cost_model.memory import Step, simulate_memory
-from remat.passes.schedule import RECOMPUTE_SUFFIX, memory_steps, partition_nodes
+from remat.passes.schedule import memory_steps, partition_nodes, recompute_instance
 
 from joint_graphs import capture_joint
 
@@ -259,7 +259,7 @@ def test_recomputed_values_are_suffixed_and_outputs_pinned(tensors):
     assert mm in partition.recomputed
     steps, pinned = memory_steps(facts, partition)
     allocated = {sid for s in steps if s.phase == "backward" for sid, _ in s.allocs}
-    assert mm + RECOMPUTE_SUFFIX in allocated
+    assert recompute_instance(mm, 0) in allocated    # its first (here only) recomputation: mm@r0
     grads = {s for o in facts.bwd_outputs for s in facts.nodes[o].value_storages}
     assert grads and grads <= pinned
     sim = simulate_memory(steps, pinned)

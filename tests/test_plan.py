@@ -87,24 +87,23 @@ def test_recompute_regions_sit_right_before_their_first_use(mlp_facts):
     no_budget = make_plan(mlp_facts, None)
     plan = make_plan(mlp_facts, int(no_budget.predicted_peak_bytes * 0.8))
     order = backward_order(mlp_facts, partition_nodes(mlp_facts, set(plan.saved)))
-    position = {name: i for i, (name, _) in enumerate(order)}
-    regions = sorted({r for _, r in order if r >= 0})
+    made_at = {s.instance: i for i, s in enumerate(order)}
+    regions = sorted({s.region for s in order if s.region >= 0})
     assert regions, "an 80% budget recomputes something"
+    assert regions == list(range(len(regions)))
     for region in regions:
-        members = [i for i, (_, r) in enumerate(order) if r == region]
+        members = [i for i, s in enumerate(order) if s.region == region]
         start, end = members[0], members[-1]
         assert members == list(range(start, end + 1)), "a region is one contiguous block"
-        first_use = order[end + 1][0]
-        names = {order[i][0] for i in members}
-        assert order[end + 1][1] == -1
+        first_use = order[end + 1]
+        assert first_use.region == -1
+        instances = {order[i].instance for i in members}
         # The backward node right after the region reads what the region rebuilt...
-        reads = set(mlp_facts.nodes[first_use].inputs)
-        assert reads & names
-        # ...and nothing reads a rebuilt value before the region runs.
-        for name in names:
-            for user in mlp_facts.users[name]:
-                if user in position:
-                    assert position[user] > start
+        assert {inst for _, inst in first_use.reads} & instances
+        # ...and nothing reads a rebuilt instance before the region runs.
+        for later in order:
+            for _, inst in later.reads:
+                assert made_at[inst] < made_at[later.instance]
 
 
 def dropout_net(x, w1, w2):

@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 
 @dataclass(frozen=True)
 class Step:
-    name: str                               # node name, with "@r" for a backward recomputation
+    name: str                               # node name; "<node>@r<k>" for its k-th recomputation in the backward
     phase: str                              # "forward" | "backward": one compiled graph each
     allocs: tuple[tuple[str, int], ...]
     uses: tuple[str, ...]

@@ -9,9 +9,11 @@ its last node's step (the wrapper allocates every output before the call and
 frees inputs after it); its other nodes, and values computed inside kernels,
 are steps that allocate and read nothing.
 
-Storage ids are those of ``NodeFacts.allocs``, suffixed ``@r`` for a
-recomputation. A value without a buffer of its own (a view, an inlined or
-removed loop value) refers to the storages it is made of.
+Storage ids are those of ``NodeFacts.allocs``; a recomputation's are suffixed
+with its instance's suffix (``@r0``, ``@r1``, ...: a value the backward recomputes
+twice holds two storages, each freed after its own last reader). A value without a
+buffer of its own (a view, an inlined or removed loop value) refers to the
+storages it is made of.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from ..cost_model.memory import Step
 from .joint_graph import JointGraphFacts, NodeFacts
 
 if TYPE_CHECKING:
-    from .schedule import Partition
+    from .schedule import Partition, Scheduled
 
-RECOMPUTE_SUFFIX = "@r"
+RECOMPUTE_SUFFIX = "@r"          # followed by the instance number: "@r0", "@r1", ...
 CHANNELS_LAST_SUFFIX = "#cl"
 COPY_SUFFIX = "#copy"
 CHANNELS_LAST = "channels_last"
@@ -56,6 +58,11 @@ _SCATTER_OPS = frozenset({
 _MUTATIONS = frozenset({"copy_"})
 # Inductor's CPU backend stores a reused value rather than recompute these (StorageBox.should_realize_on_reuse).
 _HEAVY_OPS = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh", "silu", "softplus", "logsigmoid"})
+
+
+def storage_owner(sid: str) -> str:
+    """The node whose value a storage id belongs to: ``mm_3#1@r2`` -> ``mm_3``."""
+    return sid.split("#")[0].split(RECOMPUTE_SUFFIX)[0]
 
 
 def op_short_name(node: NodeFacts) -> str:
@@ -230,30 +237,47 @@ def _cache(facts: JointGraphFacts) -> _FactsCache:
 
 
 class _Graph:
-    """One compiled graph: its ops, and the storages each instance's value refers to."""
+    """One compiled graph: its ops, and the storages each instance's value refers to.
+
+    An instance is one copy of a node in the graph; ``reads`` says, per instance, which
+    instance it reads for an input that has several (a recomputed value). Any other input
+    is read under its node name: an instance named like its node, or a graph input.
+    """
 
     def __init__(self, facts: JointGraphFacts, cache: _FactsCache, instances: Sequence[tuple[str, str]],
-                 outputs: set[str], outer_storages: Callable[[str], tuple[str, ...]], donated: frozenset[str]) -> None:
+                 outputs: set[str], outer_storages: Callable[[str], tuple[str, ...]], donated: frozenset[str],
+                 reads: Mapping[str, Mapping[str, str]] | None = None) -> None:
         self.facts = facts
         self.cache = cache
         self.instances = list(instances)                 # (node name, instance name), in graph order
-        self.instance_of = {n: i for n, i in self.instances}
         self.node_of = {i: n for n, i in self.instances}
-        self.outputs = outputs
+        self.reads = reads or {}
+        self.outputs = outputs                           # instance names
         self.outer = outer_storages                      # graph input (node name) -> its storages
         self.donated = donated
+        self.inputs_of = {inst: tuple(self.input_instance(inst, i) for i in cache.static[name].inputs)
+                          for name, inst in self.instances}
+
+    def input_instance(self, inst: str, input_name: str) -> str:
+        """The instance (or graph input) that instance ``inst`` reads for its input node ``input_name``."""
+        return self.reads.get(inst, {}).get(input_name, input_name)
 
     def ops(self) -> list[GraphOp]:
-        facts, static, instance_of, outputs = self.facts, self.cache.static, self.instance_of, self.outputs
+        static, node_of, outputs = self.cache.static, self.node_of, self.outputs
+        readers: dict[str, list[str]] = {}
+        for _, inst in self.instances:
+            for i in self.inputs_of[inst]:
+                if i in node_of:
+                    readers.setdefault(i, []).append(node_of[inst])
         ops = []
         for name, inst in self.instances:
             info = static[name]
-            readers = [u for u in facts.users[name] if u in instance_of]
-            output = name in outputs
+            mine = readers.get(inst, ())
+            output = inst in outputs
             ops.append(GraphOp(
-                inst, info.kind, tuple([instance_of.get(i, i) for i in info.inputs]), info.nbytes, info.numel,
-                info.loop_numel, info.heavy, len(readers) + output, info.mutation or output,
-                any(static[u].kind in _CALLS for u in readers), info.inner_reduction, info.layout,
+                inst, info.kind, self.inputs_of[inst], info.nbytes, info.numel,
+                info.loop_numel, info.heavy, len(mine) + output, info.mutation or output,
+                any(static[u].kind in _CALLS for u in mine), info.inner_reduction, info.layout,
             ))
         return ops
 
@@ -261,9 +285,9 @@ class _Graph:
         """Bytes behind each graph input (what a kernel reading it shares with another)."""
         sizes: dict[str, int] = {}
         storage_bytes = self.cache.storage_bytes
-        for name, _ in self.instances:
-            for i in self.cache.static[name].inputs:
-                if i not in self.instance_of and i not in sizes:
+        for _, inst in self.instances:
+            for i in self.inputs_of[inst]:
+                if i not in self.node_of and i not in sizes:
                     sizes[i] = sum(storage_bytes.get(s, 0) for s in self.outer(i))
         return sizes
 
@@ -278,13 +302,13 @@ class _Graph:
         else:
             node = self.facts.nodes[node_name]
             if node.is_getitem and (name in stands_for or self.cache.static[node_name].kind == EXTERN):
-                source = self.storages_of(self.instance_of.get(node.inputs[0], node.inputs[0]), stands_for, memo)
+                source = self.storages_of(self.input_instance(name, node.inputs[0]), stands_for, memo)
                 index = node.getitem_index
                 found = (source[index],) if len(source) > 1 and index is not None and index < len(source) else source
             elif name in stands_for:
                 found = tuple(dict.fromkeys(s for m in stands_for[name] for s in self.storages_of(m, stands_for, memo)))
             else:
-                mine = RECOMPUTE_SUFFIX if name.endswith(RECOMPUTE_SUFFIX) else ""
+                mine = name[len(node_name):]          # the instance's suffix, "" for a node's only copy
                 found = tuple(sid + mine for sid, _ in self.cache.static[node_name].allocs)
                 if not found and node.is_multi_output:
                     found = tuple(sid + mine for sid, _ in node.allocs)
@@ -350,8 +374,12 @@ def channels_last_copies(facts: JointGraphFacts, fw_order: Sequence[str]) -> dic
 
 
 def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Sequence[str],
-                 bw_order: Sequence[tuple[str, int]]) -> tuple[list[Step], set[str]]:
-    """The forward, then the backward, as simulator steps in Inductor's kernel order; and the pinned storages."""
+                 bw_order: Sequence["Scheduled"]) -> tuple[list[Step], set[str]]:
+    """The forward, then the backward, as simulator steps in Inductor's kernel order; and the pinned storages.
+
+    ``bw_order`` is ``schedule.backward_order``'s: each recomputation is its own instance,
+    with its own storages, reading the instances it names.
+    """
     cache = _cache(facts)
     fw_outputs = set(partition.saved) | set(facts.fwd_outputs)
     copies = channels_last_copies(facts, fw_order)
@@ -376,13 +404,16 @@ def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Seque
     pinned_fw = {s for o in facts.fwd_outputs for s in fw_storages(o)}
     # AOTAutograd donates saved activations to the backward, which may then overwrite them
     donated = frozenset(n for n in partition.saved if facts.nodes[n].allocs and not set(fw_storages(n)) & pinned_fw)
-    bw_instances = [(n, n + RECOMPUTE_SUFFIX if r >= 0 else n) for n, r in bw_order]
-    regions = {(n + RECOMPUTE_SUFFIX if r >= 0 else n): r for n, r in bw_order}
-    backward = _Graph(facts, cache, bw_instances, set(facts.bwd_outputs), backward_input, donated)
+    bw_instances = [(s.name, s.instance) for s in bw_order]
+    regions = {s.instance: s.region for s in bw_order}
+    reads = {s.instance: dict(s.reads) for s in bw_order if s.reads}
+    last = {s.name: s.instance for s in bw_order}    # a gradient that is a recomputed value: its last copy
+    outputs = {last.get(o, o) for o in facts.bwd_outputs}
+    backward = _Graph(facts, cache, bw_instances, outputs, backward_input, donated, reads)
     bw_steps, bw_storages = backward.steps("backward", regions)
     tangent_allocs = tuple(
         alloc for name in facts.order if facts.nodes[name].role == "tangent" for alloc in facts.nodes[name].allocs
     )
     steps = fw_steps + [Step("<tangents>", "backward", tangent_allocs, (), external=True)] + bw_steps
-    pinned = pinned_fw | {s for o in facts.bwd_outputs for s in bw_storages(o)}
+    pinned = pinned_fw | {s for o in outputs for s in bw_storages(o)}
     return steps, pinned

@@ -1,15 +1,18 @@
-"""Put each recompute region of the backward right before its first use, and tag it.
+"""Put each recompute region of the backward right before the node it is for, and tag it.
 
 The forward and backward graphs come out of graph extraction with every
-recomputed node at the top of the backward (joint-graph order). ``place_recompute_regions``
-rebuilds the backward in the order ``schedule.backward_order`` gives, the same
-order the memory simulation walked, and tags every recomputed node with a frozen
-``RecomputeTag`` under ``node.meta[REMAT_KEY]``.
+recomputed node once, at the top of the backward (joint-graph order).
+``place_recompute_regions`` rebuilds the backward in the order
+``schedule.backward_order`` gives, the same order the memory simulation walked:
+a value the schedule recomputes several times gets one copy per instance, and
+every copy reads the instances the schedule names. Every recomputed copy is
+tagged with a frozen ``RecomputeTag`` under ``node.meta[REMAT_KEY]``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from torch import fx
 
@@ -17,7 +20,7 @@ from ..cost_model.tensors import is_mutating_op
 from ..units import format_bytes
 from .joint_graph import JointGraphFacts
 from .plan import Plan
-from .schedule import backward_order, partition_nodes
+from .schedule import Scheduled, backward_order, partition_nodes
 
 REMAT_KEY = "remat"
 _EFFECT_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional", "_dtensor")
@@ -28,69 +31,105 @@ class RecomputeTag:
     region: int
     first_use: str          # the backward node the region is placed before
     reason: str
+    source: str = ""        # the forward node this copy recomputes
+    instance: int = 0       # which recomputation of it (0 for the first)
 
 
 @dataclass(frozen=True)
 class RegionSummary:
     region: int
     first_use: str
-    rebuilds: tuple[str, ...]        # recomputed values a backward node reads
+    rebuilds: tuple[str, ...]        # recomputed values a backward node reads (names in the backward graph)
     nodes: tuple[str, ...]
     bytes_rebuilt: int
     reasons: tuple[str, ...]
 
 
-def place_recompute_regions(bw: fx.GraphModule, facts: JointGraphFacts, plan: Plan) -> tuple[fx.GraphModule, tuple[RegionSummary, ...]]:
-    """Reorder ``bw`` so regions sit before their first use; returns the new module and the regions.
+def _first_uses(order: list[Scheduled]) -> dict[int, str]:
+    """Region id -> the backward node right after it."""
+    first_use: dict[int, str] = {}
+    following = ""
+    for entry in reversed(order):
+        if entry.region < 0:
+            following = entry.name
+        else:
+            first_use[entry.region] = following
+    return first_use
 
-    Guarantees: same nodes, same placeholders and output; every node comes after
-    its inputs (checked by ``graph.lint()``).
+
+def place_recompute_regions(bw: fx.GraphModule, facts: JointGraphFacts, plan: Plan) -> tuple[fx.GraphModule, tuple[RegionSummary, ...]]:
+    """Rebuild ``bw`` in the schedule's order; returns the new module and the regions.
+
+    Guarantees: the same placeholders and output; one copy of each live backward node;
+    one copy of a recomputed node per instance of it in ``backward_order`` (copies after
+    the first get fresh names), each reading the instances the schedule names; every
+    node comes after its inputs (checked by ``graph.lint()``).
     """
     partition = partition_nodes(facts, set(plan.saved))
     order = backward_order(facts, partition)
-    region_of = {name: region for name, region in order if region >= 0}
-    first_use: dict[int, str] = {}
-    for index, (name, region) in enumerate(order):
-        if region >= 0 and region not in first_use:
-            following = next(n for n, r in order[index:] if r < 0)
-            first_use[region] = following
+    first_use = _first_uses(order)
     reasons = {d.name: d.reason for d in plan.decisions}
 
     old_nodes = {n.name: n for n in bw.graph.nodes}
     new_graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
+    env: dict[fx.Node, fx.Node] = {}            # the backward's own nodes, placeholders
+    instances: dict[str, fx.Node] = {}          # instance name -> its copy
+    latest: dict[str, fx.Node] = {}             # recomputed node name -> its latest copy
     for node in bw.graph.find_nodes(op="placeholder"):
         env[node] = new_graph.node_copy(node, env.__getitem__)
 
-    def emit(node: fx.Node, region: int) -> None:
-        pending = [node]
-        while pending:
-            current = pending[-1]
-            missing = [a for a in current.all_input_nodes if a not in env]
-            if missing:
-                pending.extend(missing)
-                continue
-            pending.pop()
-            if current in env:
-                continue
-            copy = new_graph.node_copy(current, env.__getitem__)
-            r = region_of.get(current.name, region if current.name in partition.recomputed else -1)
-            if r >= 0:
-                copy.meta[REMAT_KEY] = RecomputeTag(r, first_use.get(r, ""), reasons.get(current.name, ""))
-            env[current] = copy
+    def lookup(reads: dict[str, str]) -> Callable[[fx.Node], fx.Node]:
+        def arg(node: fx.Node) -> fx.Node:
+            if node.name in reads:
+                return instances[reads[node.name]]
+            if node not in env and node.name in latest:
+                return latest[node.name]
+            if node not in env:
+                emit_unscheduled(node)
+            return env[node]
+        return arg
+
+    def emit_unscheduled(node: fx.Node) -> None:
+        """A node the schedule does not name (not in the facts): copied once, after its inputs."""
+        for a in node.all_input_nodes:
+            if a not in env and a.name not in latest:
+                emit_unscheduled(a)
+        env[node] = new_graph.node_copy(node, lookup({}))
 
     output = next(iter(bw.graph.find_nodes(op="output")))
     live = _live_nodes(bw.graph, output)
-    for name, region in order:
-        if name in old_nodes and old_nodes[name] in live and old_nodes[name].op not in ("placeholder", "output"):
-            emit(old_nodes[name], region)
+    counts: dict[str, int] = {}
+    for entry in order:
+        old = old_nodes.get(entry.name)
+        if old is None or old not in live or old.op in ("placeholder", "output"):
+            continue
+        k = counts.get(entry.name, 0) if entry.region >= 0 else 0
+        copy = _copy_node(new_graph, old, lookup(dict(entry.reads)), f"{old.name}_r{k}" if k else None)
+        if entry.region >= 0:
+            counts[entry.name] = k + 1
+            copy.meta[REMAT_KEY] = RecomputeTag(entry.region, first_use.get(entry.region, ""),
+                                                reasons.get(entry.name, ""), entry.name, k)
+            instances[entry.instance] = copy
+            latest[entry.name] = copy
+        else:
+            env[old] = copy
     for node in bw.graph.nodes:  # anything live that the schedule did not name
-        if node in live and node.op not in ("placeholder", "output") and node not in env:
-            emit(node, -1)
-    env[output] = new_graph.node_copy(output, env.__getitem__)
+        if node in live and node.op not in ("placeholder", "output") and node not in env and node.name not in latest:
+            emit_unscheduled(node)
+    env[output] = new_graph.node_copy(output, lookup({}))
     new_graph.lint()
     new_bw = fx.GraphModule(bw, new_graph)
     return new_bw, _summaries(new_bw, facts)
+
+
+def _copy_node(graph: fx.Graph, node: fx.Node, arg: Callable[[fx.Node], fx.Node], name: str | None) -> fx.Node:
+    """``graph.node_copy``, under ``name`` when given (a second recomputation of a node)."""
+    if name is None:
+        return graph.node_copy(node, arg)
+    copy = graph.create_node(node.op, node.target, fx.map_arg(node.args, arg), fx.map_arg(node.kwargs, arg),
+                             name, node.type)
+    copy.meta = dict(node.meta)
+    return copy
 
 
 def _live_nodes(graph: fx.Graph, output: fx.Node) -> set[fx.Node]:
@@ -131,7 +170,8 @@ def _summaries(bw: fx.GraphModule, facts: JointGraphFacts) -> tuple[RegionSummar
             first_use=nodes[0].meta[REMAT_KEY].first_use,
             rebuilds=rebuilds,
             nodes=tuple(n.name for n in nodes),
-            bytes_rebuilt=sum(facts.nodes[n].alloc_bytes for n in rebuilds if n in facts.nodes),
+            bytes_rebuilt=sum(facts.nodes[n.meta[REMAT_KEY].source].alloc_bytes for n in nodes
+                              if n.name in rebuilds and n.meta[REMAT_KEY].source in facts.nodes),
             reasons=tuple(dict.fromkeys(nodes_reason for n in nodes if (nodes_reason := n.meta[REMAT_KEY].reason))),
         ))
     return tuple(summaries)

@@ -2,11 +2,13 @@
 
 Given the forward values the plan saves, ``partition_nodes`` finds what the
 backward must recompute (and which values must be saved anyway, with the
-reason), ``backward_order`` places each recompute region right before its first
-backward use (not all at the start of the backward: that keeps every recomputed
-value alive at once), and ``memory_steps`` turns both into the steps the memory
-simulator walks. The rewrite uses the same ``backward_order``, so the graph that
-runs is the graph that was simulated.
+reason), ``backward_order`` places each recompute region right before the
+backward node that needs it (not all at the start of the backward: that keeps
+every recomputed value alive at once) and decides how often each value is
+recomputed (a value may have several instances, see ``backward_order``), and
+``memory_steps`` turns both into the steps the memory simulator walks. The
+rewrite uses the same ``backward_order``, so the graph that runs is the graph
+that was simulated, and ``recompute_time_s`` charges every instance.
 """
 
 from __future__ import annotations
@@ -132,43 +134,147 @@ def forward_order(facts: JointGraphFacts, partition: Partition) -> list[str]:
     return [name for name in facts.order if name in needed]
 
 
-def backward_order(facts: JointGraphFacts, partition: Partition) -> list[tuple[str, int]]:
-    """Backward nodes in joint order, each preceded by the recompute region it first needs.
+@dataclass(frozen=True)
+class Scheduled:
+    """One node of the backward graph, in the order the backward runs it."""
 
-    Returns (node name, region id); region id is -1 for backward nodes. Region
-    ids count up from 0 in the order regions run.
+    name: str                              # the joint-graph node
+    instance: str                          # what the simulator and the rewrite call this copy (see below)
+    region: int                            # recompute region id, -1 for a backward node
+    reads: tuple[tuple[str, str], ...]     # (recomputed input, the instance of it this copy reads)
+
+
+def recompute_instance(name: str, k: int) -> str:
+    """The name of the ``k``-th recomputation (from 0) of forward node ``name`` in the backward."""
+    return f"{name}{RECOMPUTE_SUFFIX}{k}"
+
+
+def _builds(facts: JointGraphFacts, partition: Partition, missing: list[str], available: Mapping[str, str]) -> set[str]:
+    """Recomputed values a region must build to make ``missing``: their recomputed ancestors,
+    up to values that have an instance ``available``."""
+    pending: set[str] = set()
+    stack = list(missing)
+    while stack:
+        dep = stack.pop()
+        if dep in pending or dep in available:
+            continue
+        pending.add(dep)
+        stack.extend(i for i in facts.nodes[dep].inputs if i in partition.recomputed)
+    return pending
+
+
+def _with_alias_bases(facts: JointGraphFacts, partition: Partition, names: list[str]) -> set[str]:
+    """``names`` and the recomputed values they alias (a view's base, a tuple's getitem source):
+    keeping a view open keeps its base's storage alive anyway."""
+    out: set[str] = set()
+    stack = list(names)
+    while stack:
+        name = stack.pop()
+        if name in out:
+            continue
+        out.add(name)
+        node = facts.nodes[name]
+        if (node.is_view or node.is_getitem) and node.inputs and node.inputs[0] in partition.recomputed:
+            stack.append(node.inputs[0])
+    return out
+
+
+def backward_order(facts: JointGraphFacts, partition: Partition, rebuild: bool | None = None) -> list[Scheduled]:
+    """Backward nodes in joint order, each preceded by the recompute region it needs.
+
+    A recomputed value may be recomputed more than once: each recomputation is an
+    *instance* (``recompute_instance(name, k)``) with its own storage. Walking the
+    backward nodes in joint order, a node that reads a recomputed value with no *open*
+    instance gets a region right before it that builds one, together with the
+    recomputed values it is made from that have no open instance (open ones are read).
+    After the region, the instances the node reads directly (and the values those alias)
+    stay open: later backward nodes read them, and each dies after its last reader. The
+    values built only on the way to them (a recompute chain's intermediates):
+
+    - ``rebuild=False``: stay open too, so every value is recomputed once and held
+      until its last backward reader (one region per value's first use);
+    - ``rebuild=True``: are closed, so they die with their region, and a later node that
+      needs one gets a fresh instance: intermediates are never held across the rest of
+      the backward, at the price of recomputing them again (classic checkpointing's
+      per-segment recomputation);
+    - ``None`` (what the planner and the rewrite use): ``rebuilds_intermediates``.
+
+    Guarantees: every copy comes after the copies it reads; every recomputed copy is
+    read by a later copy; region ids count up from 0 in the order regions run; each
+    region is one contiguous block followed by the backward node it was placed for.
     """
+    if rebuild is None:
+        rebuild = rebuilds_intermediates(facts, partition)
     position = facts.position()
-    emitted: set[str] = set()
-    schedule: list[tuple[str, int]] = []
+    recomputed = partition.recomputed
+    open_: dict[str, str] = {}
+    count: dict[str, int] = {}
+    schedule: list[Scheduled] = []
     region = 0
     for name in facts.order:
-        if facts.nodes[name].role != "backward":
+        node = facts.nodes[name]
+        if node.role != "backward":
             continue
-        pending: set[str] = set()
-        stack = [i for i in facts.nodes[name].inputs if i in partition.recomputed]
-        while stack:
-            dep = stack.pop()
-            if dep in emitted or dep in pending:
-                continue
-            pending.add(dep)
-            stack.extend(i for i in facts.nodes[dep].inputs if i in partition.recomputed)
-        if pending:
-            schedule.extend((dep, region) for dep in sorted(pending, key=position.__getitem__))
-            emitted |= pending
+        needs = [i for i in node.inputs if i in recomputed]
+        missing = [v for v in needs if v not in open_]
+        if missing:
+            built: dict[str, str] = {}
+            for dep in sorted(_builds(facts, partition, missing, open_), key=position.__getitem__):
+                k = count.get(dep, 0)
+                count[dep] = k + 1
+                reads = tuple((i, built[i] if i in built else open_[i])
+                              for i in facts.nodes[dep].inputs if i in recomputed)
+                built[dep] = recompute_instance(dep, k)
+                schedule.append(Scheduled(dep, built[dep], region, reads))
             region += 1
-        schedule.append((name, -1))
+            kept = _with_alias_bases(facts, partition, needs) if rebuild else built
+            open_.update((v, i) for v, i in built.items() if v in kept)
+        schedule.append(Scheduled(name, name, -1, tuple((i, open_[i]) for i in needs)))
     return schedule
+
+
+# Per joint graph (weakly, like _PER_GRAPH): partition -> whether rebuilding intermediates lowers its peak.
+_REBUILD: dict[int, tuple[weakref.ref, dict[tuple[frozenset[str], frozenset[str]], bool]]] = {}
+_REBUILD_ENTRIES = 4096
+
+
+def rebuilds_intermediates(facts: JointGraphFacts, partition: Partition) -> bool:
+    """Whether this partition's backward rebuilds recompute-chain intermediates per use.
+
+    True exactly when the ``rebuild=True`` schedule's simulated peak is lower than the
+    ``rebuild=False`` one's: the planner's peak is never higher than holding every
+    recomputed value would give, and no time is spent on second recomputations that do
+    not lower the peak. Decided once per (graph, partition) and remembered, so the
+    simulator, the time estimate and the rewrite all see the same schedule.
+    """
+    from ..cost_model.memory import simulate_memory
+
+    entry = _REBUILD.get(id(facts))
+    if entry is None or entry[0]() is not facts:
+        for key in [k for k, (ref, _) in _REBUILD.items() if ref() is None]:
+            del _REBUILD[key]
+        entry = (weakref.ref(facts), {})
+        _REBUILD[id(facts)] = entry
+    known = entry[1]
+    key = (partition.saved, partition.recomputed)
+    if key not in known:
+        fw_order = forward_order(facts, partition)
+        peaks = [simulate_memory(*kernel_steps(facts, partition, fw_order, backward_order(facts, partition, r))).peak_bytes
+                 for r in (False, True)]
+        if len(known) >= _REBUILD_ENTRIES:
+            known.clear()
+        known[key] = peaks[1] < peaks[0]
+    return known[key]
 
 
 def recompute_time_s(facts: JointGraphFacts, partition: Partition) -> float:
     """Estimated time the backward spends recomputing, for this partition.
 
-    Every recomputation the backward runs is counted: the solvers read their
-    extra time from here and nowhere else, so a schedule that recomputes a value
-    more than once is charged for each time.
+    Every recomputation the backward runs is counted, once per instance
+    (``backward_order``): the solvers read their extra time from here and nowhere
+    else, so a value recomputed twice is charged twice.
     """
-    return sum(facts.nodes[n].cost.est_time_s for n in partition.recomputed)
+    return sum(facts.nodes[s.name].cost.est_time_s for s in backward_order(facts, partition) if s.region >= 0)
 
 
 def memory_steps(facts: JointGraphFacts, partition: Partition) -> tuple[list[Step], set[str]]:
