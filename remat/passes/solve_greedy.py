@@ -18,10 +18,7 @@ reads (no extra time) and works in rounds, each ending in one simulation
    timeline leaves room (most time saved per byte first), a batch per
    simulation, halved when the simulation says it does not fit. A batch is kept
    only when it fits and lowers the extra time.
-3. Local search, on small graphs only: single re-saves and (re-save, drop) swaps
-   between neighbours, each simulated, first improvement kept, within a fixed
-   number of simulated steps (``LOCAL_SEARCH_STEPS``), so the work and the answer
-   do not depend on the machine's speed.
+3. Local search (``solve_local.py``), on small graphs only.
 
 Infeasible targets: ``smallest_peak`` descends from saving everything towards a
 peak 1/16 lower each round, independent of any target, and keeps the
@@ -42,6 +39,7 @@ from .evaluate import Evaluated, evaluate
 from .joint_graph import JointGraphFacts
 from .kernel_steps import RECOMPUTE_SUFFIX
 from .schedule import why_not_recomputable
+from .solve_local import LOCAL_SEARCH_MAX_STEPS, LOCAL_SEARCH_STEPS, local_search
 
 RECOMPUTE_FLOOR_S = 5e-6        # every recomputation costs at least a kernel launch
 MAX_DESCENT_ROUNDS = 64
@@ -50,8 +48,6 @@ POLISH_STEPS = 8_000            # simulated steps the polish may spend (at least
 MAX_SINGLE_RESAVES = 2          # of those, one-value tries the estimate refused
 SMALLEST_PEAK_STEP = 16         # smallest_peak aims 1/16 lower each round
 MAX_SMALLEST_PEAK_ROUNDS = 48
-LOCAL_SEARCH_STEPS = 30_000     # simulated steps the local search may spend (~1 s on this machine)
-LOCAL_SEARCH_MAX_STEPS = 1_000  # graphs with more steps get no local search
 
 
 @dataclass(frozen=True)
@@ -73,6 +69,7 @@ class _Graph:
         self.ban = {name: why_not_recomputable(facts, name) for name in facts.nodes
                     if facts.nodes[name].role == "forward"}
         self.evaluations = 0
+        self.local_steps_left = LOCAL_SEARCH_STEPS     # shared by every local search of one solve
 
     def evaluate(self, chosen: frozenset[str]) -> Evaluated:
         self.evaluations += 1
@@ -356,98 +353,6 @@ def _polish(g: _Graph, current: Evaluated, target_bytes: int) -> Evaluated:
     return current
 
 
-def _relevant(g: _Graph) -> list[str]:
-    """Forward values the backward reads, or that a recomputation of those could read; in graph order."""
-    facts = g.facts
-    found: set[str] = set()
-    stack = [n for n in facts.needed_by_backward if facts.nodes[n].role == "forward"]
-    while stack:
-        name = stack.pop()
-        if name in found or facts.nodes[name].role != "forward":
-            continue
-        found.add(name)
-        stack.extend(facts.nodes[name].inputs)
-    return sorted(found, key=g.position.__getitem__)
-
-
-def _neighbours(g: _Graph, name: str, chosen: frozenset[str]) -> list[str]:
-    """Chosen values next to ``name`` (its inputs, its users, and theirs): the drops worth pairing with saving it."""
-    facts = g.facts
-    near: set[str] = set()
-    for first in (*facts.nodes[name].inputs, *facts.users[name]):
-        near.add(first)
-        near.update(facts.nodes[first].inputs)
-        near.update(facts.users.get(first, ()))
-    return sorted((n for n in near if n in chosen and n != name), key=g.position.__getitem__)
-
-
-def _moves(g: _Graph, relevant: list[str], chosen: frozenset[str], with_drops: bool) -> list[frozenset[str]]:
-    """Saved sets one step from ``chosen``: save one more value, or save one and drop a neighbour
-    (and, ``with_drops``, drop one)."""
-    moves: list[frozenset[str]] = []
-    for name in relevant:
-        if name in chosen or g.ban.get(name) is not None or g.facts.nodes[name].is_multi_output:
-            continue
-        moves.append(chosen | {name})
-        moves.extend((chosen | {name}) - {other} for other in _neighbours(g, name, chosen))
-    if with_drops:
-        moves.extend(chosen - {name} for name in sorted(chosen, key=g.position.__getitem__))
-    return moves
-
-
-def _local_search(g: _Graph, current: Evaluated, target_bytes: Optional[int]) -> Evaluated:
-    """First-improvement search over the ``_moves`` of the current plan, each simulated, within
-    LOCAL_SEARCH_STEPS simulated steps; when no single move lowers the peak (or the bytes over the
-    target), pairs of moves (the second from the plan the first makes) are tried. With a target: least (bytes over the target, extra
-    time); without (``None``): least (peak, extra time)."""
-    if len(current.steps) > LOCAL_SEARCH_MAX_STEPS:
-        return current
-    budget = [LOCAL_SEARCH_STEPS // max(len(current.steps), 1)]
-    relevant = _relevant(g)
-    cache: dict[frozenset[str], Evaluated] = {current.chosen: current}
-
-    def key(plan: Evaluated) -> tuple[int, float]:
-        over = plan.peak_bytes if target_bytes is None else max(plan.peak_bytes - target_bytes, 0)
-        return over, plan.extra_time_s
-
-    def better(plan: Evaluated, than: Evaluated) -> bool:
-        new, old = key(plan), key(than)
-        return new[0] < old[0] or (new[0] == old[0] and new[1] < old[1] - 1e-15)
-
-    def simulated(chosen: frozenset[str]) -> Optional[Evaluated]:
-        if chosen not in cache:
-            if budget[0] <= 0:
-                return None
-            budget[0] -= 1
-            cache[chosen] = g.evaluate(chosen)
-        return cache[chosen]
-
-    def moves(plan: Evaluated) -> list[frozenset[str]]:
-        return _moves(g, relevant, plan.chosen, with_drops=key(plan)[0] > 0 or target_bytes is None)
-
-    while budget[0] > 0:
-        step = None
-        for chosen in moves(current):
-            trial = simulated(chosen)
-            if trial is not None and better(trial, current):
-                step = trial
-                break
-        pairs = step is None and (target_bytes is None or key(current)[0] > 0)   # pairs only to reach a peak
-        for first in (moves(current) if pairs else []):
-            middle = simulated(first)
-            for chosen in moves(middle) if middle is not None else []:
-                trial = simulated(chosen)
-                if trial is not None and better(trial, current):
-                    step = trial
-                    break
-            if step is not None or budget[0] <= 0:
-                break
-        if step is None:
-            break
-        current = step
-    return current
-
-
 def smallest_peak(g: _Graph, start: Evaluated) -> Evaluated:
     """The lowest-peak plan of a descent that aims 1/SMALLEST_PEAK_STEP lower each round,
     refined by the local search on small graphs; does not depend on any target."""
@@ -460,7 +365,7 @@ def smallest_peak(g: _Graph, start: Evaluated) -> Evaluated:
         current = g.evaluate(current.chosen - drops)
         if (current.peak_bytes, current.extra_time_s) < (best.peak_bytes, best.extra_time_s):
             best = current
-    return _local_search(g, best, None)
+    return local_search(g, best, None)
 
 
 def _from(g: _Graph, start: Evaluated, target_bytes: int) -> tuple[Optional[Evaluated], tuple[str, ...]]:
@@ -469,7 +374,7 @@ def _from(g: _Graph, start: Evaluated, target_bytes: int) -> tuple[Optional[Eval
     if current.peak_bytes > target_bytes:
         return None, tuple(dropped)
     current = _polish(g, current, target_bytes)
-    current = _local_search(g, current, target_bytes)
+    current = local_search(g, current, target_bytes)
     return current, tuple(d for d in dropped if d not in current.chosen)
 
 
@@ -509,7 +414,7 @@ def solve_greedy(facts: JointGraphFacts, target_bytes: int, starts: tuple[Evalua
         if fallback.peak_bytes > target_bytes:
             return GreedyResult(None, (), g.evaluations)
         dropped = tuple(sorted(g.save_all() - fallback.chosen, key=g.position.__getitem__))
-        plan = _local_search(g, _polish(g, fallback, target_bytes), target_bytes)
+        plan = local_search(g, _polish(g, fallback, target_bytes), target_bytes)
         found.append((plan.extra_time_s, plan.peak_bytes, 0, plan, dropped))
     _, _, _, plan, dropped = min(found, key=lambda f: f[:3])
     return GreedyResult(plan, tuple(d for d in dropped if d not in plan.chosen), g.evaluations)
