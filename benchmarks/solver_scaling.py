@@ -8,9 +8,9 @@ Scaling: the zoo's GPT (``tests/models.py``, default config, batch 8) with 2, 12
 layers, traced once to its AOTAutograd joint graph with ``aot_module`` (no Inductor), prepared
 as the backend prepares it (dead code out, dropout split), costed on the H100 datasheet
 profile (deterministic). Timed, each on its own: ``annotate_costs``, ``read_joint_graph``,
-the no-remat simulation, ``min_cut_saved``, ``greedy_reduce_peak`` from the min-cut to a target
-of 60% of the no-remat simulated peak, and ``make_plan`` end to end (best_effort, so an
-infeasible target still times the full search). The growth exponent is the slope of a
+the no-remat simulation, ``min_cut_saved``, ``solve_greedy`` (the default solver, from saving
+everything and from the min-cut) to a target of 60% of the no-remat simulated peak, and
+``make_plan`` end to end (best_effort, so an infeasible target still times the full search). The growth exponent is the slope of a
 least-squares fit of log(time) on log(nodes). The largest graph's ``make_plan`` is profiled
 with cProfile. One real ``torch.compile(..., backend=remat.backend(...))`` of the 2-layer model
 (forward + backward) gives Inductor's compile time for comparison.
@@ -45,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import remat  # noqa: E402
 from remat.cost_model import annotate_costs, get_profile  # noqa: E402
 from remat.errors import BudgetInfeasibleError  # noqa: E402
+from remat.passes import evaluate as evaluate_module  # noqa: E402
 from remat.passes import plan as plan_module  # noqa: E402
+from remat.passes.solve_greedy import solve_greedy  # noqa: E402
 from remat.passes.joint_graph import JointGraphFacts, read_joint_graph  # noqa: E402
 from remat.passes.mincut import min_cut_saved  # noqa: E402
 from remat.passes.random_ops import split_dropout_outputs  # noqa: E402
@@ -88,21 +90,22 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 class CountEvaluations:
-    """Counts ``plan.evaluate`` calls (each closes a partition and simulates it) while active."""
+    """Counts ``evaluate`` calls (each closes a partition and simulates it) while active: it
+    counts the simulator calls ``evaluate.evaluate`` makes, whoever calls it."""
 
     def __enter__(self) -> "CountEvaluations":
         self.calls = 0
-        self._original = plan_module.evaluate
+        self._original = evaluate_module.simulate_memory
 
         def counting(*args, **kwargs):
             self.calls += 1
             return self._original(*args, **kwargs)
 
-        plan_module.evaluate = counting
+        evaluate_module.simulate_memory = counting
         return self
 
     def __exit__(self, *exc) -> None:
-        plan_module.evaluate = self._original
+        evaluate_module.simulate_memory = self._original
 
 
 def gpt(n_layers: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -126,7 +129,8 @@ def measure_layers(n_layers: int, profile_plan: bool) -> dict[str, Any]:
     mincut_saved, mincut_s = timed(lambda: min_cut_saved(facts))
     mincut, mincut_eval_s = timed(lambda: plan_module.evaluate(facts, mincut_saved))
     with CountEvaluations() as greedy_count:
-        (greedy, dropped), greedy_s = timed(lambda: plan_module.greedy_reduce_peak(facts, mincut, target))
+        result, greedy_s = timed(lambda: solve_greedy(facts, target, starts=(mincut,), save_all=no_remat))
+    greedy = result.plan if result.plan is not None else mincut
     with CountEvaluations() as plan_count:
         plan, plan_s = timed(lambda: plan_module.make_plan(facts, target, best_effort=True))
     row: dict[str, Any] = {
@@ -142,7 +146,8 @@ def measure_layers(n_layers: int, profile_plan: bool) -> dict[str, Any]:
         "simulate_min_cut_s": mincut_eval_s,
         "greedy_s": greedy_s,
         "greedy_evaluations": greedy_count.calls,
-        "greedy_drops": len(dropped),
+        "greedy_drops": len(result.dropped),
+        "greedy_fits": result.plan is not None,
         "make_plan_s": plan_s,
         "make_plan_evaluations": plan_count.calls,
         "planning_total_s": cost_s + read_s + plan_s,
@@ -153,6 +158,7 @@ def measure_layers(n_layers: int, profile_plan: bool) -> dict[str, Any]:
         "plan_peak_bytes": plan.predicted_peak_bytes,
         "plan_fits": plan.fits_budget,
         "plan_extra_time_s": plan.est_extra_time_s,
+        "plan_solver": plan.solver,
     }
     if profile_plan:
         profiler = cProfile.Profile()
@@ -288,8 +294,9 @@ def scaling_markdown(result: dict[str, Any]) -> str:
         f"costs from the {PROFILE} datasheet profile; target = {TARGET_FRACTION:.0%} of the no-remat simulated peak.",
         "",
         "| layers | nodes | annotate_costs ms | read_joint_graph ms | no-remat sim ms | min-cut ms | greedy ms "
-        "(evaluations) | make_plan ms (evaluations) | planning total ms | target MB | plan peak MB | fits |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "(evaluations) | make_plan ms (evaluations) | planning total ms | target MB | plan peak MB | fits | "
+        "plan extra time us |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -297,7 +304,8 @@ def scaling_markdown(result: dict[str, Any]) -> str:
             f"{ms(r['simulate_no_remat_s'])} | {ms(r['min_cut_s'])} | "
             f"{ms(r['greedy_s'])} ({r['greedy_evaluations']}) | "
             f"{ms(r['make_plan_s'])} ({r['make_plan_evaluations']}) | {ms(r['planning_total_s'])} | "
-            f"{r['target_bytes'] / 1e6:.2f} | {r['plan_peak_bytes'] / 1e6:.2f} | {'yes' if r['plan_fits'] else 'no'} |"
+            f"{r['target_bytes'] / 1e6:.2f} | {r['plan_peak_bytes'] / 1e6:.2f} | {'yes' if r['plan_fits'] else 'no'} | "
+            f"{r['plan_extra_time_s'] * 1e6:.1f} |"
         )
     lines += ["", "Growth exponent (time ~ nodes^k, least squares on log-log):", ""]
     for key, k in result["exponents"].items():

@@ -139,12 +139,20 @@ def _check_solver(facts: JointGraphFacts, solver: str, milp_time_limit_s: float)
             raise ValueError(f"milp_time_limit_s={milp_time_limit_s!r} must be a positive number of seconds.")
 
 
-def _solve(facts: JointGraphFacts, target: int, solver: str, milp_time_limit_s: float,
-           mincut: Evaluated, no_remat: Evaluated) -> tuple[Optional[Evaluated], tuple[str, ...], str]:
-    """The plan meeting ``target`` (None if none found), the values dropped to get there, and the
-    solver's account of itself."""
+def _solve(facts: JointGraphFacts, target: int, solver: str, milp_time_limit_s: float, mincut: Evaluated,
+           no_remat: Evaluated) -> tuple[Optional[Evaluated], tuple[str, ...], str, Optional[Evaluated]]:
+    """The plan meeting ``target`` (None if none found), the values dropped to get there, the
+    solver's account of itself, and the smallest-peak plan if the greedy worked it out."""
     greedy = solve_greedy(facts, target, starts=(mincut,), save_all=no_remat)
     found, dropped = greedy.plan, greedy.dropped
+    chosen, dropped, used = _exact(facts, target, solver, milp_time_limit_s, mincut, found, dropped)
+    return chosen, dropped, used, greedy.smallest
+
+
+def _exact(facts: JointGraphFacts, target: int, solver: str, milp_time_limit_s: float, mincut: Evaluated,
+           found: Optional[Evaluated], dropped: tuple[str, ...]) -> tuple[Optional[Evaluated], tuple[str, ...], str]:
+    """The min-cut instead of the greedy's plan when it fits and costs less; then, for
+    ``solver="milp"``, the MILP's plan, or the fallback and why."""
     if found is not None and mincut.peak_bytes <= target and mincut.extra_time_s < found.extra_time_s:
         found, dropped = mincut, ()
     if solver != "milp":
@@ -226,12 +234,14 @@ def make_plan(
     chosen: Optional[Evaluated] = mincut
     dropped: tuple[str, ...] = ()
     used = "min-cut (no budget)"
+    smallest: Optional[Evaluated] = None
     if target is not None:
-        chosen, dropped, used = _solve(facts, target, solver, milp_time_limit_s, mincut, no_remat)
+        chosen, dropped, used, smallest = _solve(facts, target, solver, milp_time_limit_s, mincut, no_remat)
     fits = chosen is not None
     if chosen is None:
         assert budget_bytes is not None and target is not None
-        smallest, _ = smallest_peak_plan(facts)
+        if smallest is None:
+            smallest, _ = smallest_peak_plan(facts)
         if not best_effort:
             raise _infeasible_error(facts, budget_bytes, target, smallest)
         chosen, dropped = smallest, tuple(n for n in facts.order if n in _save_all(facts) - smallest.chosen)

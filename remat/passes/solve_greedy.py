@@ -1,7 +1,9 @@
 """The fast default solver: least estimated extra time under a simulated-peak target.
 
-``solve_greedy(facts, target_bytes)`` starts from saving every value the backward
-reads (no extra time) and works in rounds, each ending in one simulation
+``solve_greedy(facts, target_bytes, starts)`` starts from saving every value the
+backward reads (no extra time), and from each of ``starts`` (the planner passes
+the min-cut, which has the free savings made), and keeps the least extra time.
+From each start it works in rounds, each ending in one simulation
 (``evaluate.evaluate``, the ground truth):
 
 1. Descent. The steps whose simulated live bytes exceed the target form the
@@ -21,9 +23,15 @@ reads (no extra time) and works in rounds, each ending in one simulation
 3. Local search (``solve_local.py``), on small graphs only.
 
 Infeasible targets: ``smallest_peak`` descends from saving everything towards a
-peak 1/16 lower each round, independent of any target, and keeps the
-lowest-peak plan it simulates. A target that plan meets always gets a plan
-(the solver falls back to it), so the budget it names is feasible.
+peak 1/16 lower each round, independent of any target, keeps the lowest-peak
+plan it simulates and refines it with the local search (least peak). A target
+that plan meets always gets a plan (the solver falls back to it), so the budget
+it names is feasible.
+
+On graphs over ``LOCAL_SEARCH_MAX_STEPS`` steps, to spend fewer simulations, the
+descent runs from saving everything only when another start already fits (then
+only a few drops are needed, and the fitting start is polished), else only from
+the other starts.
 
 Every choice is ordered by numbers, then by joint-graph position: the result does
 not depend on hash seeds or set iteration order.
@@ -58,6 +66,7 @@ class GreedyResult:
     plan: Optional[Evaluated]
     dropped: tuple[str, ...]
     evaluations: int
+    smallest: Optional[Evaluated] = None   # smallest_peak's plan, when the search needed it
 
 
 class _Graph:
@@ -357,6 +366,7 @@ def smallest_peak(g: _Graph, start: Evaluated) -> Evaluated:
     """The lowest-peak plan of a descent that aims 1/SMALLEST_PEAK_STEP lower each round,
     refined by the local search on small graphs; does not depend on any target."""
     current, best = start, start
+    g.local_steps_left = LOCAL_SEARCH_STEPS      # its own budget: the same plan whoever asks
     for _ in range(MAX_SMALLEST_PEAK_ROUNDS):
         goal = current.peak_bytes - max(current.peak_bytes // SMALLEST_PEAK_STEP, 1)
         drops = _descent_round(g, current, goal)
@@ -409,15 +419,16 @@ def solve_greedy(facts: JointGraphFacts, target_bytes: int, starts: tuple[Evalua
         plan, dropped = _from(g, start, target_bytes)
         if plan is not None:
             found.append((plan.extra_time_s, plan.peak_bytes, index, plan, dropped))
+    fallback = None
     if not found:
         fallback = smallest_peak(g, first)
         if fallback.peak_bytes > target_bytes:
-            return GreedyResult(None, (), g.evaluations)
+            return GreedyResult(None, (), g.evaluations, fallback)
         dropped = tuple(sorted(g.save_all() - fallback.chosen, key=g.position.__getitem__))
         plan = local_search(g, _polish(g, fallback, target_bytes), target_bytes)
         found.append((plan.extra_time_s, plan.peak_bytes, 0, plan, dropped))
     _, _, _, plan, dropped = min(found, key=lambda f: f[:3])
-    return GreedyResult(plan, tuple(d for d in dropped if d not in plan.chosen), g.evaluations)
+    return GreedyResult(plan, tuple(d for d in dropped if d not in plan.chosen), g.evaluations, fallback)
 
 
 def smallest_peak_plan(facts: JointGraphFacts) -> tuple[Evaluated, int]:
