@@ -497,3 +497,25 @@ def test_milp_infeasible_budget_names_a_feasible_budget():
 def test_unknown_solver_is_refused():
     with pytest.raises(ValueError, match="solver='ilp' is not one of"):
         make_plan(facts_of("mlp2"), None, solver="ilp")
+
+
+# -- the covering knapsack of one descent round -----------------------------------------------------
+
+@pytest.mark.parametrize(("priced", "need", "expected"), [
+    # (time s, bytes, index): two cheap items beat the big one that covers alone
+    ([(1.0, 10, 0), (1.0, 10, 1), (5.0, 100, 2)], 15, [0, 1]),
+    # the one item that covers alone beats every prefix of cheaper-per-byte items
+    ([(3.0, 10, 0), (1.0, 4, 1), (1.0, 4, 2)], 10, [0]),
+    # a prefix completed by the cheapest item that covers the rest
+    ([(1.0, 8, 0), (2.0, 8, 1), (0.5, 3, 2)], 10, [0, 2]),
+    # exactly enough
+    ([(2.0, 6, 0), (2.0, 4, 1)], 10, [0, 1]),
+    # everything together falls short: nothing
+    ([(1.0, 5, 0), (1.0, 4, 1)], 10, []),
+])
+def test_cheapest_cover(priced, need, expected):
+    from remat.passes.solve_greedy import _cheapest_cover
+
+    chosen = _cheapest_cover(priced, need)
+    assert sorted(chosen) == expected
+    assert not chosen or sum(b for _, b, i in priced if i in chosen) >= need
