@@ -60,7 +60,7 @@ step e2e 170 $PY benchmarks/cuda_e2e.py --models gpt cnn llama mlp --steps 20 --
 
 step cost 120 $PY benchmarks/cost_model_accuracy.py --device cuda --max-minutes 1.6 --out "$WORK/results"
 
-step pareto 190 $PY benchmarks/pareto.py --device cuda --max-minutes 2.8 --out "$WORK/results"
+step pareto 190 $PY benchmarks/pareto.py --device cuda --max-minutes 2.8 --out-dir "$WORK/results"
 
 cp "$OUT/summary.txt" "$WORK/"
 tar -C "$WORK" -czf "$OUT/gpu_results.tar.gz" .
