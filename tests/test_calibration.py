@@ -127,12 +127,15 @@ def test_calibration_runs_real_kernels_under_a_fake_mode(tmp_path, monkeypatch):
 
     output_types = set()
 
-    def record(fn, device, **kwargs):
-        out = fn()
-        output_types.update(type(t) for t in (out if isinstance(out, (tuple, list)) else [out]))
-        return 1e-3
+    def record(calls, device, held):
+        seconds = {}
+        for name, call, _ in calls:
+            out = call()
+            output_types.update(type(t) for t in (out if isinstance(out, (tuple, list)) else [out]))
+            seconds[name] = 1e-3
+        return seconds
 
-    monkeypatch.setattr(calibrate_module, "time_call", record)
+    monkeypatch.setattr(calibrate_module, "_call_seconds", record)
     graph = traced()
     with FakeTensorMode():
         result = calibrate(graph, cache_path=tmp_path / "c.json", repeats=3)
@@ -151,3 +154,39 @@ def test_calibration_on_cuda(tmp_path):
     graph = make_fx(block, tracing_mode="fake")(*cuda_inputs).graph
     result = calibrate(graph, cache_path=tmp_path / "c.json", repeats=3)
     assert result.device.startswith("cuda") and set(result.times_s) == kernel_names(graph)
+
+
+def test_rounds_time_each_node_once_per_round_in_graph_order_after_a_warm_up(tmp_path, monkeypatch):
+    import sys
+
+    calibrate_module = sys.modules["remat.cost_model.calibrate"]
+    rounds = []
+
+    def record(calls, device, held):
+        rounds.append([name for name, _, _ in calls])
+        return {name: float(len(rounds)) for name, _, _ in calls}   # round r times every node at r seconds
+
+    monkeypatch.setattr(calibrate_module, "_call_seconds", record)
+    graph = traced()
+    result = calibrate(graph, use_cache=False, repeats=4)
+    order = [n.name for n in graph.nodes if n.name in kernel_names(graph)]
+    assert rounds == [order] * 5
+    assert set(result.times_s.values()) == {3.5}   # median of rounds 2..5: the warm-up round is dropped
+
+
+def test_inputs_beyond_the_live_byte_cap_are_timed_in_chunks(monkeypatch):
+    import sys
+
+    calibrate_module = sys.modules["remat.cost_model.calibrate"]
+    chunks = []
+
+    def record(calls, device, held):
+        chunks.append(tuple(name for name, _, _ in calls))
+        return {name: 1e-6 for name, _, _ in calls}
+
+    monkeypatch.setattr(calibrate_module, "_call_seconds", record)
+    graph = traced()
+    times, skipped = calibrate_module._measure(graph, torch.device("cpu"), repeats=1, max_live_input_bytes=1)
+    assert not skipped and set(times) == kernel_names(graph)
+    assert all(len(set(chunk)) == 1 for chunk in chunks)          # one node per chunk at a 1-byte cap
+    assert len(chunks) == 2 * len(kernel_names(graph))            # two rounds each
