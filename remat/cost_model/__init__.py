@@ -4,6 +4,7 @@
 - ``fusion``: which nodes Inductor fuses, hence which tensors reach memory.
 - ``costs``: ``NodeCost`` records and the roofline; ``annotate_costs``.
 - ``hardware``: ``HardwareProfile``s (datasheet GPUs, measured CPU/GPU, cached).
+- ``eager_ops``: families of ops eager PyTorch runs far below the roofline, fitted per profile.
 - ``calibrate``: measured kernel times per node, cached by graph hash.
 - ``symbolic``: costs as formulas in the shape symbols.
 - ``memory``: the memory simulator.
