@@ -225,6 +225,11 @@ class _FactsCache:
 _CACHE: dict[int, tuple[weakref.ref, _FactsCache]] = {}
 
 
+def kernel_kinds(facts: JointGraphFacts) -> Mapping[str, str]:
+    """``kernel_kind`` of every node of the graph (with CPU layout copies), worked out once per graph."""
+    return {name: info.kind for name, info in _cache(facts).static.items()}
+
+
 def _cache(facts: JointGraphFacts) -> _FactsCache:
     entry = _CACHE.get(id(facts))
     if entry is not None and entry[0]() is facts:

@@ -19,7 +19,8 @@ from typing import AbstractSet, Mapping
 
 from ..cost_model.memory import Step
 from .joint_graph import JointGraphFacts
-from .kernel_steps import RECOMPUTE_SUFFIX, kernel_steps
+from ..cost_model.kernel_schedule import EXTERN, SCATTER
+from .kernel_steps import RECOMPUTE_SUFFIX, kernel_kinds, kernel_steps
 
 # The simulator no longer reads these: it follows Inductor's realization rules
 # (cost_model/kernel_schedule.py). solve_milp's linear memory model still does.
@@ -179,6 +180,23 @@ def _with_alias_bases(facts: JointGraphFacts, partition: Partition, names: list[
     return out
 
 
+def _unanchored(facts: JointGraphFacts, built: Mapping[str, str]) -> set[str]:
+    """Values of a region (``built``, in order) that no library call of the region precedes.
+
+    Inductor fuses loops that read the same buffers into one kernel and runs it where
+    its earliest member could run: a second instance of a loop computed only from saved
+    values would be merged with the first, allocated early and held anyway (the kernel
+    model says so too). A library call's output, and loops downstream of one, are
+    anchored to their region: only those are rebuilt.
+    """
+    kinds = kernel_kinds(facts)
+    anchored: set[str] = set()
+    for name in built:
+        if kinds[name] in (EXTERN, SCATTER) or any(i in anchored for i in facts.nodes[name].inputs):
+            anchored.add(name)
+    return set(built) - anchored
+
+
 def backward_order(facts: JointGraphFacts, partition: Partition, rebuild: bool | None = None) -> list[Scheduled]:
     """Backward nodes in joint order, each preceded by the recompute region it needs.
 
@@ -227,7 +245,7 @@ def backward_order(facts: JointGraphFacts, partition: Partition, rebuild: bool |
                 built[dep] = recompute_instance(dep, k)
                 schedule.append(Scheduled(dep, built[dep], region, reads))
             region += 1
-            kept = _with_alias_bases(facts, partition, needs) if rebuild else built
+            kept = _with_alias_bases(facts, partition, needs) | _unanchored(facts, built) if rebuild else built
             open_.update((v, i) for v, i in built.items() if v in kept)
         schedule.append(Scheduled(name, name, -1, tuple((i, open_[i]) for i in needs)))
     return schedule
