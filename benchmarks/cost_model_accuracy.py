@@ -542,6 +542,29 @@ def _totals_section(models: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _graph_totals_section(models: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "## Whole graph: summed estimates vs the same graph run eagerly",
+        "",
+        "The joint graph's own ops (Inductor's decompositions: `var_mean` for the norms, Python prims for "
+        "dropout's random numbers and max pooling) are not the ops the eager model runs, and the eager model "
+        "is timed minutes apart from them on a shared machine. Here the reference is the sum of the per-node "
+        "times measured in context (same runs as the Spearman above), per phase.",
+        "",
+        "| model | phase | in context | roofline (op alone) | calibrated | eager model vs in context |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in models:
+        for phase in ("forward", "backward"):
+            sums, eager = r["phase_sums"][phase], r["totals"]["eager_s"][phase]
+            measured = sums["in_context_sum_s"]
+            lines.append(f"| {r['model']} | {phase} | {1e3 * measured:.2f} ms | "
+                         f"{pct(relative_error(sums['roofline_unfused_s'], measured))} | "
+                         f"{pct(relative_error(sums['calibrated_unfused_s'], measured))} | "
+                         f"{pct(relative_error(eager, measured))} |")
+    return lines
+
+
 def _flops_section(models: list[dict[str, Any]]) -> list[str]:
     lines = ["## FLOPs vs FlopCounterMode", "",
              "| model | phase | FlopCounterMode | remat (same ops) | equal per op | remat extra formulas | estimated (no formula) |",
@@ -583,7 +606,7 @@ def _problems_section(payload: dict[str, Any]) -> list[str]:
 def write_markdown(path: Path, payload: dict[str, Any]) -> None:
     models = payload["models"]
     sections = [_header(payload), _problems_section(payload), _per_node_section(models), _totals_section(models),
-                _flops_section(models), _fusion_section(models)]
+                _graph_totals_section(models), _flops_section(models), _fusion_section(models)]
     sections = [section for section in sections if section]
     path.write_text("\n\n".join("\n".join(section) for section in sections) + "\n")
 
@@ -612,7 +635,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="skip a model's Inductor compile with fewer seconds left (default: 20 CPU, 75 CUDA)")
     parser.add_argument("--no-compiled", action="store_true", help="skip the Inductor compile and its timings")
     parser.add_argument("--out-dir", "--out", dest="out_dir", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--render", action="store_true", help="only write the markdown again from the results JSON")
     args = parser.parse_args(argv)
+    if args.render:
+        stem = Path(args.out_dir) / f"cost_model_accuracy-{args.device}"
+        write_markdown(stem.with_suffix(".md"), json.loads(stem.with_suffix(".json").read_text()))
+        print(stem.with_suffix(".md").read_text())
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
