@@ -38,7 +38,7 @@ from torch import fx
 from .cost_model.calibrate import measure_node_times
 from .cost_model.costs import annotate_costs
 from .cost_model.hardware import get_profile
-from .distributed import DistributedGraphRecord, StepLedger, record_graph, share_for_graph
+from .distributed import DistributedGraphRecord, StepLedger, fit_plan, held_bytes_of, record_graph, share_for_graph
 from .errors import BudgetInfeasibleError
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
@@ -256,15 +256,23 @@ class RematBackend:
         # Under DDP / FSDP2 the per-rank budget is split across the step's graphs (remat/distributed.py).
         static_indices = kwargs.get("static_lifetime_input_indices")
         share = share_for_graph(self._step_ledger, self.options.planning_target_bytes(), joint, num_fwd_outputs, static_indices)
-        try:
-            plan = make_plan(
+
+        def plan_at(target_bytes: Optional[int]) -> Plan:
+            return make_plan(
                 facts,
                 self.options.budget_bytes,
-                target_bytes=self.options.planning_target_bytes() if share is None else max(share.target_bytes, 1),
+                target_bytes=target_bytes,
                 best_effort=self.options.best_effort,
                 solver=self.options.solver,
                 milp_time_limit_s=self.options.milp_time_limit_s,
             )
+
+        try:
+            if share is None:
+                plan = plan_at(self.options.planning_target_bytes())
+            else:  # the largest target the step's ledger admits (remat/distributed.py)
+                plan, share = fit_plan(share, lambda p: held_bytes_of(joint, static_indices, p.saved_bytes, p.saved_primals),
+                                       plan_at, self.options.budget_bytes, self.options.headroom_fraction)
         except BudgetInfeasibleError as error:
             raise _passthrough_error_class(BudgetInfeasibleError)(error) from None
         if not plan.fits_budget:

@@ -36,8 +36,14 @@ the tensors its forward computes, read from Dynamo's graph before it is planned)
 ``share_j = (T - G - outside) * need_j / sum(need)``. By induction every piece k gets at least
 ``share_k``, and a piece that uses less leaves the rest to the pieces after it (the ledger
 records what it actually holds). A graph that runs ``r`` times per step (an FSDP2 unit class
-of ``r`` identical blocks) stacks ``r`` copies of its held bytes, so it is planned under
-``target / r``.
+of ``r`` identical blocks) stacks ``r`` copies of its held bytes: ``r * (p + a) <= room + a``.
+
+That ``target_k`` is safe but tight: it charges the later pieces' reserve against piece k's
+whole peak, when only what k holds coexists with them. So ``fit_plan`` first plans under
+the *loose* target (the room, as if nothing were held), and checks the plan's real held
+bytes and peak against both conditions (``GraphShare.admits``); if they fail, it bisects
+the target between the safe and the loose one (``FIT_ROUNDS`` plans at most) and keeps the
+largest admitted. The share written to the dump carries the target the plan was made for.
 
 What is approximate: ``held_j <= p_j`` is used as the bound on what a piece keeps (exact
 saved bytes are recorded, but the pieces' outputs between them are counted as the next
@@ -51,11 +57,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
     from torch import fx
 
+from .errors import BudgetInfeasibleError
 from .units import format_bytes
 
 
@@ -75,6 +82,52 @@ class GraphShare:
     reserved_later_bytes: int      # sum of share_j of later pieces
     own_share_bytes: int           # share_k
     target_bytes: int              # the simulated peak this graph's plan must meet
+    needs: tuple[int, ...] = ()    # every piece's need (forward tensor bytes), as the split used them
+    total_grad_bytes: int = 0      # G: gradient bytes of the whole step's parameters
+
+    def at(self, step_target_bytes: int) -> "GraphShare":
+        """The same graph's share had the step target been ``step_target_bytes``."""
+        return piece_target(
+            step_target_bytes=step_target_bytes, index=self.index, needs=self.needs, held_before_bytes=self.held_before_bytes,
+            input_activation_bytes=self.input_activation_bytes, total_grad_bytes=self.total_grad_bytes,
+            grads_so_far_bytes=self.total_grad_bytes - self.later_grad_bytes, outside_bytes=self.outside_bytes,
+            repeats=self.repeats, kind=self.kind,
+        )
+
+    @property
+    def loose_target_bytes(self) -> int:
+        """The largest peak this graph may have if it kept nothing for its backward: the room
+        with no bytes held (``admits`` then checks what the plan really holds)."""
+        return (self.step_target_bytes - self.held_before_bytes - self.later_grad_bytes - self.outside_bytes
+                - self.repeats * self.input_activation_bytes)
+
+    def admits(self, held_bytes: int, peak_bytes: int) -> bool:
+        """Whether a plan that holds ``held_bytes`` for its backward and peaks at ``peak_bytes``
+        keeps the step under its target: its own runs (each later run on top of what the
+        earlier ones hold) and, for later pieces, the room reserved for them."""
+        fixed = self.held_before_bytes + self.later_grad_bytes + self.outside_bytes
+        own = (self.repeats - 1) * (held_bytes + self.input_activation_bytes) + self.input_activation_bytes + peak_bytes
+        later = self.repeats * held_bytes + self.reserved_later_bytes
+        return fixed + own <= self.step_target_bytes and fixed + later <= self.step_target_bytes
+
+    def smallest_step_target_bytes(self, peak_bytes: int, loose: bool = False) -> int:
+        """The smallest step target whose share for this graph (its safe target, or with
+        ``loose`` its loose one) is >= ``peak_bytes``: both grow with the step target, so a
+        bisection finds it."""
+        def target(step: int) -> int:
+            share = self.at(step)
+            return share.loose_target_bytes if loose else share.target_bytes
+
+        low, high = 0, max(self.step_target_bytes, 1)
+        while target(high) < peak_bytes:
+            low, high = high, 2 * high
+        while high - low > 1:
+            middle = (low + high) // 2
+            if target(middle) >= peak_bytes:
+                high = middle
+            else:
+                low = middle
+        return high
 
     def explain(self) -> str:
         """One paragraph for report.md: how the budget was split and why the step fits."""
@@ -138,7 +191,7 @@ def piece_target(
         held_before_bytes=held_before_bytes, input_activation_bytes=input_activation_bytes,
         later_grad_bytes=later_grads, outside_bytes=outside_bytes, reserved_later_bytes=reserved,
         own_share_bytes=(shares[index] + input_activation_bytes) // repeats - input_activation_bytes,
-        target_bytes=int(target),
+        target_bytes=int(target), needs=tuple(needs), total_grad_bytes=total_grad_bytes,
     )
 
 
@@ -307,11 +360,90 @@ def record_graph(ledger: StepLedger, share: Optional[GraphShare], joint: "fx.Gra
     if share is not None and share.kind == "ddp":
         pieces = tdist.ddp_pieces()
         if pieces is not None:
-            sizes, activations = _primal_bytes(joint, static_indices)
-            held = saved_bytes + sum(sizes.get(name, 0) for name in saved_primals if name in activations)
+            held = held_bytes_of(joint, static_indices, saved_bytes, saved_primals)
             grads = _param_grad_bytes(joint, num_fwd_outputs, static_indices)
             ledger.record(pieces.split_id, LedgerEntry(pieces.index, held, grads))
     if share is not None and dump_path is not None:
         write_share_to_dump(dump_path, share)
     in_graphs, recomputed = collectives_of(fw, bw)
     return DistributedGraphRecord(share=share, collective_nodes=in_graphs, recomputed_collectives=recomputed)
+
+
+def restate_infeasible(error: BudgetInfeasibleError, share: Optional[GraphShare], budget_bytes: Optional[int],
+                       headroom_fraction: float, loose: bool = False) -> BudgetInfeasibleError:
+    """The planner's infeasibility error for a graph planned under a share, restated for the
+    whole step: the smallest per-rank budget whose share for this graph holds the smallest
+    peak the planner reached (``error`` itself if the graph had no share).
+
+    The planner names ``peak * budget / target`` (its target is a fixed fraction of the
+    budget for one graph); a share is an affine function of the budget, so that is solved here.
+    Later pieces may need more: a budget this error names can still fail at a later piece.
+    """
+    if share is None or budget_bytes is None or share.target_bytes <= 0:
+        return error
+    failed_target = share.loose_target_bytes if loose else share.target_bytes
+    peak = error.min_feasible_bytes * max(failed_target, 1) // budget_bytes
+    step_target = share.smallest_step_target_bytes(peak, loose=loose)
+    minimum = -(-step_target * 100 // round(100 * (1.0 - headroom_fraction)))
+    message = (
+        f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_bytes(minimum)} "
+        f"for this graph ({share.explain().split('. ')[0]}): its smallest simulated peak is about {format_bytes(peak)}, "
+        f"and its share of a budget grows as {format_bytes(share.target_bytes)} does at {format_bytes(budget_bytes)}. "
+        "Inside that peak: " + "; ".join(error.reasons)
+        + f". Raise the budget to at least {minimum / 1e9:.4f} GB (1 GB = 1e9 bytes), or pass best_effort=True."
+    )
+    return BudgetInfeasibleError(message, budget_bytes=budget_bytes, min_feasible_bytes=minimum, reasons=error.reasons)
+
+
+FIT_ROUNDS = 4
+
+
+def held_bytes_of(joint: "fx.GraphModule", static_indices: Optional[Sequence[int]], saved_bytes: int,
+                  saved_primals: Sequence[str]) -> int:
+    """What a plan keeps from its forward for its backward: its saved activations and the
+    activation inputs (not parameters) it saves."""
+    sizes, activations = _primal_bytes(joint, static_indices)
+    return saved_bytes + sum(sizes.get(name, 0) for name in saved_primals if name in activations)
+
+
+def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Callable[[int], Any]",
+             budget_bytes: int, headroom_fraction: float) -> tuple[Any, GraphShare]:
+    """The plan for a graph under its share: the largest planning target whose plan the share
+    admits (``GraphShare.admits`` on what the plan really holds and its predicted peak).
+
+    ``plan_at(target)`` makes a plan (or raises ``BudgetInfeasibleError``); ``held_of(plan)``
+    says what it holds. Tries the loose target (nothing held) first, then bisects down to
+    the safe one (``share.target_bytes``: the room less the later pieces' reserve, which any
+    plan meeting it is admitted at, since what a plan holds is live at its peak). Returns the
+    plan and the share with ``target_bytes`` set to the target it was made for. Raises
+    ``BudgetInfeasibleError`` naming the smallest per-rank budget (``restate_infeasible``).
+    """
+    from dataclasses import replace
+
+    high = share.loose_target_bytes
+    try:
+        plan = plan_at(max(high, 1))
+    except BudgetInfeasibleError as error:  # infeasible here: infeasible at every lower target
+        raise restate_infeasible(error, share, budget_bytes, headroom_fraction, loose=True) from None
+    if share.admits(held_of(plan), plan.predicted_peak_bytes):
+        return plan, replace(share, target_bytes=high)
+    low, best = share.target_bytes, None
+    for _ in range(FIT_ROUNDS):
+        if high - low <= max(high // 50, 1):
+            break
+        middle = (low + high) // 2
+        try:
+            trial = plan_at(max(middle, 1))
+        except BudgetInfeasibleError:
+            low = middle  # no plan peaks this low; a higher target may still be admitted
+            continue
+        if share.admits(held_of(trial), trial.predicted_peak_bytes):
+            low, best = middle, (trial, middle)
+        else:
+            high = middle
+    if best is not None:
+        return best[0], replace(share, target_bytes=best[1])
+    try:
+        return plan_at(max(share.target_bytes, 1)), share
+    except BudgetInfeasibleError as error:
+        raise restate_infeasible(error, share, budget_bytes, headroom_fraction) from None
