@@ -446,4 +446,34 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     try:
         return plan_at(max(share.target_bytes, 1)), share
     except BudgetInfeasibleError as error:
-        raise restate_infeasible(error, share, budget_bytes, headroom_fraction) from None
+        raise _smallest_admitted(error, share, held_of, plan_at, budget_bytes, headroom_fraction) from None
+
+
+def _smallest_admitted(error: BudgetInfeasibleError, share: GraphShare, held_of: "Callable[[Any], int]",
+                       plan_at: "Callable[[int], Any]", budget_bytes: int, headroom_fraction: float) -> BudgetInfeasibleError:
+    """No plan under this budget is admitted: name the smallest per-rank budget at which the
+    smallest-peak plan the planner found (re-made at the peak it names) would be admitted."""
+    peak = error.min_feasible_bytes * max(share.target_bytes, 1) // budget_bytes
+    try:
+        smallest = plan_at(max(peak, 1))
+    except BudgetInfeasibleError:
+        return restate_infeasible(error, share, budget_bytes, headroom_fraction)
+    held, peak = held_of(smallest), smallest.predicted_peak_bytes
+    low, high = 0, max(share.step_target_bytes, 1)
+    while not share.at(high).admits(held, peak):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if share.at(middle).admits(held, peak):
+            high = middle
+        else:
+            low = middle
+    minimum = -(-high * 100 // round(100 * (1.0 - headroom_fraction)))
+    message = (
+        f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_bytes(minimum)} "
+        f"for this graph ({share.explain().split('. ')[0]}): its smallest-peak plan peaks at {format_bytes(peak)} and holds "
+        f"{format_bytes(held)} for its backward, which with what the rest of the step needs fits a step target of "
+        f"{format_bytes(high)}. Inside that peak: " + "; ".join(error.reasons)
+        + f". Raise the budget to at least {minimum / 1e9:.4f} GB (1 GB = 1e9 bytes), or pass best_effort=True."
+    )
+    return BudgetInfeasibleError(message, budget_bytes=budget_bytes, min_feasible_bytes=minimum, reasons=error.reasons)

@@ -425,6 +425,20 @@ def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility()
     # The loose target (nothing held) is the whole step target: 2 MB is the smallest that holds the peak.
     assert info.value.min_feasible_bytes == 2 * MB
 
+    def planner_from_3_5_mb(target):  # feasible from 3.5 MB only, holding 60% of its peak
+        if target < 3_500_000:
+            raise remat.BudgetInfeasibleError("x", budget_bytes=4 * MB, min_feasible_bytes=3_500_000 * 4 * MB // target,
+                                              reasons=("r",))
+        return SimpleNamespace(predicted_peak_bytes=target, held=int(0.6 * target))
+
+    # At 4 MB (half reserved for the later piece) no plan is admitted: the smallest-peak plan
+    # (3.5 MB, holding 2.1 MB) needs held + T / 2 <= T, a 4.2 MB step.
+    squeezed = piece_target(step_target_bytes=4 * MB, index=0, needs=(1, 1), held_before_bytes=0, input_activation_bytes=0,
+                            total_grad_bytes=0, grads_so_far_bytes=0)
+    with pytest.raises(remat.BudgetInfeasibleError) as info:
+        fit_plan(squeezed, lambda p: p.held, planner_from_3_5_mb, budget_bytes=4 * MB, headroom_fraction=0.0)
+    assert abs(info.value.min_feasible_bytes - 4_200_000) <= 1 and "holds 2.10 MB" in str(info.value)  # shares round down
+
 
 # ---------------------------------------------------------------- single process: collectives in the graph
 
