@@ -268,6 +268,14 @@ def run_model(run: ModelRun, write: Callable[[str], None]) -> None:
     post_hoc_monitor_checks(sweep.points, inductor)
 
 
+def measure_model(spec: ModelSpec, device: torch.device, config: SweepConfig) -> tuple[dict[str, Any], list[Point]]:
+    """One model's sweep within ``config.max_minutes`` (if set), no partial files: its results JSON and points."""
+    deadline = time.monotonic() + 60 * config.max_minutes if config.max_minutes else math.inf
+    run = ModelRun(spec, device, config, Deadlines.share(deadline, 1))
+    run_model(run, lambda status: None)
+    return run.snapshot("complete" if not run.sweep.rounds_cut else "complete, with rounds cut by --max-minutes"), run.points
+
+
 def post_hoc_monitor_checks(points: list[Point], inductor: Point) -> None:
     """What remat.metrics would warn about on each remat point's median step and largest peak."""
     options = MonitorOptions(baseline_backward_s=inductor.median("backward_s"))

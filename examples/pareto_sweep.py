@@ -42,7 +42,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     pareto.configure_torch(device, threads=None)
     spec = MODELS["gpt"]
     print(f"pareto sweep: {spec.description} on {device}, torch {torch.__version__}", flush=True)
-    result, points = pareto.run_model(spec, device, pareto.replace(SHORT, reps=args.reps))
+    result, points = pareto.measure_model(spec, device, pareto.replace(SHORT, reps=args.reps))
     written = pareto.write_model_results(args.out_dir, result, points)
     print()
     print(pareto.render_markdown(result, points))
