@@ -11,6 +11,11 @@ greedy's plan and falls back to it on a time-out or failure, saying why in
 Every plan is read back through ``evaluate`` (the simulator): its peak is what
 the plan claims. Every tie is broken by joint-graph position, so the plan does
 not depend on ``PYTHONHASHSEED``.
+
+The planned peak is non-increasing as the budget shrinks on every graph and
+budget sweep the tests run (``tests/test_solvers.py``, ``tests/test_plan.py``);
+for the greedy that is measured, not proven: its drops depend on how far over
+the target the simulated peak is.
 """
 
 from __future__ import annotations

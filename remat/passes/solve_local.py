@@ -3,8 +3,7 @@
 From a plan, the moves are: save one more value, save one and stop saving a
 neighbour (its inputs, its users, and theirs), and, while the plan is over its
 target, stop saving one. Each move is simulated (``evaluate``); the first that
-improves is kept. When no single move lowers the peak (or the bytes over the
-target), pairs of moves are tried. The work is bounded by a number of simulated
+improves is kept. When no single move improves, pairs of moves are tried. The work is bounded by a number of simulated
 steps (``LOCAL_SEARCH_STEPS`` for all the searches of one solve), not by a clock, so the answer does not depend on
 the machine's speed; graphs with more than ``LOCAL_SEARCH_MAX_STEPS`` steps are
 left as they are.
@@ -64,8 +63,8 @@ def _moves(g: _Graph, relevant: list[str], chosen: frozenset[str], with_drops: b
 
 def local_search(g: _Graph, current: Evaluated, target_bytes: Optional[int]) -> Evaluated:
     """First-improvement search over the ``_moves`` of the current plan, each simulated, within
-    LOCAL_SEARCH_STEPS simulated steps; when no single move lowers the peak (or the bytes over the
-    target), pairs of moves (the second from the plan the first makes) are tried. With a target:
+    LOCAL_SEARCH_STEPS simulated steps; when no single move improves, pairs of moves (the second
+    from the plan the first makes, which may be over the target in between) are tried. With a target:
     least (bytes over the target, extra time); without (``None``): least (peak, extra time)."""
     if len(current.steps) > LOCAL_SEARCH_MAX_STEPS:
         return current
@@ -100,7 +99,7 @@ def local_search(g: _Graph, current: Evaluated, target_bytes: Optional[int]) -> 
             if trial is not None and better(trial, current):
                 step = trial
                 break
-        pairs = step is None and (target_bytes is None or key(current)[0] > 0)   # pairs only to reach a peak
+        pairs = step is None
         for first in (moves(current) if pairs else []):
             middle = simulated(first)
             for chosen in moves(middle) if middle is not None else []:
