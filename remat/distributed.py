@@ -434,8 +434,9 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
         middle = (low + high) // 2
         try:
             trial = plan_at(max(middle, 1))
-        except BudgetInfeasibleError:
-            low = middle  # no plan peaks this low; a higher target may still be admitted
+        except BudgetInfeasibleError as error:
+            # No plan peaks this low; the planner names the smallest peak it reaches.
+            low = max(middle, _named_peak(error, middle, budget_bytes) - 1)
             continue
         if share.admits(held_of(trial), trial.predicted_peak_bytes):
             low, best = middle, (trial, middle)
@@ -446,19 +447,29 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     try:
         return plan_at(max(share.target_bytes, 1)), share
     except BudgetInfeasibleError as error:
-        raise _smallest_admitted(error, share, held_of, plan_at, budget_bytes, headroom_fraction) from None
+        # Last, the smallest-peak plan (re-made at the peak the planner names): the admitted
+        # targets can be a window the bisection stepped over.
+        named = _named_peak(error, share.target_bytes, budget_bytes)
+        try:
+            smallest = plan_at(max(named, 1))
+        except BudgetInfeasibleError:
+            raise restate_infeasible(error, share, budget_bytes, headroom_fraction) from None
+        if share.admits(held_of(smallest), smallest.predicted_peak_bytes):
+            return smallest, replace(share, target_bytes=named)
+        raise _smallest_admitted(error, share, held_of(smallest), smallest.predicted_peak_bytes, budget_bytes,
+                                 headroom_fraction) from None
 
 
-def _smallest_admitted(error: BudgetInfeasibleError, share: GraphShare, held_of: "Callable[[Any], int]",
-                       plan_at: "Callable[[int], Any]", budget_bytes: int, headroom_fraction: float) -> BudgetInfeasibleError:
+def _named_peak(error: BudgetInfeasibleError, target_bytes: int, budget_bytes: int) -> int:
+    """The smallest simulated peak the planner reached, from the budget its error names
+    (make_plan names ``ceil(peak * budget / target)``)."""
+    return error.min_feasible_bytes * max(target_bytes, 1) // max(budget_bytes, 1)
+
+
+def _smallest_admitted(error: BudgetInfeasibleError, share: GraphShare, held: int, peak: int, budget_bytes: int,
+                       headroom_fraction: float) -> BudgetInfeasibleError:
     """No plan under this budget is admitted: name the smallest per-rank budget at which the
-    smallest-peak plan the planner found (re-made at the peak it names) would be admitted."""
-    peak = error.min_feasible_bytes * max(share.target_bytes, 1) // budget_bytes
-    try:
-        smallest = plan_at(max(peak, 1))
-    except BudgetInfeasibleError:
-        return restate_infeasible(error, share, budget_bytes, headroom_fraction)
-    held, peak = held_of(smallest), smallest.predicted_peak_bytes
+    smallest-peak plan the planner found (holding ``held``, peaking at ``peak``) would be."""
     low, high = 0, max(share.step_target_bytes, 1)
     while not share.at(high).admits(held, peak):
         low, high = high, 2 * high

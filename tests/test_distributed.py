@@ -431,6 +431,16 @@ def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility()
                                               reasons=("r",))
         return SimpleNamespace(predicted_peak_bytes=target, held=int(0.6 * target))
 
+    def planner_from_8_3_mb(target):  # feasible from 8.3 MB only: admitted between 8.3 and 8.33 MB
+        if target < 8_300_000:
+            raise remat.BudgetInfeasibleError("x", budget_bytes=10 * MB, min_feasible_bytes=8_300_000 * 10 * MB // target,
+                                              reasons=("r",))
+        return SimpleNamespace(predicted_peak_bytes=target, held=int(0.6 * target))
+
+    # The bisection steps over that window; the smallest-peak plan is in it and is taken.
+    plan, fitted = fit_plan(share, lambda p: p.held, planner_from_8_3_mb, budget_bytes=10 * MB, headroom_fraction=0.0)
+    assert 8_300_000 <= plan.predicted_peak_bytes <= 8_333_333 and share.admits(plan.held, plan.predicted_peak_bytes)
+
     # At 4 MB (half reserved for the later piece) no plan is admitted: the smallest-peak plan
     # (3.5 MB, holding 2.1 MB) needs held + T / 2 <= T, a 4.2 MB step.
     squeezed = piece_target(step_target_bytes=4 * MB, index=0, needs=(1, 1), held_before_bytes=0, input_activation_bytes=0,
