@@ -411,7 +411,8 @@ class Sweep:
 
 def source_info() -> dict[str, Any]:
     """The commit measured, and the files under remat/ that differed from it (others edit them concurrently).
-    Outside a git checkout (a ``git archive`` snapshot) the commit comes from ``$REMAT_SOURCE_COMMIT``."""
+    ``$REMAT_SOURCE_COMMIT``, when set to another commit than git's HEAD, is taken as the commit measured
+    (a ``git archive`` snapshot, or files copied over an older checkout)."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
@@ -422,12 +423,18 @@ def source_info() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    commit = git("rev-parse", "HEAD").strip()
-    if not commit:  # a `git archive` snapshot: the commit it was taken from, if the runner said
-        return {"commit": os.environ.get("REMAT_SOURCE_COMMIT", "unknown"), "remat_files_modified_from_commit": [],
-                "snapshot": str(root)}
+    head = git("rev-parse", "HEAD").strip()
+    given = os.environ.get("REMAT_SOURCE_COMMIT")
+    if given and given != head:
+        # A `git archive` snapshot, or a working tree copied over an older checkout's .git: git cannot
+        # tell which files differ from the stated commit, so none are listed (and the tables say so).
+        return {"commit": given, "commit_from": "$REMAT_SOURCE_COMMIT", "git_head": head or None,
+                "remat_files_modified_from_commit": []}
+    if not head:
+        return {"commit": "unknown", "commit_from": "no git checkout and no $REMAT_SOURCE_COMMIT",
+                "remat_files_modified_from_commit": []}
     dirty = [line[3:] for line in git("status", "--porcelain", "--", "remat").splitlines()]
-    return {"commit": commit, "remat_files_modified_from_commit": dirty}
+    return {"commit": head, "remat_files_modified_from_commit": dirty}
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:

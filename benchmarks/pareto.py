@@ -395,9 +395,7 @@ def render_markdown(result: dict[str, Any], points: list[Point]) -> str:
         + f"; {m['platform']}",
         f"- torch {result['torch']}, Python {m['python']}; command: `{result['command']}`; wall time {result['wall_s']:.0f} s",
         load_average_line(result.get("load_average")),
-        f"- source: commit {result['source']['commit'][:12]}"
-        + (f", with uncommitted changes to {', '.join(result['source']['remat_files_modified_from_commit'])}"
-           if result['source']['remat_files_modified_from_commit'] else ", remat/ as committed"),
+        f"- source: commit {result['source']['commit'][:12]}" + source_note(result["source"]),
         f"- peak: memory allocated during one forward + backward above what was resident at step start "
         f"(DESIGN.md; {'CUDA allocator' if result['device'].startswith('cuda') else 'CPU profiler'}), the largest of "
         f"{result['settings']['peak_measurements']} measurements, in MB (1 MB = 1e6 bytes; 1 GB = 1e9 bytes)",
@@ -451,6 +449,13 @@ def render_markdown(result: dict[str, Any], points: list[Point]) -> str:
     lines += ["", "## Checks", ""] + (render_checks(result["checks"]) if result.get("checks") else
                                        ["Not computed: plain Inductor has no measured peak."])
     return "\n".join(lines) + "\n"
+
+
+def source_note(source: dict[str, Any]) -> str:
+    if source.get("commit_from"):
+        return f" (from {source['commit_from']}; git could not check remat/'s files against it)"
+    modified = source["remat_files_modified_from_commit"]
+    return f", with uncommitted changes to {', '.join(modified)}" if modified else ", remat/ as committed"
 
 
 def display_order(points: list[Point]) -> list[Point]:
