@@ -5,8 +5,12 @@ traces the model once with those dims dynamic, so the joint graph's sizes are
 SymInts in a shape symbol (``s0``). To ask about a size ``v`` it reads the facts
 the planner uses (costs, storages, kernel steps) with every symbolic size
 evaluated at ``s0 = v`` (``cost_model.tensors.sizes_evaluated_at``), then plans
-them exactly as the backend would (``make_plan`` under the budget less its
-headroom). No code is generated and nothing is retraced per size.
+them as the backend plans that graph (``make_plan`` under the budget less its
+headroom). No code is generated and nothing is retraced per size. The answer is
+for the model compiled with those dims dynamic; a compile at one static size
+can see a different joint graph (on the zoo GPT at batch 12, the dynamic graph's
+min-cut plan peaks at 75.8 MB and the static graph's at 58.5 MB), so a static
+compile may fit a larger size than this says.
 
 Why a search and not one formula: what the plan saves and recomputes changes
 with the size, so its simulated peak is a different sum of storage formulas at
@@ -14,8 +18,8 @@ different sizes. The search doubles from the traced size until a size does not
 fit, then bisects. It guarantees, for the size ``n`` it returns: the plan made
 at ``n`` fits (simulated peak <= budget less headroom, on every joint graph),
 and the plan made at ``n + step`` does not (on at least one graph), unless
-``n`` is ``highest``. It does not claim that no larger size fits: a greedy plan
-is not guaranteed monotone in the size, only checked at the boundary.
+``n`` is ``highest``. It does not claim that no larger size fits: the planner is
+not guaranteed monotone in the size, only checked at the boundary.
 
 ``replan=False`` keeps the plan made at the traced size, which is what a
 ``mark_dynamic`` compile runs at every size, and asks how far that one plan
@@ -27,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+import sympy
 import torch
 from torch import fx
 
@@ -34,7 +39,7 @@ from .backend import _free_device_bytes, read_facts, trace_joint_facts
 from .cost_model.costs import annotate_costs
 from .cost_model.hardware import HardwareProfile
 from .cost_model.symbolic import shape_hints, symbol_sources
-from .cost_model.tensors import sizes_evaluated_at
+from .cost_model.tensors import iter_tensors, sizes_evaluated_at
 from .errors import BudgetInfeasibleError
 from .options import make_options
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
@@ -55,7 +60,7 @@ class SizeFit:
     target_bytes: int                # what the simulated peak must meet: the budget less the headroom
     peak_bytes: int                  # the plan's simulated peak at ``size`` (largest over the joint graphs)
     next_size: Optional[int]         # the next size up (size + step); None when ``size`` is ``highest``
-    next_peak_bytes: Optional[int]   # the smallest simulated peak a plan reaches at ``next_size``: over the target
+    next_peak_bytes: Optional[int]   # at ``next_size``, the peak of the planner's best-effort plan: over the target
     replanned: bool                  # True: planned at each size; False: the plan made at the traced size
     sizes_tried: tuple[tuple[int, bool], ...]   # (size, fits), in the order tried
 
@@ -66,7 +71,7 @@ class SizeFit:
                 f"(budget {format_bytes(self.budget_bytes)} less headroom)")
         if self.next_size is None:
             return text + "; the search stopped at `highest`"
-        return text + f"; at {self.next_size} the smallest peak is {format_bytes(self.next_peak_bytes or 0)}"
+        return text + f"; at {self.next_size} the planner's best-effort plan peaks at {format_bytes(self.next_peak_bytes or 0)}"
 
 
 @dataclass
@@ -106,13 +111,26 @@ def _mark_inputs(example_inputs: Sequence[Any], dynamic: Sequence[tuple[int, int
     return inputs
 
 
+def _size_symbols(graph: fx.Graph) -> set[str]:
+    """Names of the symbols that appear in tensor sizes (not ``.item()`` values such as a counter)."""
+    names: set[str] = set()
+    for node in graph.nodes:
+        for tensor in iter_tensors(node.meta.get("val")):
+            for size in tensor.shape:
+                if isinstance(size, torch.SymInt):
+                    names.update(str(s) for s in sympy.sympify(size.node.expr).free_symbols)
+    return names
+
+
 def _grown_symbols(graphs: list[_Graph], symbol: Optional[str]) -> tuple[tuple[str, ...], tuple[str, ...], int]:
     hints: dict[str, int] = {}
     sources: dict[str, str] = {}
+    in_sizes: set[str] = set()
     for g in graphs:
         hints.update({str(s): v for s, v in shape_hints(g.joint.graph).items()})
         sources.update(symbol_sources(g.joint.graph))
-    used = sorted(s for s in hints if s in sources)
+        in_sizes |= _size_symbols(g.joint.graph)
+    used = sorted(s for s in hints if s in sources and s in in_sizes)
     if not used:
         raise ValueError("the traced graphs have no dynamic size: pass dynamic=[(input index, dim), ...] for the "
                          "dims that grow together, or mark them with torch._dynamo.mark_dynamic before calling.")
@@ -129,7 +147,7 @@ def _grown_symbols(graphs: list[_Graph], symbol: Optional[str]) -> tuple[tuple[s
 
 def _peak_if_fits(facts: JointGraphFacts, budget_bytes: int, target_bytes: int,
                   fixed: Optional[frozenset[str]]) -> tuple[bool, int]:
-    """(fits, peak): the plan's simulated peak, or when no plan fits, the smallest peak found."""
+    """(fits, peak): the plan's simulated peak; when it does not fit, the peak of the planner's best-effort plan."""
     if fixed is not None:
         peak = evaluate(facts, fixed).simulation.peak_bytes
         return peak <= target_bytes, peak

@@ -118,3 +118,14 @@ def test_bad_arguments_fail_before_tracing(kwargs, error, match):
 def test_no_dynamic_size_says_how_to_mark_one():
     with pytest.raises(ValueError, match="no dynamic size"):
         remat.max_size_that_fits(step, (torch.randn(64, 256),), 1)
+
+
+def test_batch_norm_counters_are_not_sizes():
+    """BatchNorm's num_batches_tracked becomes a symbol too (an ``.item()`` value, not a size): only
+    symbols in tensor sizes grow."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.BatchNorm2d(8))
+    fit = remat.max_size_that_fits(lambda x: model(x).sum(), (torch.randn(4, 3, 16, 16),), 0.01, dynamic=[(0, 0)])
+    assert len(fit.symbols) == 1 and fit.sources[0].endswith(".size()[0]") and fit.traced_size == 4
+    assert fit.peak_bytes <= fit.target_bytes < fit.next_peak_bytes
