@@ -221,12 +221,15 @@ def hardware_profile_name(device: torch.device) -> str:
     return datasheet_name_for(torch.cuda.get_device_name(device)) or "cuda"
 
 
-def compile_priority(budget_roles: tuple[int, list[str]]) -> tuple[int, int]:
-    """The checks' budgets (each baseline's peak, 50% of Inductor's, the smallest feasible) before the rest
-    of the sweep; by increasing budget within each group."""
+def compile_priority(budget_roles: tuple[int, list[str]], correct: set[str]) -> tuple[int, int]:
+    """The checks' budgets first (the peak of each baseline with correct gradients, 50% of Inductor's, the
+    smallest feasible), then the peaks of baselines with wrong gradients, then the rest of the sweep; by
+    increasing budget within each group. ``correct``: the labels of the baselines with correct gradients."""
     budget, roles = budget_roles
-    needed = any(r.startswith("at ") or r.startswith("50%") or r.startswith("sweep 1/") for r in roles)
-    return (0 if needed else 1, budget)
+    if any(r.startswith("50%") or r.startswith("sweep 1/") or r in {f"at {label}'s peak" for label in correct}
+           for r in roles):
+        return (0, budget)
+    return (1 if any(r.startswith("at ") for r in roles) else 2, budget)
 
 
 def run_model(run: ModelRun, write: Callable[[str], None]) -> None:
@@ -254,7 +257,8 @@ def run_model(run: ModelRun, write: Callable[[str], None]) -> None:
     # Every budget is compiled, those under the smallest feasible one too: that number comes from the planner's
     # error for a 1 kB budget, and on an H200 it said 10.11 GB while plans at 9.15 GB were found and fit.
     hardware = hardware_profile_name(device)
-    for budget, roles in sorted(budgets, key=compile_priority):   # under a time limit the least needed go last
+    correct = {p.label for p in baselines if p.grad_ok}
+    for budget, roles in sorted(budgets, key=lambda b: compile_priority(b, correct)):   # the least needed last
         size = f"{budget / 1e9:.3f} GB" if budget >= 1e9 else f"{budget / 1e6:.3f} MB"
         point = Point("remat", f"remat {size}", {"budget_gb": budget / 1e9, "hardware": hardware}, planned_for=roles)
         sweep.add(point, sweep.model, remat.backend(budget / 1e9, hardware=hardware))
