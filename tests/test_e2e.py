@@ -63,8 +63,8 @@ def _run(baseline: BaselineCache, tmp_factory: pytest.TempPathFactory, name: str
                 try:
                     _RUNS[key] = compile_and_run(name, budget_gb, dump_dir, fallback_random=True)
                 except remat.BudgetInfeasibleError as error:
-                    # The planner cannot reach this fraction (one recomputation per value bounds
-                    # the smallest peak; see README "Limitations"): test the invariants at the
+                    # The planner cannot reach this fraction (benchmarks/results/min_feasible-cpu.md
+                    # lists each model's smallest feasible target): test the invariants at the
                     # smallest budget it names instead, and record the gap.
                     smallest_gb = error.min_feasible_bytes / 1e9
                     CLAMPED[key] = (budget_gb, smallest_gb)
