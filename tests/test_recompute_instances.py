@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from remat.backend import _partition_with_plan
+from remat.dump import annotated_code
 from remat.cost_model.memory import simulate_memory
 from remat.passes.kernel_steps import kernel_steps, storage_owner
 from remat.passes.plan import make_plan
@@ -134,6 +135,14 @@ def test_rewritten_backward_holds_one_copy_per_instance_and_gradients_equal_eage
     first_mm = next(n for n in facts.order if facts.nodes[n].op == "aten.mm.default")
     assert len(copies[first_mm]) == LAYERS, "the first matmul appears once per layer that rebuilds it"
     assert [r.region for r in regions] == sorted({s.region for s in order if s.region >= 0})
+    # the dump fences every region, second copies included, and each copy sits inside its fence
+    code = annotated_code(bw, regions).splitlines()
+    for region in regions:
+        start = code.index(next(line for line in code if line.startswith(f"    # ---- recompute region {region.region}:")))
+        end = code.index(f"    # ---- end of recompute region {region.region}")
+        inside = {line.strip().split(" = ", 1)[0] for line in code[start:end]}
+        assert set(region.nodes) <= inside
+    assert any(name.endswith("_r1") for region in regions for name in region.nodes)
 
     # run the two graphs as plain Python: the gradients equal eager autograd's, bit for bit
     x, *ws = inputs

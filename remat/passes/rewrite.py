@@ -91,10 +91,16 @@ def place_recompute_regions(bw: fx.GraphModule, facts: JointGraphFacts, plan: Pl
 
     def emit_unscheduled(node: fx.Node) -> None:
         """A node the schedule does not name (not in the facts): copied once, after its inputs."""
-        for a in node.all_input_nodes:
-            if a not in env and a.name not in latest:
-                emit_unscheduled(a)
-        env[node] = new_graph.node_copy(node, lookup({}))
+        pending = [node]
+        while pending:
+            current = pending[-1]
+            missing = [a for a in current.all_input_nodes if a not in env and a.name not in latest]
+            if missing:
+                pending.extend(missing)
+                continue
+            pending.pop()
+            if current not in env:
+                env[current] = new_graph.node_copy(current, lookup({}))
 
     output = next(iter(bw.graph.find_nodes(op="output")))
     live = _live_nodes(bw.graph, output)
