@@ -490,8 +490,8 @@ def _header(payload: dict[str, Any]) -> list[str]:
         f"({m['torch_threads']} threads), host `{m['host']}`; load average (1/5/15 min) at start "
         f"{_load(m.get('load_average_at_start'))}, at end {_load(payload.get('load_average_at_end'))}.",
         f"Profile `{payload['profile']['name']}`: {payload['profile']['source']}.",
-        f"Command: `{payload['command']}` ({payload.get('wall_s', 0):.0f} s); zoo batches x{payload.get('batch_scale', 1)} "
-        f"({batches}).",
+        f"Command: `{payload['command']}` ({payload.get('wall_s', 0):.0f} s); "
+        f"zoo batches x{payload.get('batch_scale', 1)} ({batches}).",
     ]
 
 

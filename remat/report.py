@@ -125,7 +125,8 @@ def render_symbolic_sizes(plan: Plan, facts: JointGraphFacts, graphs: Sequence[f
     if not hints:
         return ""
     lines = ["", "## Sizes as formulas (dynamic shapes)", ""]
-    lines += [f"- `{sym}` = `{sources.get(str(sym), '?')}`, traced at {value}" for sym, value in sorted(hints.items(), key=str)]
+    lines += [f"- `{sym}` = `{sources.get(str(sym), '?')}`, traced at {value}"
+              for sym, value in sorted(hints.items(), key=str)]
     lines.append("")
     saved = [(sid, bytes_) for name in plan.saved for sid, bytes_ in _saved_storages(facts, name)]
     rows = [("saved activations", saved, plan.saved_bytes)]

@@ -71,7 +71,8 @@ class SizeFit:
                 f"(budget {format_bytes(self.budget_bytes)} less headroom)")
         if self.next_size is None:
             return text + "; the search stopped at `highest`"
-        return text + f"; at {self.next_size} the planner's best-effort plan peaks at {format_bytes(self.next_peak_bytes or 0)}"
+        peak = format_bytes(self.next_peak_bytes or 0)
+        return text + f"; at {self.next_size} the planner's best-effort plan peaks at {peak}"
 
 
 @dataclass
@@ -141,7 +142,8 @@ def _grown_symbols(graphs: list[_Graph], symbol: Optional[str]) -> tuple[tuple[s
         used = [symbol]
     if len({hints[s] for s in used}) > 1:
         raise ValueError("the dynamic sizes " + ", ".join(f"{s} ({sources[s]}, traced at {hints[s]})" for s in used)
-                         + " were traced at different sizes, so they cannot grow as one; pass symbol='...' to pick one.")
+                         + " were traced at different sizes, so they cannot grow as one; "
+                         "pass symbol='...' to pick one.")
     return tuple(used), tuple(sources[s] for s in used), hints[used[0]]
 
 
@@ -224,7 +226,8 @@ def max_size_that_fits(
     options = make_options(budget_gb, hardware=hardware, headroom_fraction=headroom_fraction,
                            free_bytes_for_auto=_free_device_bytes() if budget_gb == "auto" else None)
     if options.budget_bytes is None:
-        raise ValueError("budget_gb=None: max_size_that_fits needs a budget, a number of decimal GB (e.g. budget_gb=8).")
+        raise ValueError("budget_gb=None: max_size_that_fits needs a budget, a number of decimal GB "
+                         "(e.g. budget_gb=8).")
     for name, value in (("lowest", lowest), ("highest", highest), ("step", step)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int.")
@@ -263,7 +266,8 @@ def max_size_that_fits(
         raise BudgetInfeasibleError(
             f"even the smallest size {smallest} does not fit budget {format_bytes(budget)}: the smallest simulated "
             f"peak a plan reaches there is {format_bytes(peak)} against a target of {format_bytes(target)} (the budget "
-            f"less {100 * options.headroom_fraction:.0f}% headroom). Raise the budget to at least {minimum / 1e9:.4f} GB"
+            f"less {100 * options.headroom_fraction:.0f}% headroom). "
+            f"Raise the budget to at least {minimum / 1e9:.4f} GB"
             " (1 GB = 1e9 bytes) or lower `lowest`.",
             budget_bytes=budget, min_feasible_bytes=minimum, reasons=(),
         )

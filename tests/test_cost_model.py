@@ -594,7 +594,7 @@ def test_annotate_costs_works_on_symbolic_graphs(dynamic_joint):
 
 STORAGE_VIEW_CASES = [
     # id, fn on a (4, 512, 512) fp32 input (4 MiB), the view op whose storage must be its input's
-    ("_unsafe_view after bmm", lambda x: torch.ops.aten._unsafe_view(torch.bmm(x, x), [4 * N, N]).relu(), "_unsafe_view"),
+    ("_unsafe_view after bmm", lambda x: aten._unsafe_view(torch.bmm(x, x), [4 * N, N]).relu(), "_unsafe_view"),
     ("view", lambda x: torch.bmm(x, x).view(4 * N, N).relu(), "view"),
     ("permute", lambda x: torch.bmm(x, x).permute(0, 2, 1).relu(), "permute"),
     ("alias", lambda x: torch.ops.aten.alias(torch.bmm(x, x)).relu(), "alias"),

@@ -94,8 +94,10 @@ CORRUPT_FILES = [
     ("implausible: 1.45 TFLOP/s on one CPU thread",
      json.dumps({**profile_to_json(fake_profile()), "flops_per_s": {"float32": 1.45e13}})),
     ("implausible launch floor", json.dumps({**profile_to_json(fake_profile()), "kernel_launch_s": 0.17})),
-    ("negative eager family cost", json.dumps({**profile_to_json(fake_profile()), "eager_classes": [["welford", 0.0, -1e-9]]})),
-    ("eager family entry of the wrong shape", json.dumps({**profile_to_json(fake_profile()), "eager_classes": [["welford"]]})),
+    ("negative eager family cost",
+     json.dumps({**profile_to_json(fake_profile()), "eager_classes": [["welford", 0.0, -1e-9]]})),
+    ("eager family entry of the wrong shape",
+     json.dumps({**profile_to_json(fake_profile()), "eager_classes": [["welford"]]})),
     # what a profile measured under AOTAutograd's fake mode looked like (two cores, found in a cache file)
     ("measured under a fake mode", json.dumps({**profile_to_json(fake_profile()), "flops_per_s": {"float32": 1.408e12},
                                                "bandwidth_bytes_per_s": 6.89e11, "kernel_launch_s": 1.95e-4})),

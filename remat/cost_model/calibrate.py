@@ -217,7 +217,8 @@ def _measure(graph: fx.Graph, device: torch.device, repeats: int,
             except Exception as error:  # noqa: BLE001 - any op may refuse random inputs; it keeps its roofline
                 skipped[node.name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
                 continue
-            chunk.append((node.name, functools.partial(target, *args, **kwargs), _warm_fresh_inputs(node, args, recent)))
+            warm = _warm_fresh_inputs(node, args, recent)
+            chunk.append((node.name, functools.partial(target, *args, **kwargs), warm))
             recent = (recent + [node.name])[-RECENT_PRODUCERS:]
             live += _input_bytes((args, kwargs))
             if live > max_live_input_bytes:

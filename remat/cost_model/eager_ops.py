@@ -5,9 +5,10 @@ some families run at a small fraction of that, on a CPU by one or two orders of
 magnitude (2-core VM, one thread, per element: a copy 0.1 ns, ``var_mean`` 5 ns,
 ``where`` over a mostly-true mask 1 ns, ``any`` over bools 0.6 ns, a float-to-bool
 comparison 0.35 ns), factories (``full``) parse a size and four options per call, and
-prims whose eager implementation is Python pay tens of microseconds per call. Each family here has one representative op; when a profile
-is measured, it is timed at two sizes (best of seven, like every profile number)
-and the profile keeps a fixed cost and a cost per element, fitted through the two.
+prims whose eager implementation is Python pay tens of microseconds per call.
+Each family here has one representative op; when a profile is measured, it is
+timed at two sizes (best of seven, like every profile number) and the profile
+keeps a fixed cost and a cost per element, fitted through the two.
 
 ``eager_time_s`` is what the op costs run alone, eagerly: the cost model uses it
 for ``unfused_time_s`` (never below the roofline). Inductor generates its own
