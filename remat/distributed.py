@@ -38,6 +38,12 @@ the tensors its forward computes, read from Dynamo's graph before it is planned)
 records what it actually holds). A graph that runs ``r`` times per step (an FSDP2 unit class
 of ``r`` identical blocks) stacks ``r`` copies of its held bytes: ``r * (p + a) <= room + a``.
 
+Proportional shares reserve for later pieces what they would get of the whole step, far
+more than they need once they recompute, so ``calibrate_reserve`` caps the reserve at an
+estimate: this piece's smallest peak over its need, times the later pieces' needs (an
+estimate, not a bound: a later piece that shrinks less can find too little room, and then
+names the budget it needs).
+
 That ``target_k`` is safe but tight: it charges the later pieces' reserve against piece k's
 whole peak, when only what k holds coexists with them. So ``fit_plan`` first plans under
 the *loose* target (the room, as if nothing were held), and checks the plan's real held
@@ -84,6 +90,7 @@ class GraphShare:
     target_bytes: int              # the simulated peak this graph's plan must meet
     needs: tuple[int, ...] = ()    # every piece's need (forward tensor bytes), as the split used them
     total_grad_bytes: int = 0      # G: gradient bytes of the whole step's parameters
+    later_estimate_bytes: Optional[int] = None  # estimated smallest demand of the later pieces, caps the reserve
 
     def at(self, step_target_bytes: int) -> "GraphShare":
         """The same graph's share had the step target been ``step_target_bytes``."""
@@ -91,7 +98,7 @@ class GraphShare:
             step_target_bytes=step_target_bytes, index=self.index, needs=self.needs, held_before_bytes=self.held_before_bytes,
             input_activation_bytes=self.input_activation_bytes, total_grad_bytes=self.total_grad_bytes,
             grads_so_far_bytes=self.total_grad_bytes - self.later_grad_bytes, outside_bytes=self.outside_bytes,
-            repeats=self.repeats, kind=self.kind,
+            repeats=self.repeats, kind=self.kind, later_estimate_bytes=self.later_estimate_bytes,
         )
 
     @property
@@ -167,7 +174,7 @@ def split_shares(available_bytes: int, needs: tuple[int, ...]) -> tuple[int, ...
 def piece_target(
     *, step_target_bytes: int, index: int, needs: tuple[int, ...], held_before_bytes: int,
     input_activation_bytes: int, total_grad_bytes: int, grads_so_far_bytes: int, outside_bytes: int = 0,
-    repeats: int = 1, kind: str = "ddp",
+    repeats: int = 1, kind: str = "ddp", later_estimate_bytes: Optional[int] = None,
 ) -> GraphShare:
     """The planning target of piece ``index`` of a step (see the module docstring).
 
@@ -183,6 +190,8 @@ def piece_target(
     later_grads = max(total_grad_bytes - grads_so_far_bytes, 0)
     shares = split_shares(step_target_bytes - total_grad_bytes - outside_bytes, needs)
     reserved = sum(shares[index + 1:])
+    if later_estimate_bytes is not None:  # reserve what the later pieces are estimated to need, at most their shares
+        reserved = min(reserved, max(later_estimate_bytes, 0))
     room = step_target_bytes - held_before_bytes - input_activation_bytes - later_grads - outside_bytes
     # r runs stack r copies of (peak + activation inputs): r * (p + a) <= room + a - reserved.
     target = (room + input_activation_bytes - reserved) // repeats - input_activation_bytes
@@ -192,6 +201,7 @@ def piece_target(
         later_grad_bytes=later_grads, outside_bytes=outside_bytes, reserved_later_bytes=reserved,
         own_share_bytes=(shares[index] + input_activation_bytes) // repeats - input_activation_bytes,
         target_bytes=int(target), needs=tuple(needs), total_grad_bytes=total_grad_bytes,
+        later_estimate_bytes=later_estimate_bytes,
     )
 
 
@@ -420,6 +430,7 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     """
     from dataclasses import replace
 
+    share = calibrate_reserve(share, plan_at, budget_bytes)
     high = share.loose_target_bytes
     try:
         plan = plan_at(max(high, 1))
@@ -458,6 +469,31 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
             return smallest, replace(share, target_bytes=named)
         raise _smallest_admitted(error, share, held_of(smallest), smallest.predicted_peak_bytes, budget_bytes,
                                  headroom_fraction) from None
+
+
+def calibrate_reserve(share: GraphShare, plan_at: "Callable[[int], Any]", budget_bytes: int) -> GraphShare:
+    """Cap the reserve for later pieces at an estimate of their smallest demand.
+
+    The proportional shares reserve for later pieces what they would get of the whole step,
+    far more than they need once they recompute. This piece's smallest peak (the planner
+    names it when asked for a 1-byte target) over its need (forward tensor bytes) estimates
+    how far recomputation shrinks a piece; the later pieces' needs times that ratio is the
+    reserve. An estimate: a later piece that shrinks less than this one can find too little
+    room, and then names the budget it needs.
+    """
+    from dataclasses import replace
+
+    if (share.reserved_later_bytes <= 0 or share.kind != "ddp" or share.later_estimate_bytes is not None
+            or not share.needs or share.needs[share.index] <= 0):
+        return share  # nothing reserved, or already estimated
+    try:
+        plan_at(1)
+        return share  # a 1-byte target met: nothing to calibrate against
+    except BudgetInfeasibleError as error:
+        smallest_peak = _named_peak(error, 1, budget_bytes)
+    ratio = (smallest_peak + share.input_activation_bytes) / share.needs[share.index]
+    estimate = int(ratio * sum(share.needs[share.index + 1:]))
+    return replace(share, later_estimate_bytes=estimate).at(share.step_target_bytes)
 
 
 def _named_peak(error: BudgetInfeasibleError, target_bytes: int, budget_bytes: int) -> int:

@@ -402,8 +402,9 @@ def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility()
 
     from remat.distributed import FIT_ROUNDS, fit_plan, piece_target
 
+    no_cap = 10**15  # an estimate of the later pieces' demand that does not cap the proportional reserve
     share = piece_target(step_target_bytes=10 * MB, index=0, needs=(1, 1), held_before_bytes=0, input_activation_bytes=0,
-                         total_grad_bytes=0, grads_so_far_bytes=0)
+                         total_grad_bytes=0, grads_so_far_bytes=0, later_estimate_bytes=no_cap)
 
     def planner(budget_bytes):
         def plan_at(target):  # a plan that peaks at its target and holds 60% of it, feasible from 2 MB
@@ -419,7 +420,7 @@ def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility()
     assert share.target_bytes == 5 * MB < fitted.target_bytes <= 8_333_333
     assert fitted.target_bytes >= 8_333_333 - 5 * MB // 2**FIT_ROUNDS and share.admits(plan.held, plan.predicted_peak_bytes)
     tight = piece_target(step_target_bytes=MB, index=0, needs=(1, 1), held_before_bytes=0, input_activation_bytes=0,
-                         total_grad_bytes=0, grads_so_far_bytes=0)
+                         total_grad_bytes=0, grads_so_far_bytes=0, later_estimate_bytes=no_cap)
     with pytest.raises(remat.BudgetInfeasibleError) as info:
         fit_plan(tight, lambda p: p.held, planner(MB), budget_bytes=MB, headroom_fraction=0.0)
     # The loose target (nothing held) is the whole step target: 2 MB is the smallest that holds the peak.
@@ -444,10 +445,31 @@ def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility()
     # At 4 MB (half reserved for the later piece) no plan is admitted: the smallest-peak plan
     # (3.5 MB, holding 2.1 MB) needs held + T / 2 <= T, a 4.2 MB step.
     squeezed = piece_target(step_target_bytes=4 * MB, index=0, needs=(1, 1), held_before_bytes=0, input_activation_bytes=0,
-                            total_grad_bytes=0, grads_so_far_bytes=0)
+                            total_grad_bytes=0, grads_so_far_bytes=0, later_estimate_bytes=no_cap)
     with pytest.raises(remat.BudgetInfeasibleError) as info:
         fit_plan(squeezed, lambda p: p.held, planner_from_3_5_mb, budget_bytes=4 * MB, headroom_fraction=0.0)
     assert abs(info.value.min_feasible_bytes - 4_200_000) <= 1 and "holds 2.10 MB" in str(info.value)  # shares round down
+
+
+def test_calibrate_reserve_scales_later_needs_by_this_pieces_smallest_peak() -> None:
+    from remat.distributed import calibrate_reserve, piece_target
+
+    # Needs 4 MB and 12 MB of forward tensors; this piece's smallest peak is 2 MB (half its
+    # need), so the later piece is estimated at 6 MB: the reserve drops from 7.5 to 6 MB.
+    share = piece_target(step_target_bytes=10 * MB, index=0, needs=(4 * MB, 12 * MB), held_before_bytes=0,
+                         input_activation_bytes=0, total_grad_bytes=0, grads_so_far_bytes=0)
+
+    def plan_at(target):
+        raise remat.BudgetInfeasibleError("x", budget_bytes=10 * MB, min_feasible_bytes=2 * MB * 10 * MB // target, reasons=())
+
+    assert share.reserved_later_bytes == 7_500_000
+    calibrated = calibrate_reserve(share, plan_at, budget_bytes=10 * MB)
+    assert calibrated.reserved_later_bytes == 6 * MB and calibrated.target_bytes == share.target_bytes + 1_500_000
+    # The estimate only ever lowers the reserve, and the last piece reserves nothing.
+    assert calibrate_reserve(calibrated.at(100 * MB), plan_at, 10 * MB).reserved_later_bytes == 6 * MB
+    last = piece_target(step_target_bytes=10 * MB, index=1, needs=(4 * MB, 12 * MB), held_before_bytes=MB,
+                        input_activation_bytes=0, total_grad_bytes=0, grads_so_far_bytes=0)
+    assert calibrate_reserve(last, plan_at, 10 * MB) is last
 
 
 # ---------------------------------------------------------------- single process: collectives in the graph
