@@ -127,7 +127,8 @@ def _state_param_bytes(state: Any) -> tuple[int, int]:
             dtype = param.param_dtype or param.orig_dtype
             itemsize = torch.empty((), dtype=dtype).element_size()
             unsharded += int(param._orig_size.numel()) * itemsize
-            sharded += int(param.padded_sharded_param_size.numel()) * torch.empty((), dtype=param.orig_dtype).element_size()
+            orig_itemsize = torch.empty((), dtype=param.orig_dtype).element_size()
+            sharded += int(param.padded_sharded_param_size.numel()) * orig_itemsize
     return unsharded, sharded
 
 

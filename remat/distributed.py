@@ -95,7 +95,8 @@ class GraphShare:
     def at(self, step_target_bytes: int) -> "GraphShare":
         """The same graph's share had the step target been ``step_target_bytes``."""
         return piece_target(
-            step_target_bytes=step_target_bytes, index=self.index, needs=self.needs, held_before_bytes=self.held_before_bytes,
+            step_target_bytes=step_target_bytes, index=self.index, needs=self.needs,
+            held_before_bytes=self.held_before_bytes,
             input_activation_bytes=self.input_activation_bytes, total_grad_bytes=self.total_grad_bytes,
             grads_so_far_bytes=self.total_grad_bytes - self.later_grad_bytes, outside_bytes=self.outside_bytes,
             repeats=self.repeats, kind=self.kind, later_estimate_bytes=self.later_estimate_bytes,
@@ -397,7 +398,8 @@ def restate_infeasible(error: BudgetInfeasibleError, share: Optional[GraphShare]
     minimum = -(-step_target * 100 // round(100 * (1.0 - headroom_fraction)))
     message = (
         f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_bytes(minimum)} "
-        f"for this graph ({share.explain().split('. ')[0]}): its smallest simulated peak is about {format_bytes(peak)}, "
+        f"for this graph ({share.explain().split('. ')[0]}): "
+        f"its smallest simulated peak is about {format_bytes(peak)}, "
         f"and its share of a budget grows as {format_bytes(share.target_bytes)} does at {format_bytes(budget_bytes)}. "
         "Inside that peak: " + "; ".join(error.reasons)
         + f". Raise the budget to at least {minimum / 1e9:.4f} GB (1 GB = 1e9 bytes), or pass best_effort=True."
@@ -518,7 +520,8 @@ def _smallest_admitted(error: BudgetInfeasibleError, share: GraphShare, held: in
     minimum = -(-high * 100 // round(100 * (1.0 - headroom_fraction)))
     message = (
         f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_bytes(minimum)} "
-        f"for this graph ({share.explain().split('. ')[0]}): its smallest-peak plan peaks at {format_bytes(peak)} and holds "
+        f"for this graph ({share.explain().split('. ')[0]}): "
+        f"its smallest-peak plan peaks at {format_bytes(peak)} and holds "
         f"{format_bytes(held)} for its backward, which with what the rest of the step needs fits a step target of "
         f"{format_bytes(high)}. Inside that peak: " + "; ".join(error.reasons)
         + f". Raise the budget to at least {minimum / 1e9:.4f} GB (1 GB = 1e9 bytes), or pass best_effort=True."

@@ -211,9 +211,10 @@ def _spawn(mode: str, out: Path) -> list[dict[str, Any]]:
     """Run both ranks; kill both if either fails or the time is up. Returns each rank's result."""
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs_out = [open(out / f"log_rank{r}.txt", "w") for r in range(WORLD_SIZE)]
     procs = [
         subprocess.Popen([sys.executable, __file__, "--worker", "--mode", mode, "--rank", str(r), "--port", str(port),
-                          "--out", str(out)], env=env, stdout=open(out / f"log_rank{r}.txt", "w"), stderr=subprocess.STDOUT)
+                          "--out", str(out)], env=env, stdout=logs_out[r], stderr=subprocess.STDOUT)
         for r in range(WORLD_SIZE)
     ]
     deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -223,10 +224,12 @@ def _spawn(mode: str, out: Path) -> list[dict[str, Any]]:
                 break
             time.sleep(0.5)
     finally:
-        for p in procs:
+        for p in procs:  # a rank that failed leaves the other blocked in a collective: stop both
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for f in logs_out:
+            f.close()
     logs = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n" + (out / f"log_rank{r}.txt").read_text()[-4000:]
                      for r, p in enumerate(procs))
     if any(p.returncode != 0 for p in procs):
