@@ -351,7 +351,24 @@ def compute_checks(points: list[Point], inductor: Point) -> dict[str, Any]:
         "lowest_peak_any_baseline": None if lowest_any is None else {
             "baseline": lowest_any.label, "peak_bytes": lowest_any.peak, "grad_ok": lowest_any.grad_ok},
         "inductor_step_iqr_over_median": inductor.spread(),
+        "same_plan_step_ratio": same_plan_step_ratio(remats),
     }
+
+
+def same_plan_step_ratio(remats: list[Point]) -> Optional[dict[str, Any]]:
+    """The largest ratio of median step times between remat points whose plans predicted the same peak and
+    the same extra time (the same plan, compiled for different budgets): the timing noise floor, measured."""
+    groups: dict[tuple[Any, Any], list[Point]] = {}
+    for p in remats:
+        if p.measured:
+            groups.setdefault((p.predicted_peak_bytes, p.est_extra_time_s), []).append(p)
+    worst: Optional[dict[str, Any]] = None
+    for group in (g for g in groups.values() if len(g) > 1):
+        times = sorted(group, key=lambda p: p.median("step_s"))
+        ratio = times[-1].median("step_s") / times[0].median("step_s")
+        if worst is None or ratio > worst["ratio"]:
+            worst = {"ratio": ratio, "fast": times[0].label, "slow": times[-1].label, "points": len(group)}
+    return worst
 
 
 def describe_point(p: Optional[Point], inductor: Point, target_bytes: int) -> dict[str, Any]:
@@ -527,6 +544,11 @@ def render_checks(c: dict[str, Any]) -> list[str]:
         out.append(f"   - (lower still, with wrong gradients: {low['baseline']} at {mb(low['peak_bytes'])} MB)")
     out.append(f"\nTiming noise: plain Inductor's step-time interquartile range is {pct(c['inductor_step_iqr_over_median']).lstrip('+')} "
                "of its median on this machine; differences smaller than that are not resolved.")
+    same = c.get("same_plan_step_ratio")
+    if same:
+        out.append(f"The same plan compiled for different budgets ({same['fast']} and {same['slow']}: equal predicted "
+                   f"peak and extra time) measured median step times {100 * (same['ratio'] - 1):.1f}% apart: a measured "
+                   "noise floor for the step-time comparisons above.")
     return out
 
 
@@ -709,6 +731,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device(args.device)
     if args.render:
         runs = [load_results(path) for path in args.render]
+        for result, points in runs:   # the checks as this version computes them, from the stored measurements
+            if points and points[0].has_peak:
+                result["checks"] = compute_checks(points, points[0])
         for result, points in runs:
             print("wrote " + ", ".join(str(p) for p in write_model_results(args.out_dir, result, points)))
     else:
