@@ -38,7 +38,8 @@ from torch import fx
 from .cost_model.calibrate import measure_node_times
 from .cost_model.costs import annotate_costs
 from .cost_model.hardware import get_profile
-from .distributed import DistributedGraphRecord, StepLedger, fit_plan, held_bytes_of, record_graph, share_for_graph
+from .distributed import DistributedGraphRecord, StepLedger
+from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
 from .errors import BudgetInfeasibleError
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.joint_graph import JointGraphFacts, read_joint_graph

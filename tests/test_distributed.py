@@ -403,7 +403,8 @@ def test_admits_checks_own_runs_and_the_later_pieces_reserve() -> None:
 def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility() -> None:
     from types import SimpleNamespace
 
-    from remat.distributed import FIT_ROUNDS, fit_plan, piece_target
+    from remat.distributed import piece_target
+    from remat.distributed_fit import FIT_ROUNDS, fit_plan
 
     no_cap = 10**15  # an estimate of the later pieces' demand that does not cap the proportional reserve
     share = piece_target(step_target_bytes=10 * MB, index=0, needs=(1, 1), held_before_bytes=0, input_activation_bytes=0,
@@ -455,7 +456,8 @@ def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility()
 
 
 def test_calibrate_reserve_scales_later_needs_by_this_pieces_smallest_peak() -> None:
-    from remat.distributed import calibrate_reserve, piece_target
+    from remat.distributed import piece_target
+    from remat.distributed_fit import calibrate_reserve
 
     # Needs 4 MB and 12 MB of forward tensors; this piece's smallest peak is 2 MB (half its
     # need), so the later piece is estimated at 6 MB: the reserve drops from 7.5 to 6 MB.
