@@ -1,6 +1,7 @@
 """How planning time grows with the graph, and how far the greedy is from the exact optimum.
 
     python benchmarks/solver_scaling.py                 # GPT 2/12/48 layers -> results/solver_scaling.{json,md}
+    python benchmarks/solver_scaling.py --layers 2 12 48 116   # and ~20k nodes (the committed results)
     python benchmarks/solver_scaling.py --layers 2 12   # a subset
     python benchmarks/solver_scaling.py --gap           # greedy vs MILP -> results/solver_scaling_gap.{json,md}
 
@@ -10,8 +11,8 @@ as the backend prepares it (dead code out, dropout split), costed on the H100 da
 profile (deterministic). Timed, each on its own: ``annotate_costs``, ``read_joint_graph``,
 the no-remat simulation, ``min_cut_saved``, ``solve_greedy`` (the default solver, from saving
 everything and from the min-cut) to a target of 60% of the no-remat simulated peak, and
-``make_plan`` end to end (best_effort, so an infeasible target still times the full search). The growth exponent is the slope of a
-least-squares fit of log(time) on log(nodes). The largest graph's ``make_plan`` is profiled
+``make_plan`` end to end (best_effort, so an infeasible target still times the full search).
+The growth exponent is the slope of a least-squares fit of log(time) on log(nodes). The largest graph's ``make_plan`` is profiled
 with cProfile. One real ``torch.compile(..., backend=remat.backend(...))`` of the 2-layer model
 (forward + backward) gives Inductor's compile time for comparison.
 
