@@ -52,7 +52,7 @@ from .solve_local import LOCAL_SEARCH_MAX_STEPS, LOCAL_SEARCH_STEPS, local_searc
 RECOMPUTE_FLOOR_S = 5e-6        # every recomputation costs at least a kernel launch
 MAX_DESCENT_ROUNDS = 64
 MAX_POLISH_EVALUATIONS = 6
-POLISH_STEPS = 8_000            # simulated steps the polish may spend (at least one simulation)
+POLISH_STEPS = 4_000            # simulated steps the polish may spend (at least one simulation)
 MAX_SINGLE_RESAVES = 2          # of those, one-value tries the estimate refused
 SMALLEST_PEAK_STEP = 16         # smallest_peak aims 1/16 lower each round
 MAX_SMALLEST_PEAK_ROUNDS = 48
