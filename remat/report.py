@@ -59,6 +59,7 @@ def render_report(plan: Plan, graph_id: str, regions: tuple[RegionSummary, ...],
         f"- planning target: {'none' if plan.target_bytes is None else format_bytes(plan.target_bytes)} "
         "(the budget less the headroom kept for Inductor's kernel fusion and reordering)",
         f"- fits the budget: {'yes' if plan.fits_budget else 'NO (best effort)'}",
+        f"- solver: {plan.solver}",
         "",
     ]
     if plan.forced:

@@ -525,14 +525,18 @@ def test_cheapest_cover(priced, need, expected):
     assert not chosen or sum(b for _, b, i in priced if i in chosen) >= need
 
 
-def test_backend_passes_solver_milp_to_the_planner():
-    """Through torch.compile: the plan records that the MILP answered; gradients match eager."""
+def test_backend_passes_solver_milp_to_the_planner(tmp_path):
+    """Through torch.compile: the plan, plan.json and report.md record that the MILP answered;
+    gradients match eager."""
+    import json
+    from pathlib import Path
+
     import remat
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
     x = torch.randn(16, 32)
-    backend = remat.backend(1, solver="milp", milp_time_limit_s=20)
+    backend = remat.backend(1, solver="milp", milp_time_limit_s=20, dump_dir=tmp_path)
     torch._dynamo.reset()
     try:
         torch.compile(model, backend=backend)(x).square().sum().backward()
@@ -546,3 +550,7 @@ def test_backend_passes_solver_milp_to_the_planner():
     assert backend.compiled_graphs
     assert all(g.plan.solver.startswith("milp (optimal") for g in backend.compiled_graphs), \
         [g.plan.solver for g in backend.compiled_graphs]
+    for graph in backend.compiled_graphs:
+        directory = Path(graph.dump_path)
+        assert json.loads((directory / "plan.json").read_text())["solver"] == graph.plan.solver
+        assert f"- solver: {graph.plan.solver}\n" in (directory / "report.md").read_text()
