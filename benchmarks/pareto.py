@@ -19,8 +19,12 @@ Methods, all compiled from the same parameters: plain ``backend="inductor"``; Py
 per-block ``torch.utils.checkpoint`` (use_reentrant=False) under torch.compile; every k-th
 block checkpointed (k = 2, 4); Megatron-style selective recomputation of the attention core
 (``create_selective_checkpoint_contexts``); remat at >= 6 budgets from its smallest feasible
-budget to plain Inductor's measured peak, at 50% of that peak, and at each baseline's
-measured peak (budgets within 1% of each other are planned once, at the smallest).
+budget (the planner's answer to a 1 kB budget; when that is above Inductor's peak, from the
+smallest baseline peak instead) to plain Inductor's measured peak, at 50% of that peak, at each
+baseline's measured peak, and at the smallest budget an infeasible compile named when that is
+below every budget that fitted (budgets within 1% of each other are planned once, at the smallest).
+The CPU runs use one torch thread and record the machine's load average: other processes share
+its cores. Run with ``PYTHONHASHSEED=0`` (the planner's choices depend on set order).
 
 Per point: the measured peak above the memory resident at step start (DESIGN.md's method,
 ``remat.measure_peak_bytes``; the largest of ``--peak-rounds`` + 1 measurements), the median
