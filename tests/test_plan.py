@@ -126,3 +126,23 @@ def test_random_ops_are_never_recomputed():
             continue
         assert not banned & set(plan.recomputed)
         assert banned & {name for name, _ in plan.forced} or not banned & set(plan.saved)
+
+
+OLD_GREEDY_GPT_SMALLEST_TARGET_BYTES = 23_140_000   # the peak-directed greedy of commit 32dddff, bisected
+
+
+def test_zoo_gpt_smallest_peak_is_below_the_old_greedys():
+    """The zoo GPT, traced as the backend does (CPU costs, no code generation): the smallest peak
+    the planner names is no higher than the old greedy's smallest feasible target, nor than the
+    no-budget plan, and planning at it succeeds."""
+    from models import ZOO
+    from remat.backend import trace_joint_facts
+
+    model, inputs = ZOO["gpt"]()
+    facts = trace_joint_facts(model, inputs, hardware="cpu")[0]
+    no_budget = make_plan(facts, None)
+    with pytest.raises(BudgetInfeasibleError) as info:
+        make_plan(facts, 1)
+    named = info.value.min_feasible_bytes
+    assert named <= min(OLD_GREEDY_GPT_SMALLEST_TARGET_BYTES, no_budget.predicted_peak_bytes)
+    assert make_plan(facts, named).fits_budget

@@ -63,6 +63,19 @@ def _attention_block(x, wq, wk, wv, wo):
     return F.layer_norm(y, y.shape[-1:]).sum()
 
 
+def _layer_norm(x):
+    """A layer norm written with var_mean, as Inductor's decomposition leaves it: the statistics
+    are reductions, which the partition saves rather than recomputes."""
+    var, mean = torch.var_mean(x, -1, keepdim=True, correction=0)
+    return (x - mean) * torch.rsqrt(var + 1e-5)
+
+
+def _pre_norm(x, *ws):
+    for w in ws:
+        x = x + F.gelu(_layer_norm(x) @ w)
+    return x.sum()
+
+
 def _weights(n: int, width: int) -> list[torch.Tensor]:
     return [torch.randn(width, width, requires_grad=True) for _ in range(n)]
 
@@ -79,6 +92,8 @@ def captured(name: str) -> JointGraphFacts:
         return _captured_facts(_mlp_dropout, torch.randn(rows, width), *_weights(3, width))
     if name == "attention":
         return _captured_facts(_attention_block, torch.randn(2, 32, 32), *_weights(4, 32))
+    if name == "pre_norm":
+        return _captured_facts(_pre_norm, torch.randn(128, 32), *_weights(4, 32))
     raise KeyError(name)
 
 
@@ -396,6 +411,26 @@ def test_the_smallest_feasible_budget_named_is_feasible(name):
     plan = make_plan(facts, named)
     assert plan.fits_budget and plan.predicted_peak_bytes <= named
     assert make_plan(facts, below, best_effort=True).predicted_peak_bytes == named
+
+
+def test_drops_whose_recomputation_reaches_a_saved_reduction_are_taken():
+    """Recomputing a value below a var_mean layer norm reaches the statistics, which the partition
+    saves (a reduction). The descent once refused such drops: the smallest-peak plan stayed above
+    the min-cut's peak and no budget below the min-cut was met."""
+    facts = captured("pre_norm")
+    no_budget = make_plan(facts, None)
+    smallest = make_plan(facts, 1, best_effort=True)
+    assert not smallest.fits_budget
+    assert smallest.predicted_peak_bytes <= 0.75 * no_budget.predicted_peak_bytes
+    for fraction in (0.9, 0.8):
+        target = int(fraction * no_budget.predicted_peak_bytes)
+        plan = make_plan(facts, target)
+        assert plan.predicted_peak_bytes <= target
+        assert smallest.predicted_peak_bytes <= plan.predicted_peak_bytes
+    with pytest.raises(BudgetInfeasibleError) as info:
+        make_plan(facts, 1)
+    assert info.value.min_feasible_bytes == smallest.predicted_peak_bytes
+    assert make_plan(facts, info.value.min_feasible_bytes).fits_budget
 
 
 _DETERMINISM_SCRIPT = r"""

@@ -246,7 +246,7 @@ def make_plan(
     if chosen is None:
         assert budget_bytes is not None and target is not None
         if smallest is None:
-            smallest, _ = smallest_peak_plan(facts)
+            smallest, _ = smallest_peak_plan(facts, (mincut,))
         if not best_effort:
             raise _infeasible_error(facts, budget_bytes, target, smallest)
         chosen, dropped = smallest, tuple(n for n in facts.order if n in _save_all(facts) - smallest.chosen)

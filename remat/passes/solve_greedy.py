@@ -22,11 +22,18 @@ From each start it works in rounds, each ending in one simulation
    only when it fits and lowers the extra time.
 3. Local search (``solve_local.py``), on small graphs only.
 
-Infeasible targets: ``smallest_peak`` descends from saving everything towards a
-peak 1/16 lower each round, independent of any target, keeps the lowest-peak
-plan it simulates and refines it with the local search (least peak). A target
-that plan meets always gets a plan (the solver falls back to it), so the budget
-it names is feasible.
+Infeasible targets: ``smallest_peak`` descends from saving everything and from
+each of ``starts`` towards a peak 1/16 lower each round, independent of any
+target; from the start that went lowest it then runs the descent a feasible
+target runs, aimed one byte under the lowest peak so far, while that goes lower;
+the polish and the local search (least peak) refine the plan. Its peak is at
+most the min-cut's when the min-cut is a start. A target that plan meets always
+gets a plan (the solver falls back to it), so the budget it names is feasible.
+
+A drop whose recomputation reaches a value that may not be recomputed (a
+reduction's small output, a random op) is priced with that value saved, as the
+partition saves it; refusing such drops stalled the descent on every layer norm
+written with ``var_mean``.
 
 On graphs over ``LOCAL_SEARCH_MAX_STEPS`` steps, to spend fewer simulations, the
 descent runs from saving everything only when another start already fits (then
@@ -56,6 +63,7 @@ POLISH_STEPS = 4_000            # simulated steps the polish may spend (at least
 MAX_SINGLE_RESAVES = 2          # of those, one-value tries the estimate refused
 SMALLEST_PEAK_STEP = 16         # smallest_peak aims 1/16 lower each round
 MAX_SMALLEST_PEAK_ROUNDS = 48
+MAX_CHASE_ROUNDS = 4           # descents aimed just under smallest_peak's best so far
 
 
 @dataclass(frozen=True)
@@ -164,11 +172,13 @@ def _drop_options(g: _Graph, current: Evaluated) -> list[_Option]:
 
 
 def _added_time(g: _Graph, members: tuple[str, ...], saved: set[str],
-                recomputed: set[str]) -> Optional[tuple[float, list[str]]]:
-    """Recompute time dropping ``members`` adds, and the values it newly recomputes; None when it
-    would force a value that may never be recomputed into being saved."""
+                recomputed: set[str]) -> Optional[tuple[float, list[str], list[str]]]:
+    """Recompute time dropping ``members`` adds, the values it newly recomputes, and the ancestors
+    that may not be recomputed it reaches (the partition saves those: ``forced``); None when a
+    member itself may not be recomputed."""
     nodes = g.facts.nodes
     new: list[str] = []
+    forced: list[str] = []
     seen: set[str] = set()
     stack = list(members)
     dropping = set(members)
@@ -181,10 +191,15 @@ def _added_time(g: _Graph, members: tuple[str, ...], saved: set[str],
         if node.role == "primal" or (name in saved and name not in dropping):
             continue
         if g.ban.get(name) is not None:
-            return None
+            if name in dropping:
+                return None
+            # e.g. a reduction's small output, saved to keep recomputation bit-identical: the
+            # partition saves it and the walk stops there (refusing the drop stalled the descent)
+            forced.append(name)
+            continue
         new.append(name)
         stack.extend(node.inputs)
-    return sum(nodes[n].cost.est_time_s for n in new), new
+    return sum(nodes[n].cost.est_time_s for n in new), new, forced
 
 
 def _cheapest_cover(priced: list[tuple[float, int, int]], need: int) -> list[int]:
@@ -252,6 +267,7 @@ def _descent_round(g: _Graph, current: Evaluated, target_bytes: int) -> frozense
             used.add(index)
             picked.append(index)
             saved.difference_update(option.members)
+            saved.update(added[2])
             recomputed.update(added[1])
             for lo, hi, nbytes in option.spans:
                 for i in [i for i in left if lo <= i <= hi]:
@@ -362,11 +378,9 @@ def _polish(g: _Graph, current: Evaluated, target_bytes: int) -> Evaluated:
     return current
 
 
-def smallest_peak(g: _Graph, start: Evaluated) -> Evaluated:
-    """The lowest-peak plan of a descent that aims 1/SMALLEST_PEAK_STEP lower each round,
-    refined by the local search on small graphs; does not depend on any target."""
+def _lowest_from(g: _Graph, start: Evaluated) -> Evaluated:
+    """The lowest-peak plan of a descent from ``start`` that aims 1/SMALLEST_PEAK_STEP lower each round."""
     current, best = start, start
-    g.local_steps_left = LOCAL_SEARCH_STEPS      # its own budget: the same plan whoever asks
     for _ in range(MAX_SMALLEST_PEAK_ROUNDS):
         goal = current.peak_bytes - max(current.peak_bytes // SMALLEST_PEAK_STEP, 1)
         drops = _descent_round(g, current, goal)
@@ -375,6 +389,25 @@ def smallest_peak(g: _Graph, start: Evaluated) -> Evaluated:
         current = g.evaluate(current.chosen - drops)
         if (current.peak_bytes, current.extra_time_s) < (best.peak_bytes, best.extra_time_s):
             best = current
+    return best
+
+
+def smallest_peak(g: _Graph, starts: tuple[Evaluated, ...]) -> Evaluated:
+    """The lowest-peak plan of ``_lowest_from`` over ``starts`` (saving everything, then the
+    caller's: the min-cut has the free savings made, and its peak bounds the answer), ties to the
+    earlier start, refined by the local search on small graphs; does not depend on any target."""
+    g.local_steps_left = LOCAL_SEARCH_STEPS      # its own budget: the same plan whoever asks
+    lowest = [_lowest_from(g, start) for start in starts]
+    index = min(range(len(lowest)), key=lambda i: (lowest[i].peak_bytes, lowest[i].extra_time_s, i))
+    best = lowest[index]
+    # the descent a feasible target runs from the same start can go lower than the 1/16 steps:
+    # aim it just under the best so far, while that helps
+    for _ in range(MAX_CHASE_ROUNDS):
+        found = _descend(g, starts[index], best.peak_bytes - 1)[2]
+        if found.peak_bytes >= best.peak_bytes:
+            break
+        best = found
+    best = _polish(g, best, best.peak_bytes)   # saving a value again can lower the peak (per-use instances)
     return local_search(g, best, None)
 
 
@@ -421,7 +454,7 @@ def solve_greedy(facts: JointGraphFacts, target_bytes: int, starts: tuple[Evalua
             found.append((plan.extra_time_s, plan.peak_bytes, index, plan, dropped))
     fallback = None
     if not found:
-        fallback = smallest_peak(g, first)
+        fallback = smallest_peak(g, (first, *starts))
         if fallback.peak_bytes > target_bytes:
             return GreedyResult(None, (), g.evaluations, fallback)
         dropped = tuple(sorted(g.save_all() - fallback.chosen, key=g.position.__getitem__))
@@ -431,8 +464,9 @@ def solve_greedy(facts: JointGraphFacts, target_bytes: int, starts: tuple[Evalua
     return GreedyResult(plan, tuple(d for d in dropped if d not in plan.chosen), g.evaluations, fallback)
 
 
-def smallest_peak_plan(facts: JointGraphFacts) -> tuple[Evaluated, int]:
-    """``smallest_peak`` from saving everything, and the simulations it took."""
+def smallest_peak_plan(facts: JointGraphFacts, starts: tuple[Evaluated, ...] = ()) -> tuple[Evaluated, int]:
+    """``smallest_peak`` from saving everything and ``starts`` (pass what ``solve_greedy`` was
+    given: the same plan), and the simulations it took."""
     g = _Graph(facts)
-    best = smallest_peak(g, g.evaluate(g.save_all()))
+    best = smallest_peak(g, (g.evaluate(g.save_all()), *starts))
     return best, g.evaluations
