@@ -19,7 +19,8 @@ the free min-cut's simulated peak (``ROUNDS`` halvings: the answer is within
 The budget a user must pass is the target over (1 - headroom), headroom 15% by default.
 Also recorded: the minimum the planner's ``BudgetInfeasibleError`` names when asked for the
 lowest target tried, with no headroom (so in target units; it should not exceed the
-bisection's answer). Each model runs
+bisection's answer), and how long that ``make_plan`` call took (the infeasible path: every
+descent, then ``smallest_peak``). Each model runs
 in this one process with ``PYTHONHASHSEED`` as set by the caller. Units: bytes in the JSON,
 MB (1e6 bytes) in the table; extra time is the planner's estimate on the CPU profile.
 """
@@ -50,10 +51,12 @@ def _smallest_target(facts, min_cut_peak: int) -> dict[str, Any]:
     low, high = int(LOW_FRACTION * min_cut_peak), min_cut_peak
     best = make_plan(facts, high)
     named = None
+    t0 = time.perf_counter()
     try:
         make_plan(facts, low)
     except BudgetInfeasibleError as error:
         named = error.min_feasible_bytes
+    infeasible_s = time.perf_counter() - t0
     for _ in range(ROUNDS):
         middle = (low + high) // 2
         try:
@@ -73,6 +76,7 @@ def _smallest_target(facts, min_cut_peak: int) -> dict[str, Any]:
         "recomputed_values": len(best.recomputed),
         "recomputations": recomputations,
         "error_named_min_budget_bytes": named,
+        "infeasible_plan_s": infeasible_s,
     }
 
 
@@ -118,11 +122,12 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "kernel-level model), not measured; MB = 1e6 bytes. Target = what the simulated peak must meet; "
         f"budget = target / (1 - {HEADROOM:.2f} headroom). 'named' = the minimum the planner's "
         "BudgetInfeasibleError names (asked with budget = target = 15% of the min-cut peak, so in target units); "
-        "it should not exceed the bisection's target.",
+        "it should not exceed the bisection's target; 'named s' = the seconds that infeasible make_plan took "
+        "(held / per-use).",
         "",
         "| model | min-cut peak | held: target | held: budget | held: extra ms | per-use: target | per-use: budget "
-        "| per-use: extra ms | per-use: recomputations / values | target ratio | named (held / per-use) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| per-use: extra ms | per-use: recomputations / values | target ratio | named (held / per-use) | named s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         h, p = r["held"], r["per_use"]
@@ -132,7 +137,8 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{mb(p['budget_bytes_with_headroom'])} | {p['extra_time_s'] * 1e3:.1f} | "
             f"{p['recomputations']} / {p['recomputed_values']} | "
             f"{p['smallest_target_bytes'] / h['smallest_target_bytes']:.3f} | "
-            f"{mb(h['error_named_min_budget_bytes'])} / {mb(p['error_named_min_budget_bytes'])} |"
+            f"{mb(h['error_named_min_budget_bytes'])} / {mb(p['error_named_min_budget_bytes'])} | "
+            f"{h['infeasible_plan_s']:.1f} / {p['infeasible_plan_s']:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
