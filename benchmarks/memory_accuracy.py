@@ -28,7 +28,6 @@ depend on set iteration order. Writes ``benchmarks/results/memory_accuracy-cpu.j
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -49,41 +48,19 @@ ZOO_MODELS = ("mlp", "gpt", "cnn", "llama")
 
 
 def _measure(model, compiled, inputs) -> dict[str, int]:
-    """Peak of the allocations made inside one step (see the module docstring)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
+    """Peak of the allocations made inside one step: ``remat.measure_peak_bytes`` (the module
+    docstring's method), gradients set to None before the window."""
+    import remat
+
+    def step() -> None:
+        out = compiled(*inputs)
+        out.float().sum().backward()
+        del out
 
     for p in model.parameters():
         p.grad = None
-    gc.collect()
-    gc.disable()
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = compiled(*inputs)
-            out.float().sum().backward()
-            del out
-    finally:
-        gc.enable()
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            events.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
-    events.sort(key=lambda e: e[0])
-    live = peak = foreign = 0
-    mine: dict[int, int] = {}
-    for _, size, ptr in events:
-        if size > 0:
-            mine[ptr] = size
-            live += size
-            peak = max(peak, live)
-        elif ptr in mine:
-            live -= mine.pop(ptr)
-        else:
-            foreign -= size
-    return {"peak_bytes": peak, "foreign_freed_bytes": foreign}
+    measured = remat.measure_peak_bytes(step, "cpu")
+    return {"peak_bytes": measured.peak_bytes, "foreign_freed_bytes": measured.foreign_freed_bytes}
 
 
 def _compile_and_measure(name: str, budget_gb: Optional[float], reuse: bool) -> dict[str, Any]:
