@@ -198,6 +198,17 @@ def make_llama(batch: int = 8) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return Llama(), (torch.randn(batch, 64, 128),)
 
 
+class TwoLinear(nn.Module):
+    """Two linear layers with a GELU between: a small graph for the symbolic-shape tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
 ZOO = {
     "mlp": make_mlp,
     "gpt": make_gpt,

@@ -18,7 +18,7 @@ from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from models import ZOO
+from models import ZOO, TwoLinear
 from remat.cost_model.costs import COST_KEY, NodeCost, annotate_costs, estimate_node_cost, phase_totals, roofline_time_s
 from remat.cost_model.flops import (
     COMPOSITE_FLOPS_PER_ELEMENT,
@@ -507,15 +507,6 @@ FITS_CASES = [
 def test_largest_value_that_fits(expr, limit, s1, expected):
     s0, s1_sym = sympy.Symbol("s0"), sympy.Symbol("s1")
     assert largest_value_that_fits(expr, s0, limit, {s1_sym: s1}) == expected
-
-
-class TwoLinear(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
 
 
 @pytest.fixture(scope="module")

@@ -6,23 +6,13 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import remat
+from models import TwoLinear
 from remat.backend import read_facts, trace_joint_facts
 from remat.passes.plan import make_plan
 from remat.report import render_symbolic_sizes
 from remat.units import format_bytes
-
-
-class TwoLinear(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
 
 
 @pytest.fixture(scope="module")
