@@ -1,9 +1,10 @@
-"""End to end (issue 2): every zoo model, compiled with remat at budget None, ~70% and ~50% of
-its measured no-remat peak, against eager and against plain Inductor.
+"""End to end (issue 2): every zoo model, compiled with remat at budget None, at ~70% and ~50%
+of its measured peak without remat (the run that saves every value the backward reads and
+recomputes nothing, ``no_remat_peak`` in conftest.py), and at the smallest feasible budget
+the planner names ("min"), against eager and against plain Inductor.
 
 Each (model, budget) is compiled once per session (``_RUNS``); the checks on it are separate
-tests so one failure does not hide the others. The budget-None run is the one that measures
-the baseline peak (``no_remat_peak`` in conftest.py). Every compile here takes 10-40 s on two
+tests so one failure does not hide the others. Every compile here takes 10-40 s on two
 CPU cores, so compiles are shared wherever a check can reuse one.
 """
 
@@ -27,9 +28,16 @@ from models import ZOO
 
 pytestmark = pytest.mark.e2e
 
-FRACTIONS = (None, 0.7, 0.5)
+SMALLEST = 0.0   # "min": ask for 1 kB, test at the smallest feasible budget the error names
+FRACTIONS = (None, 0.7, 0.5, SMALLEST)
 CASES = [(name, fraction) for name in ZOO for fraction in FRACTIONS]
-CASE_IDS = [f"{name}-{'none' if f is None else f'{round(100 * f)}pct'}" for name, f in CASES]
+
+
+def _case_id(fraction: Optional[float]) -> str:
+    return "none" if fraction is None else "min" if fraction == SMALLEST else f"{round(100 * fraction)}pct"
+
+
+CASE_IDS = [f"{name}-{_case_id(f)}" for name, f in CASES]
 RANDOM_OP = "prims.inductor_random.default"
 PLAN_KEYS = {
     "budget_bytes", "predicted_peak_bytes", "no_remat_peak_bytes", "saved_bytes", "recompute_flops",
@@ -38,46 +46,52 @@ PLAN_KEYS = {
 NODE_KEYS = {"name", "op", "flops", "bytes", "decision", "reason"}
 
 _RUNS: dict[tuple[str, Optional[float]], CompiledRun | BaseException] = {}
-# (model, fraction) -> (requested budget GB, smallest feasible budget GB) where the fraction is out of reach
-CLAMPED: dict[tuple[str, Optional[float]], tuple[float, float]] = {}
 
 
 def _run(baseline: BaselineCache, tmp_factory: pytest.TempPathFactory, name: str, fraction: Optional[float]) -> CompiledRun:
     """The compiled run of ``name`` at ``fraction`` of its no-remat peak, made once per session.
 
-    When that budget is infeasible, the run is made at the smallest feasible budget the
-    planner names (recorded in ``CLAMPED`` and printed), so the invariants are still tested
-    at the tightest budget remat reaches.
+    ``SMALLEST``: a 1 kB budget must raise ``BudgetInfeasibleError``, and the run is made at the
+    smallest feasible budget it names (printed), so the invariants are tested at the tightest
+    budget remat reaches. At ~70% / ~50% an infeasible budget is a failure, not a fallback.
 
-    A compile that fails (e.g. an infeasible budget) is remembered and re-raised by every
-    test of that case, so each reports the same error instead of compiling again.
+    A compile that fails is remembered and re-raised by every test of that case, so each
+    reports the same error instead of compiling again.
     """
     key = (name, fraction)
     if key not in _RUNS:
         try:
             if fraction is None:
                 _RUNS[key] = baseline.run(name)
+            elif fraction == SMALLEST:
+                dump_dir = str(tmp_factory.mktemp(f"dump_{name}_min"))
+                with pytest.raises(remat.BudgetInfeasibleError) as info:
+                    compile_and_run(name, 1e-6, dump_dir, fallback_random=True)
+                smallest_gb = info.value.min_feasible_bytes / 1e9
+                print(f"{name}: smallest feasible budget {smallest_gb:.6f} GB "
+                      f"({smallest_gb * 1e9 / baseline.peak_bytes(name):.0%} of the measured no-remat peak)")
+                torch._dynamo.reset()
+                _RUNS[key] = compile_and_run(name, smallest_gb, dump_dir, fallback_random=True)
             else:
                 dump_dir = str(tmp_factory.mktemp(f"dump_{name}_{round(100 * fraction)}"))
-                budget_gb = baseline.budget_gb(name, fraction)
-                try:
-                    _RUNS[key] = compile_and_run(name, budget_gb, dump_dir, fallback_random=True)
-                except remat.BudgetInfeasibleError as error:
-                    # The planner cannot reach this fraction (benchmarks/results/min_feasible-cpu.md
-                    # lists each model's smallest feasible target): test the invariants at the
-                    # smallest budget it names instead, and record the gap.
-                    smallest_gb = error.min_feasible_bytes / 1e9
-                    CLAMPED[key] = (budget_gb, smallest_gb)
-                    print(f"{name} at {fraction:.0%}: {budget_gb:.6f} GB is infeasible; testing at the "
-                          f"smallest feasible budget {smallest_gb:.6f} GB")
-                    torch._dynamo.reset()
-                    _RUNS[key] = compile_and_run(name, smallest_gb, dump_dir, fallback_random=True)
-        except Exception as error:  # noqa: BLE001 - re-raised below, by every test of this case
+                _RUNS[key] = compile_and_run(name, baseline.budget_gb(name, fraction), dump_dir, fallback_random=True)
+        except (Exception, pytest.fail.Exception) as error:  # noqa: BLE001 - re-raised by every test of this case
             _RUNS[key] = error
     run = _RUNS[key]
     if isinstance(run, BaseException):
         raise run
     return run
+
+
+def test_the_no_remat_baseline_recomputes_nothing(no_remat_peak):
+    """The base of the ~70% / ~50% budgets is a real no-recomputation run, with eager's gradients."""
+    for name in ZOO:
+        run = no_remat_peak.save_all_run(name)
+        plan = _only_plan(run)
+        assert plan.recomputed == () and plan.est_extra_time_s == 0, f"{name}: recomputes {plan.recomputed[:5]}"
+        assert plan.predicted_peak_bytes == plan.no_remat_peak_bytes
+        assert_grads_close(run.grads, run.eager_grads)
+        assert run.measured_peak_bytes <= plan.budget_bytes
 
 
 def _only_plan(run: CompiledRun) -> remat.Plan:
