@@ -14,7 +14,7 @@ from typing import Optional, Union
 from .units import gb_to_bytes
 
 BUDGET_ENV_VAR = "REMAT_BUDGET_GB"
-SOLVERS = ("greedy", "milp")
+SOLVERS = ("greedy", "milp", "save-all")
 DEFAULT_MILP_TIME_LIMIT_S = 30.0
 HARDWARE_NAMES = ("auto", "cpu", "cuda", "a100", "h100", "h200")
 ESTIMATORS = ("roofline", "profile")
@@ -127,8 +127,9 @@ def make_options(
         raise ValueError(f"estimator={estimator!r} is not one of {ESTIMATORS}.")
     if solver not in SOLVERS:
         raise ValueError(
-            f"solver={solver!r} is not one of {SOLVERS}: 'greedy' (the default, fast on any graph) or "
-            "'milp' (exact, for small graphs, with a time limit and a fallback to 'greedy').")
+            f"solver={solver!r} is not one of {SOLVERS}: 'greedy' (the default, fast on any graph), "
+            "'milp' (exact, for small graphs, with a time limit and a fallback to 'greedy') or 'save-all' "
+            "(no recomputation: the reference peak without remat).")
     if isinstance(milp_time_limit_s, bool) or not isinstance(milp_time_limit_s, (int, float)) \
             or not math.isfinite(milp_time_limit_s) or milp_time_limit_s <= 0:
         raise ValueError(

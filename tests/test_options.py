@@ -174,5 +174,5 @@ def test_bad_milp_time_limit_fails_at_the_boundary(limit):
 
 
 def test_unknown_solver_fails_at_the_boundary():
-    with pytest.raises(ValueError, match=r"solver='ilp' is not one of \('greedy', 'milp'\)"):
+    with pytest.raises(ValueError, match=r"solver='ilp' is not one of \('greedy', 'milp', 'save-all'\)"):
         remat.backend(1, solver="ilp")

@@ -31,6 +31,7 @@ from .evaluate import Evaluated, evaluate
 from .joint_graph import JointGraphFacts
 from .kernel_steps import storage_owner
 from .mincut import min_cut_saved, saved_cost_bytes
+from .schedule import register_only
 from .solve_greedy import smallest_peak_plan, solve_greedy
 from .solve_milp import solve_min_time
 
@@ -80,6 +81,7 @@ def _decisions(facts: JointGraphFacts, chosen: Evaluated, mincut: frozenset[str]
                is_mincut: bool) -> tuple[NodeDecision, ...]:
     part = chosen.partition
     dropped_set = set(dropped)
+    in_registers = register_only(facts)
     decisions = []
     for name in facts.order:
         node = facts.nodes[name]
@@ -98,6 +100,9 @@ def _decisions(facts: JointGraphFacts, chosen: Evaluated, mincut: frozenset[str]
             if name in dropped_set:
                 reason = (f"dropped to meet the budget: frees {format_bytes(saved_cost_bytes(facts, name))} "
                           "between its last forward use and its first backward use")
+            elif name in in_registers:
+                reason = ("kept in registers by its fused forward kernel: saving it would add a store to that "
+                          "kernel; the backward rebuilds it inside its own")
             elif node.free_to_recompute:
                 reason = "free to recompute: a fusible op rebuilt inside the backward's kernels"
             else:
@@ -240,7 +245,13 @@ def make_plan(
     dropped: tuple[str, ...] = ()
     used = "min-cut (no budget)"
     smallest: Optional[Evaluated] = None
-    if target is not None:
+    if solver == "save-all":
+        # The reference without remat: every value the backward reads is saved, except
+        # register-only ones (schedule.register_only), which its kernels rebuild.
+        chosen, used = no_remat, "save-all (no recomputation: the reference peak without remat)"
+        if target is not None and no_remat.simulation.peak_bytes > target:
+            chosen, smallest = None, no_remat
+    elif target is not None:
         chosen, dropped, used, smallest = _solve(facts, target, solver, milp_time_limit_s, mincut, no_remat)
     fits = chosen is not None
     if chosen is None:

@@ -60,20 +60,52 @@ def _why_not_recomputable_uncached(facts: JointGraphFacts, name: str) -> str | N
 
 # Per joint graph (keyed by id, checked through a weak reference): the planner asks
 # about the same nodes millions of times on a large graph.
-_PER_GRAPH: dict[int, tuple[weakref.ref, dict[str, str | None], dict[str, int]]] = {}
+_PER_GRAPH: dict[int, tuple[weakref.ref, dict[str, str | None], dict[str, int], frozenset[str]]] = {}
 
 
-def _per_graph(facts: JointGraphFacts) -> tuple[dict[str, str | None], dict[str, int]]:
-    """Every node's ``why_not_recomputable`` answer, and every node's position, for this graph."""
+def _per_graph(facts: JointGraphFacts) -> tuple[dict[str, str | None], dict[str, int], frozenset[str]]:
+    """Every node's ``why_not_recomputable`` answer, every node's position, and the
+    register-only values (``register_only``), for this graph."""
     entry = _PER_GRAPH.get(id(facts))
     if entry is not None and entry[0]() is facts:
-        return entry[1], entry[2]
-    for key in [k for k, (ref, _, _) in _PER_GRAPH.items() if ref() is None]:
+        return entry[1], entry[2], entry[3]
+    for key in [k for k, entry in _PER_GRAPH.items() if entry[0]() is None]:
         del _PER_GRAPH[key]
     bans = {name: _why_not_recomputable_uncached(facts, name) for name in facts.nodes}
     position = facts.position()
-    _PER_GRAPH[id(facts)] = (weakref.ref(facts), bans, position)
-    return bans, position
+    in_registers = frozenset(
+        name for name, node in facts.nodes.items()
+        if node.role == "forward" and bans[name] is None and not node.is_getitem and node.cost.fusion_group
+        and node.cost.bytes_written > 0 and node.cost.fused_bytes_written == 0
+    )
+    _PER_GRAPH[id(facts)] = (weakref.ref(facts), bans, position, in_registers)
+    return bans, position, in_registers
+
+
+_NOT_SAVED: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
+
+
+def register_only(facts: JointGraphFacts) -> frozenset[str]:
+    """Forward values no plan saves: values the forward's fused kernels keep in registers (the
+    cost model's fusion writes none of their bytes) that may be recomputed, except those the
+    free min-cut saves (a bool mask kept instead of the float it came from cuts the bytes the
+    forward hands to the backward).
+
+    Saving any other one adds a store to a fused forward kernel to buy back a recomputation the
+    cost model prices at microseconds; on Inductor's CPU code that was measured to make the zoo
+    CNN's forward 4x slower (3.4 -> 14.3 ms, plans that also saved ReLU masks and BatchNorm
+    factors). The backward rebuilds such a value inside its own kernels instead.
+    """
+    entry = _NOT_SAVED.get(id(facts))
+    if entry is not None and entry[0]() is facts:
+        return entry[1]
+    from .mincut import min_cut_saved   # mincut reads why_not_recomputable from this module
+
+    not_saved = _per_graph(facts)[2] - min_cut_saved(facts)
+    for key in [k for k, (ref, _) in _NOT_SAVED.items() if ref() is None]:
+        del _NOT_SAVED[key]
+    _NOT_SAVED[id(facts)] = (weakref.ref(facts), not_saved)
+    return not_saved
 
 
 def why_not_recomputable(facts: JointGraphFacts, name: str) -> str | None:
@@ -84,17 +116,44 @@ def why_not_recomputable(facts: JointGraphFacts, name: str) -> str | None:
     return _per_graph(facts)[0][name]
 
 
+def _instead_of_register_only(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> set[str]:
+    """``chosen_saved`` with each register-only value replaced by the nearest values its forward
+    kernel reads from memory (forward values that are not register-only): saving a value the
+    forward keeps in registers means saving what the backward's kernels rebuild it from."""
+    not_saved = register_only(facts)
+    saved = set(chosen_saved)
+    dropped = saved & not_saved
+    if not dropped:
+        return saved
+    saved -= dropped
+    nodes = facts.nodes
+    seen: set[str] = set()
+    stack = [i for name in dropped for i in nodes[name].inputs]
+    while stack:
+        name = stack.pop()
+        if name in seen or name in saved or nodes[name].role != "forward":
+            continue
+        seen.add(name)
+        if name in not_saved:
+            stack.extend(nodes[name].inputs)
+        else:
+            saved.add(name)
+    return saved
+
+
 def partition_nodes(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Partition:
     """Close ``chosen_saved`` into a valid partition.
 
     Every value the backward reads is either saved, a primal, or recomputed from
-    saved values and primals. A value that may not be recomputed (random,
+    saved values and primals. A register-only value (``register_only``) chosen for saving is
+    recomputed from the values its kernel reads, which are saved instead. A value that may not
+    be recomputed (random,
     mutation, collective, symbolic size) is saved and recorded in ``forced``
     (in joint-graph order: the result does not depend on set iteration order).
     """
-    bans, position = _per_graph(facts)
+    bans, position, _ = _per_graph(facts)
     nodes = facts.nodes
-    saved = set(chosen_saved)
+    saved = _instead_of_register_only(facts, chosen_saved)
     forced: dict[str, str] = {}
     primals: set[str] = set()
     recomputed: set[str] = set()

@@ -331,6 +331,9 @@ def _build_model(facts: JointGraphFacts, target_bytes: int, memory_model: str = 
     for name in _free_aliases(facts, relevant):
         if name in r_col:   # saving or recomputing it is the same plan: keep one, so cuts don't see two
             model.upper[s_col[name]] = 0.0
+    for name in schedule.register_only(facts):   # never saved: partition_nodes recomputes them
+        if name in s_col and name in r_col:
+            model.upper[s_col[name]] = 0.0
     for name, col in r_col.items():
         cost = facts.nodes[name].cost.est_time_s * _TIME_SCALE
         if cost:
