@@ -91,10 +91,12 @@ def _passthrough_error_class(cls: type) -> type:
 
 
 def _device_of(joint_inputs: Sequence[Any]) -> torch.device:
-    for value in joint_inputs:
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return torch.device("cpu")
+    """The accelerator the graph runs on: the first non-CPU tensor input's device, else CPU.
+
+    Not simply the first tensor's: a graph on a GPU can take CPU tensors too (RNG seeds and
+    offsets, scalar constants), and the cost profile must be the GPU's."""
+    devices = [value.device for value in joint_inputs if isinstance(value, torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
 
 def _current_compile_id() -> str:

@@ -227,3 +227,15 @@ def test_auto_on_cuda_picks_the_datasheet_or_a_measured_profile(tmp_path, monkey
     profile = get_profile("auto", torch.device("cuda"))
     known = datasheet_name_for(torch.cuda.get_device_name())
     assert profile.name == (known or "cuda")
+
+
+def test_graph_device_is_the_accelerator_even_after_cpu_inputs():
+    """A GPU graph can take CPU tensors first (RNG seeds, scalars): the profile must follow the
+    accelerator ("meta" stands in for cuda here), and a CPU-only graph stays on the CPU."""
+    from remat.backend import _device_of
+
+    seed = torch.zeros((), dtype=torch.int64)
+    on_device = torch.empty(4, device="meta")
+    assert _device_of([seed, on_device]) == torch.device("meta")
+    assert _device_of([seed, 3, torch.zeros(2)]) == torch.device("cpu")
+    assert _device_of([]) == torch.device("cpu")
