@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import AbstractSet, Mapping
+from typing import AbstractSet, Any, Callable, Mapping
 
 from ..cost_model.memory import Step
 from .joint_graph import JointGraphFacts
@@ -60,29 +60,37 @@ def _why_not_recomputable_uncached(facts: JointGraphFacts, name: str) -> str | N
 
 # Per joint graph (keyed by id, checked through a weak reference): the planner asks
 # about the same nodes millions of times on a large graph.
-_PER_GRAPH: dict[int, tuple[weakref.ref, dict[str, str | None], dict[str, int], frozenset[str]]] = {}
+_PER_GRAPH: dict[tuple[str, int], tuple[weakref.ref, Any]] = {}
 
 
-def _per_graph(facts: JointGraphFacts) -> tuple[dict[str, str | None], dict[str, int], frozenset[str]]:
-    """Every node's ``why_not_recomputable`` answer, every node's position, and the
-    register-only values (``register_only``), for this graph."""
-    entry = _PER_GRAPH.get(id(facts))
+def _memo(kind: str, facts: JointGraphFacts, compute: Callable[[JointGraphFacts], Any]) -> Any:
+    """``compute(facts)``, worked out once per joint graph (``facts`` is immutable)."""
+    entry = _PER_GRAPH.get((kind, id(facts)))
     if entry is not None and entry[0]() is facts:
-        return entry[1], entry[2], entry[3]
-    for key in [k for k, entry in _PER_GRAPH.items() if entry[0]() is None]:
+        return entry[1]
+    for key in [key for key, (ref, _) in _PER_GRAPH.items() if ref() is None]:
         del _PER_GRAPH[key]
-    bans = {name: _why_not_recomputable_uncached(facts, name) for name in facts.nodes}
-    position = facts.position()
-    in_registers = frozenset(
+    value = compute(facts)
+    _PER_GRAPH[(kind, id(facts))] = (weakref.ref(facts), value)
+    return value
+
+
+def _per_graph(facts: JointGraphFacts) -> tuple[dict[str, str | None], dict[str, int]]:
+    """Every node's ``why_not_recomputable`` answer, and every node's position, for this graph."""
+    return _memo("bans", facts, lambda f: ({name: _why_not_recomputable_uncached(f, name) for name in f.nodes},
+                                           f.position()))
+
+
+def _register_only_uncached(facts: JointGraphFacts) -> frozenset[str]:
+    from .mincut import min_cut_saved   # mincut reads why_not_recomputable from this module
+
+    bans, _ = _per_graph(facts)
+    in_registers = {
         name for name, node in facts.nodes.items()
         if node.role == "forward" and bans[name] is None and not node.is_getitem and node.cost.fusion_group
         and node.cost.bytes_written > 0 and node.cost.fused_bytes_written == 0
-    )
-    _PER_GRAPH[id(facts)] = (weakref.ref(facts), bans, position, in_registers)
-    return bans, position, in_registers
-
-
-_NOT_SAVED: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
+    }
+    return frozenset(in_registers - min_cut_saved(facts))
 
 
 def register_only(facts: JointGraphFacts) -> frozenset[str]:
@@ -96,16 +104,7 @@ def register_only(facts: JointGraphFacts) -> frozenset[str]:
     CNN's forward 4x slower (3.4 -> 14.3 ms, plans that also saved ReLU masks and BatchNorm
     factors). The backward rebuilds such a value inside its own kernels instead.
     """
-    entry = _NOT_SAVED.get(id(facts))
-    if entry is not None and entry[0]() is facts:
-        return entry[1]
-    from .mincut import min_cut_saved   # mincut reads why_not_recomputable from this module
-
-    not_saved = _per_graph(facts)[2] - min_cut_saved(facts)
-    for key in [k for k, (ref, _) in _NOT_SAVED.items() if ref() is None]:
-        del _NOT_SAVED[key]
-    _NOT_SAVED[id(facts)] = (weakref.ref(facts), not_saved)
-    return not_saved
+    return _memo("register_only", facts, _register_only_uncached)
 
 
 def why_not_recomputable(facts: JointGraphFacts, name: str) -> str | None:
@@ -151,7 +150,7 @@ def partition_nodes(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> P
     mutation, collective, symbolic size) is saved and recorded in ``forced``
     (in joint-graph order: the result does not depend on set iteration order).
     """
-    bans, position, _ = _per_graph(facts)
+    bans, position = _per_graph(facts)
     nodes = facts.nodes
     saved = _instead_of_register_only(facts, chosen_saved)
     forced: dict[str, str] = {}
