@@ -114,8 +114,11 @@ class FSDPUnit:
     module_class: str
     repeats: int                  # FSDP units of this class: the compiled graph runs once per unit
     unit_unsharded_bytes: int     # all-gathered parameters of one unit (freed after its forward and backward)
+    unit_sharded_bytes: int       # this rank's shard of one unit's parameters: its reduce-scattered gradients
     root_unsharded_bytes: int     # the root's own parameters, all-gathered for the whole step
-    sharded_grad_bytes: int       # this rank's reduce-scattered gradients of every unit, kept after backward
+    root_grad_bytes: int          # the root's own parameters' unsharded gradients, reduced after every unit's
+    other_unit_unsharded_bytes: int  # the largest non-root unit of another class (0 if none): it may be prefetched
+    reduce_scatter_buffers: int   # reduce-scatter input buffers FSDP keeps after their collective
     world_size: int
 
 
@@ -147,16 +150,23 @@ def fsdp_unit() -> Optional[FSDPUnit]:
         cls = type(module)
         same = [s for s in states if any(type(m) is cls for m in s._modules)]
         root = next((s for s in states if s._is_root), None)
-        unit_bytes, _ = _state_param_bytes(state)
+        unit_bytes, unit_sharded = _state_param_bytes(state)
+        others = [_state_param_bytes(s)[0] for s in states if s not in same and s is not root]
         root_bytes = _state_param_bytes(root)[0] if root is not None and root is not state else 0
-        sharded = sum(_state_param_bytes(s)[1] for s in states)
-        mesh = state._fsdp_param_groups[0].mesh_info.mesh if state._fsdp_param_groups else None
+        groups = state._fsdp_param_groups
+        mesh = groups[0].mesh_info.mesh if groups else None
+        # FSDPCommContext.reduce_scatter_max_input_buffers (1 by default on torch 2.13):
+        # post_backward keeps that many reduce-scatter inputs alive until the next one.
+        buffers = int(getattr(groups[0].comm_ctx, "reduce_scatter_max_input_buffers", 1)) if groups else 1
         return FSDPUnit(
             module_class=cls.__name__.removeprefix("FSDP"),
             repeats=max(len(same), 1),
             unit_unsharded_bytes=unit_bytes,
+            unit_sharded_bytes=unit_sharded,
             root_unsharded_bytes=root_bytes,
-            sharded_grad_bytes=sharded,
+            root_grad_bytes=root_bytes,
+            other_unit_unsharded_bytes=max(others, default=0),
+            reduce_scatter_buffers=buffers,
             world_size=mesh.size() if mesh is not None else 1,
         )
     return None

@@ -20,9 +20,9 @@ gradients it produces, above its inputs):
 - ``a_k``: piece k's own activation inputs (not parameters);
 - ``G_>k``: gradients the later pieces' backwards already produced (parameter bytes of
   the model, less those of pieces <= k, known from AOTAutograd's static inputs);
-- ``outside``: memory the step allocates outside remat's graphs that remat can count:
-  FSDP2's all-gathered parameters (two units at a time: the one running and the one
-  prefetched, plus the root's), and the sharded gradients it reduce-scatters into.
+- ``outside``: memory the step allocates outside remat's graphs that remat can count
+  (FSDP2: the running unit's all-gathered parameters and all-gather output, and the root's
+  parameters and gradients, ``distributed_fit.fsdp_outside_bytes`` says why each).
 
 So the step fits when, for every piece, ``sum_{j<k} held_j + a_k + G_>k + outside + p_k <= T``
 (T: the budget less remat's headroom). The later pieces' ``held`` never coexist with piece
@@ -35,8 +35,15 @@ where ``share_j`` reserves room for later piece j, in proportion to its need (th
 the tensors its forward computes, read from Dynamo's graph before it is planned):
 ``share_j = (T - G - outside) * need_j / sum(need)``. By induction every piece k gets at least
 ``share_k``, and a piece that uses less leaves the rest to the pieces after it (the ledger
-records what it actually holds). A graph that runs ``r`` times per step (an FSDP2 unit class
-of ``r`` identical blocks) stacks ``r`` copies of its held bytes: ``r * (p + a) <= room + a``.
+records what it actually holds).
+
+A graph that runs ``r`` times per step (an FSDP2 unit class of ``r`` identical blocks,
+k = 0 .. r-1 in forward order) peaks in run k next to the k earlier runs' held bytes ``h``
+and, since the backward runs the units in reverse, the ``r-1-k`` later runs' leftovers
+``L(r-1-k)`` (FSDP2 keeps each one's sharded gradients, and its reduce-scatter input
+buffer until the next reduce-scatter), and FSDP2 prefetches the unit before it, ``U_k``:
+``max_k (k*h + a + p + L(r-1-k) + U_k) <= room`` (``GraphShare.runs_peak_bytes``). Its safe
+target bounds ``h`` by ``a + p``.
 
 Proportional shares reserve for later pieces what they would get of the whole step, far
 more than they need once they recompute, so ``distributed_fit.calibrate_reserve`` caps the reserve at an
@@ -51,12 +58,16 @@ bytes and peak against both conditions (``GraphShare.admits``); if they fail, it
 the target between the safe and the loose one (``FIT_ROUNDS`` plans at most) and keeps the
 largest admitted. The share written to the dump carries the target the plan was made for.
 
-What is approximate: ``held_j <= p_j`` is used as the bound on what a piece keeps (exact
-saved bytes are recorded, but the pieces' outputs between them are counted as the next
-piece's inputs); later pieces' needs are a proxy (forward tensor bytes), so the reserve can
-be more or less than they need; memory the step allocates outside the graphs in eager code
-(FSDP2 runs the root's own forward eagerly on torch 2.13: the embedding, the head's
-logits, the loss) is not in the ledger and must fit in the headroom.
+What is exact and what is not: a piece's ``held`` is what its plan saves (saved
+activations by their storages, and the activation inputs it saves), recorded on the ledger
+after it is planned (``Plan.saved_bytes`` counts each saved view's storage once per view:
+an over-count where a plan saves several views of one tensor, exact on the tight plans that
+matter here). Later pieces' needs are a proxy (forward tensor bytes), so the reserve can be
+more or less than they need. Memory the step allocates in eager code outside the graphs is
+not in the ledger and must fit in the headroom: the loss (cross-entropy's log-softmax and its
+two gradients, about three logits' bytes at the start of the backward, next to everything
+the pieces hold) and, under FSDP2 on torch 2.13, the root's own forward, which runs eagerly
+(the embedding, the final norm and the head).
 """
 
 from __future__ import annotations
@@ -91,6 +102,26 @@ class GraphShare:
     needs: tuple[int, ...] = ()    # every piece's need (forward tensor bytes), as the split used them
     total_grad_bytes: int = 0      # G: gradient bytes of the whole step's parameters
     later_estimate_bytes: Optional[int] = None  # estimated smallest demand of the later pieces, caps the reserve
+    later_run_bytes: int = 0       # FSDP2: what each later run leaves after its backward (its sharded gradients)
+    rs_buffer_bytes: int = 0       # FSDP2: one reduce-scatter input buffer (a unit's unsharded gradient bytes)
+    rs_buffers: int = 0            # FSDP2: how many of those buffers FSDP keeps after their reduce-scatter
+    prefetch_bytes: int = 0        # FSDP2: the unit before a run (forward order), all-gathered during its backward
+    first_prefetch_bytes: int = 0  # FSDP2: the same for the first run (a unit of another class, if any)
+
+    def later_runs_bytes(self, runs: int) -> int:
+        """Bytes that ``runs`` runs of this graph, finished before the one now running (in
+        backward order), still keep: their sharded gradients, and the reduce-scatter input
+        buffers FSDP2 has not reclaimed yet (at most ``rs_buffers``)."""
+        return runs * self.later_run_bytes + min(runs, self.rs_buffers) * self.rs_buffer_bytes
+
+    def runs_peak_bytes(self, held_bytes: int, peak_bytes: int) -> int:
+        """The step's live bytes from this graph's runs at the worst one: run ``k`` (forward
+        order) peaks while the ``k`` runs before it hold ``held_bytes`` each and the
+        ``repeats - 1 - k`` runs after it (their backwards ran first) keep
+        ``later_runs_bytes``; the running one adds its activation input, its peak, and the
+        unit FSDP2 prefetches during its backward (the one before it)."""
+        return max(k * held_bytes + self.input_activation_bytes + peak_bytes + self.later_runs_bytes(self.repeats - 1 - k)
+                   + (self.prefetch_bytes if k > 0 else self.first_prefetch_bytes) for k in range(self.repeats))
 
     def at(self, step_target_bytes: int) -> "GraphShare":
         """The same graph's share had the step target been ``step_target_bytes``."""
@@ -100,6 +131,8 @@ class GraphShare:
             input_activation_bytes=self.input_activation_bytes, total_grad_bytes=self.total_grad_bytes,
             grads_so_far_bytes=self.total_grad_bytes - self.later_grad_bytes, outside_bytes=self.outside_bytes,
             repeats=self.repeats, kind=self.kind, later_estimate_bytes=self.later_estimate_bytes,
+            later_run_bytes=self.later_run_bytes, rs_buffer_bytes=self.rs_buffer_bytes, rs_buffers=self.rs_buffers,
+            prefetch_bytes=self.prefetch_bytes, first_prefetch_bytes=self.first_prefetch_bytes,
         )
 
     @property
@@ -107,14 +140,15 @@ class GraphShare:
         """The largest peak this graph may have if it kept nothing for its backward: the room
         with no bytes held (``admits`` then checks what the plan really holds)."""
         return (self.step_target_bytes - self.held_before_bytes - self.later_grad_bytes - self.outside_bytes
-                - self.repeats * self.input_activation_bytes)
+                - self.runs_peak_bytes(0, 0))
 
     def admits(self, held_bytes: int, peak_bytes: int) -> bool:
-        """Whether a plan that holds ``held_bytes`` for its backward and peaks at ``peak_bytes``
-        keeps the step under its target: its own runs (each later run on top of what the
-        earlier ones hold) and, for later pieces, the room reserved for them."""
+        """Whether a plan that holds ``held_bytes`` for its backward (its saved activations and
+        the activation inputs it saves) and peaks at ``peak_bytes`` keeps the step under its
+        target: its own runs (``runs_peak_bytes``) and, for later pieces, the room reserved
+        for them next to what it holds."""
         fixed = self.held_before_bytes + self.later_grad_bytes + self.outside_bytes
-        own = (self.repeats - 1) * (held_bytes + self.input_activation_bytes) + self.input_activation_bytes + peak_bytes
+        own = self.runs_peak_bytes(held_bytes, peak_bytes)
         later = self.repeats * held_bytes + self.reserved_later_bytes
         return fixed + own <= self.step_target_bytes and fixed + later <= self.step_target_bytes
 
@@ -149,7 +183,9 @@ class GraphShare:
             f"{format_bytes(self.outside_bytes)}; reserved for later pieces {format_bytes(self.reserved_later_bytes)} "
             f"(own share {format_bytes(self.own_share_bytes)}). Target for this graph's simulated peak: "
             f"{format_bytes(self.target_bytes)}"
-            + (f" (the room divided by its {self.repeats} runs)" if self.repeats > 1 else "")
+            + (f" (its {self.repeats} runs stack: each earlier run keeps what it holds for its backward, each later "
+               f"run its sharded gradients {format_bytes(self.later_run_bytes)} and up to {self.rs_buffers} "
+               f"reduce-scatter buffer(s) of {format_bytes(self.rs_buffer_bytes)})" if self.repeats > 1 else "")
             + ". The step fits if every piece meets its target: each piece's peak plus what the earlier "
             "pieces hold, the later pieces' gradients and the memory outside the graphs stays under the step target."
         )
@@ -175,7 +211,8 @@ def split_shares(available_bytes: int, needs: tuple[int, ...]) -> tuple[int, ...
 def piece_target(
     *, step_target_bytes: int, index: int, needs: tuple[int, ...], held_before_bytes: int,
     input_activation_bytes: int, total_grad_bytes: int, grads_so_far_bytes: int, outside_bytes: int = 0,
-    repeats: int = 1, kind: str = "ddp", later_estimate_bytes: Optional[int] = None,
+    repeats: int = 1, kind: str = "ddp", later_estimate_bytes: Optional[int] = None, later_run_bytes: int = 0,
+    rs_buffer_bytes: int = 0, rs_buffers: int = 0, prefetch_bytes: int = 0, first_prefetch_bytes: int = 0,
 ) -> GraphShare:
     """The planning target of piece ``index`` of a step (see the module docstring).
 
@@ -193,16 +230,27 @@ def piece_target(
     reserved = sum(shares[index + 1:])
     if later_estimate_bytes is not None:  # reserve what the later pieces are estimated to need, at most their shares
         reserved = min(reserved, max(later_estimate_bytes, 0))
-    room = step_target_bytes - held_before_bytes - input_activation_bytes - later_grads - outside_bytes
-    # r runs stack r copies of (peak + activation inputs): r * (p + a) <= room + a - reserved.
-    target = (room + input_activation_bytes - reserved) // repeats - input_activation_bytes
+    avail = step_target_bytes - held_before_bytes - later_grads - outside_bytes - reserved
+    # Run k (of r) peaks next to k earlier runs, each holding at most its input and its peak
+    # (what a plan holds is live at its peak), and r-1-k later runs' leftovers (FSDP2's
+    # sharded gradients and reduce-scatter buffers): (k+1) * (p + a) + later(r-1-k) <= avail.
+    share = GraphShare(
+        kind=kind, index=index, count=len(needs), repeats=repeats, step_target_bytes=step_target_bytes,
+        held_before_bytes=held_before_bytes, input_activation_bytes=input_activation_bytes,
+        later_grad_bytes=later_grads, outside_bytes=outside_bytes, reserved_later_bytes=reserved,
+        own_share_bytes=0, target_bytes=0, later_run_bytes=later_run_bytes, rs_buffer_bytes=rs_buffer_bytes,
+        rs_buffers=rs_buffers, prefetch_bytes=prefetch_bytes, first_prefetch_bytes=first_prefetch_bytes,
+    )
+    target = min((avail - share.later_runs_bytes(repeats - 1 - k) - (prefetch_bytes if k > 0 else first_prefetch_bytes))
+                 // (k + 1) - input_activation_bytes for k in range(repeats))
     return GraphShare(
         kind=kind, index=index, count=len(needs), repeats=repeats, step_target_bytes=step_target_bytes,
         held_before_bytes=held_before_bytes, input_activation_bytes=input_activation_bytes,
         later_grad_bytes=later_grads, outside_bytes=outside_bytes, reserved_later_bytes=reserved,
         own_share_bytes=(shares[index] + input_activation_bytes) // repeats - input_activation_bytes,
         target_bytes=int(target), needs=tuple(needs), total_grad_bytes=total_grad_bytes,
-        later_estimate_bytes=later_estimate_bytes,
+        later_estimate_bytes=later_estimate_bytes, later_run_bytes=later_run_bytes, rs_buffer_bytes=rs_buffer_bytes,
+        rs_buffers=rs_buffers, prefetch_bytes=prefetch_bytes, first_prefetch_bytes=first_prefetch_bytes,
     )
 
 
@@ -288,6 +336,18 @@ def collectives_of(fw: "fx.GraphModule", bw: "fx.GraphModule") -> tuple[tuple[st
     return found, recomputed
 
 
+def budget_for_step_target(step_target_bytes: int, headroom_fraction: float) -> int:
+    """The smallest budget (bytes) whose planning target, ``int(budget * (1 - headroom))`` as
+    ``RematOptions`` computes it, is at least ``step_target_bytes`` (float rounding included)."""
+    import math
+
+    keep = 1.0 - headroom_fraction
+    budget = max(math.ceil(step_target_bytes / keep), 0)
+    while int(budget * keep) < step_target_bytes:
+        budget += 1
+    return budget
+
+
 def restate_infeasible(error: BudgetInfeasibleError, share: Optional[GraphShare], budget_bytes: Optional[int],
                        headroom_fraction: float, loose: bool = False) -> BudgetInfeasibleError:
     """The planner's infeasibility error for a graph planned under a share, restated for the
@@ -303,7 +363,7 @@ def restate_infeasible(error: BudgetInfeasibleError, share: Optional[GraphShare]
     failed_target = share.loose_target_bytes if loose else share.target_bytes
     peak = error.min_feasible_bytes * max(failed_target, 1) // budget_bytes
     step_target = share.smallest_step_target_bytes(peak, loose=loose)
-    minimum = -(-step_target * 100 // round(100 * (1.0 - headroom_fraction)))
+    minimum = budget_for_step_target(step_target, headroom_fraction)
     message = (
         f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_bytes(minimum)} "
         f"for this graph ({share.explain().split('. ')[0]}): "

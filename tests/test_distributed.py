@@ -48,6 +48,10 @@ BATCH_PER_RANK = 4
 STEPS = 3
 LR = 0.1
 BUDGET_FRACTION = 0.6
+# Passed explicitly, so the tested budgets do not move with remat's default: the CPU
+# simulator's peaks are within ~5% of measured ones (benchmarks/results/memory_accuracy-cpu.md),
+# and what the ledger cannot see (the eager loss, FSDP2's eager root) must fit in it.
+HEADROOM_FRACTION = 0.05
 PARAM_REL_TOL = 1e-5
 RUN_TIMEOUT_S = 200
 MAX_ATTEMPTS = 3
@@ -158,13 +162,14 @@ def worker_main(argv: list[str]) -> None:
         start = time.perf_counter()
         for attempt in range(MAX_ATTEMPTS):
             try:
-                backend = remat.backend(budget_gb, dump_dir=str(dump_dir / f"attempt{attempt}"))
+                backend = remat.backend(budget_gb, dump_dir=str(dump_dir / f"attempt{attempt}"),
+                                        headroom_fraction=HEADROOM_FRACTION)
                 ours = _train(args.mode, backend, measure_steps=(STEPS - 1,))
                 break
             except remat.BudgetInfeasibleError as error:
-                # Both ranks plan the same graphs, so both get here. The planner cannot reach
-                # 60%: test at the smallest feasible budget it names (the larger rank's). A DDP
-                # piece names the budget its own share needs; a later piece can need more.
+                # Both ranks plan the same graphs, so both get here. FSDP2 cannot reach 60%
+                # (README): test at the smallest feasible budget it names (the larger rank's).
+                # A DDP piece names the budget its own share needs; a later piece can need more.
                 if attempt == MAX_ATTEMPTS - 1:
                     raise
                 smallest_gb = _all_max(error.min_feasible_bytes) / 1e9
@@ -299,13 +304,21 @@ def test_measured_peak_per_rank_within_budget(mode: str, tmp_path_factory: pytes
             assert peak <= budget_bytes, (
                 f"{mode} rank {r['rank']}: measured peak {peak / 1e6:.3f} MB > budget {budget_bytes / 1e6:.3f} MB "
                 f"(plain Inductor {r['plain_peak_bytes'] / 1e6:.3f} MB)")
-        # remat recomputed, and the step peaks lower than plain Inductor's.
+        # remat recomputed, and the step peaks lower than plain Inductor's, under a budget below it.
         assert any(g["recomputed"] > 0 for g in r["graphs"])
         assert max(r["remat_peaks_bytes"]) < r["plain_peak_bytes"]
-        if mode == "ddp":
-            # The DDP ledger's budget is below plain Inductor's peak. FSDP2's is not: the smallest
-            # budget it names (the ledger's FSDP2 accounting is conservative, README) is above it.
-            assert budget_bytes < r["plain_peak_bytes"]
+        assert budget_bytes < r["plain_peak_bytes"]
+
+
+def test_ddp_fits_60_percent_of_plain_inductor_without_fallback(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """DDP reaches the issue's ~60%: no piece refused the requested budget. (FSDP2 does not:
+    its smallest feasible budget is printed by the run and quoted in the README.)"""
+    results, _ = _run("ddp", tmp_path_factory)
+    for r in results:
+        assert r["smallest_feasible_gb"] is None, (
+            f"rank {r['rank']}: 60% of plain Inductor's peak ({r['requested_budget_gb'] * 1e3:.3f} MB) was refused; "
+            f"smallest feasible {r['smallest_feasible_gb'] * 1e3:.3f} MB")
+        assert r["budget_gb"] == r["requested_budget_gb"]
 
 
 def test_ddp_budget_split_across_pieces(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -334,7 +347,13 @@ def test_fsdp2_unit_graph_shared_by_blocks(tmp_path_factory: pytest.TempPathFact
     for r in results:
         shares = [g["share"] for g in r["graphs"]]
         assert shares and all(s is not None and s["kind"] == "fsdp2" and s["repeats"] == CFG.n_layers for s in shares)
-        assert all(s["outside_bytes"] > 0 for s in shares)
+        # FSDP2's memory read from its state: a block's unsharded parameters (fp32) are what
+        # is prefetched and reduce-scattered from; each rank keeps half of them as gradients.
+        block_bytes = 4 * sum(p.numel() for p in _fresh_model().blocks[0].parameters())
+        for s in shares:
+            assert s["prefetch_bytes"] == s["rs_buffer_bytes"] == block_bytes and s["rs_buffers"] == 1
+            assert s["later_run_bytes"] == block_bytes // WORLD_SIZE  # every dim 0 of a block is even: no padding
+            assert s["outside_bytes"] > 2 * block_bytes and s["first_prefetch_bytes"] == 0
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
@@ -400,6 +419,33 @@ def test_admits_checks_own_runs_and_the_later_pieces_reserve() -> None:
     assert unit.admits(held_bytes=2 * MB, peak_bytes=6 * MB) and not unit.admits(held_bytes=2 * MB, peak_bytes=6 * MB + 1)
 
 
+def test_fsdp2_runs_stack_held_bytes_forward_and_leftovers_of_later_runs_backward() -> None:
+    """Run k of r peaks next to k earlier runs' held bytes and r-1-k later runs' sharded
+    gradients plus at most ``rs_buffers`` reduce-scatter buffers: the worst run decides."""
+    from remat.distributed import piece_target
+
+    unit = piece_target(step_target_bytes=10 * MB, index=0, needs=(1,), held_before_bytes=0, input_activation_bytes=MB // 10,
+                        total_grad_bytes=0, grads_so_far_bytes=0, outside_bytes=2 * MB, repeats=3, kind="fsdp2",
+                        later_run_bytes=MB // 2, rs_buffer_bytes=MB, rs_buffers=1, prefetch_bytes=MB // 4)
+    assert [unit.later_runs_bytes(j) for j in range(3)] == [0, 1_500_000, 2 * MB]
+    # Holding little, the first run is the worst (it peaks next to two later runs' leftovers,
+    # and nothing is prefetched before it): 0.1 input + 5.9 peak + 2 leftovers + 2 outside = 10 MB.
+    assert unit.runs_peak_bytes(held_bytes=100_000, peak_bytes=5_900_000) == 8 * MB
+    assert unit.admits(held_bytes=100_000, peak_bytes=5_900_000)
+    assert not unit.admits(held_bytes=100_000, peak_bytes=5_900_001)
+    # Holding much, the last run is: 2 held + input + peak + the unit prefetched before it.
+    assert unit.runs_peak_bytes(held_bytes=2 * MB, peak_bytes=3 * MB) == 4 * MB + 100_000 + 3 * MB + MB // 4
+    # The safe target admits every plan meeting it with held <= input + peak, at every run.
+    t = unit.target_bytes
+    assert unit.admits(held_bytes=t + MB // 10, peak_bytes=t) and not unit.admits(held_bytes=t + MB // 10, peak_bytes=t + 3)
+    # Nothing held, the loose target leaves room for the input and the leftovers only.
+    assert unit.loose_target_bytes == 10 * MB - 2 * MB - MB // 10 - 2 * MB
+    # A unit of another class may be prefetched during the first run's backward.
+    other = piece_target(step_target_bytes=10 * MB, index=0, needs=(1,), held_before_bytes=0, input_activation_bytes=0,
+                         total_grad_bytes=0, grads_so_far_bytes=0, repeats=1, kind="fsdp2", first_prefetch_bytes=MB)
+    assert other.target_bytes == 9 * MB and other.runs_peak_bytes(0, MB) == 2 * MB
+
+
 def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility() -> None:
     from types import SimpleNamespace
 
@@ -427,8 +473,9 @@ def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility()
                          total_grad_bytes=0, grads_so_far_bytes=0, later_estimate_bytes=no_cap)
     with pytest.raises(remat.BudgetInfeasibleError) as info:
         fit_plan(tight, lambda p: p.held, planner(MB), budget_bytes=MB, headroom_fraction=0.0)
-    # The loose target (nothing held) is the whole step target: 2 MB is the smallest that holds the peak.
-    assert info.value.min_feasible_bytes == 2 * MB
+    # The smallest-peak plan (2 MB, holding 1.2 MB) fits its own peak from a 2 MB step, but what
+    # it holds next to the later piece's half of the step needs 1.2 + T / 2 <= T: a 2.4 MB step.
+    assert abs(info.value.min_feasible_bytes - 2_400_000) <= 1 and "holds 1.20 MB" in str(info.value)
 
     def planner_from_3_5_mb(target):  # feasible from 3.5 MB only, holding 60% of its peak
         if target < 3_500_000:
