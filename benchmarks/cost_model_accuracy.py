@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from models import ZOO  # noqa: E402
 from remat.cost_model.calibrate import calibrate, random_tensor  # noqa: E402
-from remat.cost_model.costs import annotate_costs  # noqa: E402
+from remat.cost_model.costs import annotate_costs, graph_call_s, phase_totals  # noqa: E402
 from remat.cost_model.flops import EXTRA_FLOP_FORMULAS, TORCH_RULE, node_flops, ops_without_formula  # noqa: E402
 from remat.cost_model.fusion import find_fusion_groups, is_loop_op  # noqa: E402
 from remat.cost_model.hardware import get_profile, profile_to_json  # noqa: E402
@@ -334,17 +334,24 @@ def per_node_metrics(graph: fx.Graph, nodes: list[str], in_context: dict[str, fl
 
 
 def phase_sums(graph: fx.Graph, roofline: dict, calibrated: dict, calibrated_s: dict[str, float],
-               in_context: dict[str, float]) -> dict[str, dict[str, float]]:
-    """Per phase, the summed estimates (op alone and fused) and the summed in-context times."""
+               in_context: dict[str, float], per_graph_s: float = 0.0) -> dict[str, dict[str, float]]:
+    """Per phase, the summed estimates (op alone and fused) and the summed in-context times.
+
+    The fused sums are ``phase_totals``: the nodes' ``est_time_s`` plus one compiled-graph
+    call (``per_graph_s``) per phase; the unfused sums are what eager runs, op by op.
+    """
     phases = node_phases(graph)
+    fused = {"roofline": phase_totals(graph, roofline, per_graph_s=per_graph_s),
+             "calibrated": phase_totals(graph, calibrated, per_graph_s=per_graph_s)}
     sums: dict[str, dict[str, float]] = {}
     for phase in ("forward", "backward"):
         names = [n.name for n in graph.nodes if phases[n.name] == phase]
         sums[phase] = {
             "roofline_unfused_s": sum(roofline[n].unfused_time_s for n in names),
-            "roofline_fused_s": sum(roofline[n].est_time_s for n in names),
+            "roofline_fused_s": fused["roofline"][phase].est_time_s,
+            "roofline_fused_loop_extra_s": fused["roofline"][phase].loop_extra_s,
             "calibrated_unfused_s": sum(calibrated_s.get(n, roofline[n].unfused_time_s) for n in names),
-            "calibrated_fused_s": sum(calibrated[n].est_time_s for n in names),
+            "calibrated_fused_s": fused["calibrated"][phase].est_time_s,
             "in_context_sum_s": sum(in_context.get(n, 0.0) for n in names),
         }
     return sums
@@ -423,7 +430,7 @@ def run_model(name: str, device: torch.device, profile_name: str, repeats: int, 
     print(f"[{name}] timing the joint graph in context", flush=True)
     in_context, graph_run_s, repeatability = time_in_context(joint, joint_args, device, repeats)
     nodes = [n.name for n in graph.nodes if n.name in in_context and n.name in calibration.times_s]
-    sums = phase_sums(graph, roofline, calibrated, calibration.times_s, in_context)
+    sums = phase_sums(graph, roofline, calibrated, calibration.times_s, in_context, graph_call_s(profile))
     targets, phases = {n.name: n.target for n in graph.nodes}, node_phases(graph)
     compile_now = compiled and deadline.left_s() > compile_reserve_s
     if compiled and not compile_now:

@@ -196,6 +196,73 @@ def test_node_cost_adds_up():
     assert total.est_time_s == 0.75 and total.measured_time_s == 0.1 and not total.has_flop_formula
 
 
+# ---------------------------------------------------------------- Inductor's generated loops and library rates
+
+# What the profile measured Inductor's CPU loops pay beyond the roofline (loop_costs.py), in round numbers
+LOOPY = HardwareProfile(
+    name="round", flops_per_s={"float32": 1e12}, bandwidth_bytes_per_s=1e11, kernel_launch_s=1e-6, source="test",
+    random_values_per_s=1e9,
+    loop_costs_s={"random_value": 8e-9, "bool_store": 6e-9, "bool_load": 1e-9, "welford_long": 2e-10,
+                  "kernel_call": 3e-6, "graph_call": 5e-5})
+
+
+def test_a_dropout_mask_pays_inductors_rng_and_bool_store():
+    graph = trace(lambda x: (lambda keep: (keep, x * keep))(torch.rand_like(x) > 0.1), m(N, N))
+    costs = annotate_costs(graph, LOOPY)
+    rand, gt, mul = (the_node(graph, op).name for op in ("rand_like", "gt", "mul"))
+    assert costs[rand].fusion_group == costs[gt].fusion_group == costs[mul].fusion_group   # one kernel
+    # random numbers at the loop's 8 ns instead of the eager 1 ns the roofline charges
+    assert costs[rand].loop_extra_s == pytest.approx(N * N * (8e-9 - 1e-9))
+    assert costs[gt].loop_extra_s == pytest.approx(N * N * 6e-9)    # the mask is returned: N*N bools stored
+    assert costs[mul].loop_extra_s == 0.0                           # reads the mask in registers
+    kernel = sum(costs[n].est_time_s for n in (rand, gt, mul))
+    compute = N * N * 8e-9 + N * N * 6e-9 + 3 * N * N / 1e12    # each op: 1 FLOP per element (estimates)
+    assert kernel == pytest.approx(compute + 3e-6)                    # compute-bound; one wrapper call
+    assert annotate_costs(graph, ROUND)[gt].loop_extra_s == 0.0       # a profile without loop costs: none
+
+
+@pytest.mark.parametrize("mask_shape,loaded", [((N, N), N * N), ((N,), N * N)], ids=["full", "broadcast"])
+def test_a_bool_mask_loaded_from_memory_is_charged_per_element_read(mask_shape, loaded):
+    graph = trace(lambda keep, x: x * keep, torch.ones(mask_shape, dtype=torch.bool), m(N, N))
+    costs = annotate_costs(graph, LOOPY)
+    assert costs[the_node(graph, "mul").name].loop_extra_s == pytest.approx(loaded * 1e-9)
+
+
+@pytest.mark.parametrize("shape,dim,charged", [
+    ((4096, 16), 0, 4096 * 16),     # batch-norm-like: 4096 elements per output, one long Welford chain each
+    ((N, N), 1, 0),                 # layer-norm-like: 512 per row, chains overlap: the roofline holds
+], ids=["long", "short"])
+def test_long_welford_reductions_pay_per_element(shape, dim, charged):
+    graph = trace(lambda x: torch.var_mean(x, dim=dim, correction=0), m(*shape))
+    costs = annotate_costs(graph, LOOPY)
+    assert costs[the_node(graph, "var_mean").name].loop_extra_s == pytest.approx(charged * 2e-10)
+
+
+def test_convolution_runs_at_its_librarys_measured_rate():
+    x, w = m(8, 64, 32, 32), m(64, 64, 3, 3)
+    conv = the_node(trace(lambda x, w: F.conv2d(x, w, padding=1), x, w), "convolution")
+    flops = 2 * 8 * 64 * 32 * 32 * 64 * 9
+    fast_conv = HardwareProfile(name="round", flops_per_s={"float32": 1e12}, bandwidth_bytes_per_s=1e11,
+                                kernel_launch_s=1e-6, source="test", library_flops_per_s={"convolution": 2e12})
+    assert estimate_node_cost(conv, fast_conv).est_time_s == pytest.approx(flops / 2e12 + 1e-6)
+    assert estimate_node_cost(conv, ROUND).est_time_s == pytest.approx(flops / 1e12 + 1e-6)
+    # the rate was measured in fp32: a half-precision convolution keeps the dtype's peak
+    assert fast_conv.library_rate("convolution", torch.bfloat16) is None
+
+
+def test_phase_totals_add_one_graph_call_per_phase_with_a_kernel():
+    graph = make_fx(lambda primals, tangents: (primals.relu(), tangents * 2))(m(N), m(N)).graph
+    costs = annotate_costs(graph, LOOPY)
+    plain = phase_totals(graph, costs)
+    called = phase_totals(graph, costs, per_graph_s=5e-5)
+    for phase in ("forward", "backward"):
+        assert called[phase].est_time_s == pytest.approx(plain[phase].est_time_s + 5e-5)
+        assert plain[phase].launches == 1
+    no_backward = make_fx(lambda primals: primals.relu())(m(N)).graph
+    totals = phase_totals(no_backward, annotate_costs(no_backward, LOOPY), per_graph_s=5e-5)
+    assert totals["backward"].est_time_s == 0.0
+
+
 # ---------------------------------------------------------------- fusion-aware traffic
 
 def fused(graph: fx.Graph, name: str):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from remat.cost_model import hardware
+from remat.cost_model.loop_costs import LOOP_COST_NAMES
 from remat.cost_model.hardware import (
     CACHE_ENV_VAR,
     DATASHEET_PROFILES,
@@ -173,6 +174,13 @@ def test_several_threads_also_measure_one_and_keep_the_faster_numbers(monkeypatc
     single = fake_profile(flops_per_s={"float32": 7e10}, bandwidth_bytes_per_s=1e10, kernel_launch_s=3e-6,
                           bandwidth_levels=((1 << 20, 6e10),), transcendentals_per_s=5e8)
     monkeypatch.setattr(hardware, "_measure_once", lambda device: single if torch.get_num_threads() == 1 else contended)
+    probed = []
+
+    def probe(threads):
+        probed.append(threads)
+        return {"bool_load": 1e-9}, ""
+
+    monkeypatch.setattr(hardware, "measure_loop_costs", probe)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -183,6 +191,38 @@ def test_several_threads_also_measure_one_and_keep_the_faster_numbers(monkeypatc
     assert profile.flops_per_s["float32"] == 7e10 and profile.bandwidth_bytes_per_s == 3e10
     assert profile.bandwidth_levels == ((1 << 20, 6e10),) and profile.kernel_launch_s == 3e-6
     assert profile.transcendentals_per_s == 5e8 and "2 threads" in profile.source
+    # Inductor's loops are probed once, with the threads the compiled code will run with
+    assert probed == [2] and profile.loop_costs_s == {"bool_load": 1e-9}
+
+
+def test_a_loop_probe_that_cannot_run_is_not_fatal(monkeypatch):
+    """No Python to run the probe (or no C++ compiler): no loop costs, and the profile says why."""
+    from remat.cost_model import loop_costs
+
+    monkeypatch.setattr(loop_costs.sys, "executable", "/nonexistent/python")
+    costs, note = loop_costs.measure_loop_costs(1)
+    assert costs == {} and note.startswith("generated-loop costs not measured: FileNotFoundError")
+    monkeypatch.setattr(hardware, "_measure_once", lambda device: fake_profile())
+    profile = hardware._measure_profile(torch.device("cpu"))
+    assert profile.loop_costs_s == {} and "generated-loop costs not measured" in profile.source
+
+
+def test_loop_costs_and_library_rates_round_trip_through_the_cache(tmp_path):
+    profile = fake_profile(library_flops_per_s={"convolution": 2e11},
+                           loop_costs_s={"random_value": 7e-9, "bool_store": 6e-9, "kernel_call": 1.3e-6})
+    assert profile_from_json(json.loads(json.dumps(profile_to_json(profile)))) == profile
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(loop_costs_s={"random_value": 0.5}), r"random_value=0.5 s per element is not in \[0, 1e-06 s\]"),
+    (dict(loop_costs_s={"graph_call": -1.0}), r"graph_call=-1.0 s per call"),
+    (dict(loop_costs_s={"warp_drive": 1e-9}), "unknown generated-loop cost 'warp_drive'"),
+    (dict(library_flops_per_s={"convolution": 1e13}),
+     r"library_flops_per_s\['convolution'\]=10000000000000.0 is not a positive rate within 4x"),
+])
+def test_check_plausible_refuses_impossible_loop_costs_and_library_rates(bad, match):
+    with pytest.raises(ValueError, match=match):
+        check_plausible(fake_profile(**bad))
 
 
 def test_check_plausible_names_the_bad_number():
@@ -206,6 +246,9 @@ def test_real_cpu_measurement_is_plausible_even_under_a_fake_mode(tmp_path):
     assert set(families) == {"welford", "compare", "select", "bool_reduction", "convert", "factory", "python_prim"}
     # a Welford reduction costs more per element than a copy moves one (8 bytes at the DRAM bandwidth)
     assert families["welford"][1] > 8 / profile.bandwidth_bytes_per_s
+    # the probes of Inductor's loops ran in their subprocess (the fake mode does not reach it) and all measured
+    assert set(profile.loop_costs_s) == set(LOOP_COST_NAMES), profile.source
+    assert set(profile.library_flops_per_s) == {"convolution", "convolution_backward"}
 
 
 def test_eager_families_round_trip_through_the_cache(tmp_path):

@@ -22,10 +22,19 @@ below the roofline).
 ``est_time_s``, what the planner uses, applies it once per fused kernel (the
 kernel's summed FLOPs and fused bytes, one launch) and shares that time among
 the kernel's nodes in proportion to each node's own roofline; the launch is
-charged to the kernel's last node. Given measured
-kernel times (``calibrate.measure_node_times``), ``est_time_s`` is the measured
-time instead; for a node Inductor fuses, that time is scaled by the fused-to-
-unfused roofline ratio, since the measurement ran the op as its own kernel.
+charged to the kernel's last node. Inside a generated loop, compute also pays
+what the profile measured Inductor's CPU loops pay per element beyond the
+roofline (``loop_costs.py``): random numbers at Inductor's Philox rate instead
+of eager's, bool tensors written and read, long Welford reductions.
+Convolutions run at the rate the profile measured for their library kernel
+(``HardwareProfile.library_flops_per_s``) where it has one.
+
+Given measured kernel times (``calibrate.measure_node_times``), ``est_time_s``
+of a library call (matmul, convolution, attention: the same kernel Inductor
+calls) is the measured time. A node Inductor generates a loop for keeps its
+fused estimate: the measurement ran the eager op as its own kernel, a different
+program (own dispatch, own loop, eager's RNG) from the loop Inductor fuses it
+into; its measured time is recorded in ``measured_time_s``.
 """
 
 from __future__ import annotations
@@ -41,8 +50,9 @@ from .flops import TORCH_RULE, node_flops, node_special_ops
 from .fusion import FusionGroups, find_fusion_groups, is_loop_op
 from .eager_ops import eager_time_s
 from .hardware import HardwareProfile
+from .loop_costs import LONG_REDUCTION
 from .phases import node_phases
-from .tensors import is_free_op, iter_tensors, node_val, op_name, touched_nbytes, value_nbytes
+from .tensors import concrete_int, is_free_op, iter_tensors, node_val, op_name, touched_nbytes, value_nbytes
 
 COST_KEY = "remat_cost"
 
@@ -60,10 +70,11 @@ class NodeCost:
     launches: int = 0                   # kernel launches charged to this node
     unfused_time_s: float = 0.0         # roofline of the op as its own kernel, as eager runs it
     measured_time_s: Optional[float] = None   # calibration: the op's kernel timed on the device
-    time_source: str = ""               # "roofline", "roofline (fused)", "measured", "measured (fused-scaled)"
+    time_source: str = ""               # "roofline", "roofline (fused)", "measured"
     fusion_group: str = ""              # name of the first node of its fused kernel ("" outside one)
     transcendentals: int = 0            # special-function evaluations (exp, erf, tanh, ...)
     random_values: int = 0              # random numbers drawn
+    loop_extra_s: float = 0.0           # in a generated loop: what it pays beyond the roofline (loop_costs.py)
 
     def __add__(self, other: "NodeCost") -> "NodeCost":
         sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
@@ -101,16 +112,26 @@ def _uses_tensor_cores(node: fx.Node, rule: str) -> bool:
     return torch.get_float32_matmul_precision() != "highest"
 
 
+def flop_rate(profile: HardwareProfile, node: fx.Node, rule: str) -> float:
+    """FLOP/s for ``node``: its library kernel's measured rate where the profile has one, else the dtype's peak."""
+    dtype = _compute_dtype(node)
+    library = profile.library_rate(op_name(node), dtype)
+    if library is not None:
+        return library
+    return profile.peak_flops_per_s(dtype, tensor_cores=profile.name != "cpu" and _uses_tensor_cores(node, rule))
+
+
 def roofline_time_s(profile: HardwareProfile, flops: int, nbytes: int, launches: int,
                     dtype: Optional[torch.dtype] = None, *, tensor_cores: bool = False,
                     working_set_bytes: Optional[int] = None, transcendentals: int = 0,
-                    random_values: int = 0) -> float:
+                    random_values: int = 0, flops_per_s: Optional[float] = None) -> float:
     """max(compute time, memory time) + launch floors; memory at the bandwidth of the working set's level.
 
-    Compute time is FLOPs at the dtype's peak plus special functions and random
-    numbers at their own rates (they share the same execution units).
+    Compute time is FLOPs at the dtype's peak (or at ``flops_per_s``) plus special
+    functions and random numbers at their own rates (they share the same execution units).
     """
-    compute_s = flops / profile.peak_flops_per_s(dtype, tensor_cores=tensor_cores)
+    rate = flops_per_s if flops_per_s is not None else profile.peak_flops_per_s(dtype, tensor_cores=tensor_cores)
+    compute_s = flops / rate
     compute_s += profile.special_ops_s(transcendentals, random_values)
     memory_s = nbytes / profile.bandwidth_for(nbytes if working_set_bytes is None else working_set_bytes)
     return max(compute_s, memory_s) + launches * profile.kernel_launch_s
@@ -126,8 +147,8 @@ def estimate_node_cost(node: fx.Node, profile: HardwareProfile) -> NodeCost:
     bytes_read = sum(touched_nbytes(t) for arg in node.all_input_nodes for t in iter_tensors(node_val(arg)))
     dtype = _compute_dtype(node)
     time_s = roofline_time_s(profile, estimate.flops, bytes_read + bytes_written, 1, dtype,
-                             tensor_cores=profile.name != "cpu" and _uses_tensor_cores(node, estimate.rule),
-                             transcendentals=transcendentals, random_values=random_values)
+                             transcendentals=transcendentals, random_values=random_values,
+                             flops_per_s=flop_rate(profile, node, estimate.rule))
     time_s = max(time_s, eager_time_s(profile.eager_classes, node)) if profile.eager_classes else time_s
     return NodeCost(
         flops=estimate.flops, bytes_read=bytes_read, bytes_written=bytes_written, est_time_s=time_s,
@@ -137,22 +158,85 @@ def estimate_node_cost(node: fx.Node, profile: HardwareProfile) -> NodeCost:
     )
 
 
+_WELFORD_OPS = frozenset({"var_mean", "var", "std", "std_mean"})
+
+
+def _numel(value: object) -> int:
+    return sum(concrete_int(t.numel()) for t in iter_tensors(value))
+
+
+def _storage_source(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node``'s value lives in (through views and getitems)."""
+    while node.op == "call_function" and (is_free_op(node) or node.target is operator.getitem) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def loop_extra_s(graph: fx.Graph, groups: FusionGroups, profile: HardwareProfile) -> dict[str, float]:
+    """Per loop node, what Inductor's generated loop pays beyond the roofline (``loop_costs.py``), in seconds.
+
+    - random numbers at the loop's Philox cost (in place of eager's rate, which the roofline charges);
+    - a bool output that reaches memory, per element written;
+    - a bool input loaded from memory, per element the loop reads (a broadcast mask is read per element);
+    - a Welford reduction of at least ``LONG_REDUCTION`` elements per output, per element reduced.
+    A profile without measured loop costs (datasheet GPUs) gets an empty mapping.
+    """
+    if not profile.loop_costs_s:
+        return {}
+    nodes = {n.name: n for n in graph.nodes}
+    extra: dict[str, float] = {}
+    loaded: dict[str, set[str]] = {}
+    for name, gid in groups.group_of.items():
+        node = nodes[name]
+        if not is_loop_op(node):
+            continue
+        _, random_values = node_special_ops(node)
+        seconds = 0.0
+        if random_values and "random_value" in profile.loop_costs_s:
+            seconds += profile.loop_cost_s("random_value", random_values) - profile.special_ops_s(0, random_values)
+        outputs = list(iter_tensors(node_val(node)))
+        if outputs and all(t.dtype == torch.bool for t in outputs):
+            seconds += profile.loop_cost_s("bool_store", groups.bytes_written.get(name, 0))   # 1 byte per element
+        out_numel = _numel(node_val(node))
+        seen = loaded.setdefault(gid, set())
+        for arg in node.all_input_nodes:
+            source = _storage_source(arg)
+            if groups.group_of.get(source.name) == gid or arg.name in seen:
+                continue   # computed in this kernel, or already loaded by it
+            seen.add(arg.name)
+            for tensor in iter_tensors(node_val(arg)):
+                if tensor.dtype == torch.bool:
+                    seconds += profile.loop_cost_s("bool_load", max(concrete_int(tensor.numel()), out_numel))
+        if op_name(node) in _WELFORD_OPS:
+            reduced = max((_numel(node_val(a)) for a in node.all_input_nodes), default=0)
+            outputs_numel = max((concrete_int(t.numel()) for t in outputs), default=1)
+            if reduced >= LONG_REDUCTION * max(outputs_numel, 1):
+                seconds += profile.loop_cost_s("welford_long", reduced)
+        if seconds:
+            extra[name] = seconds
+    return extra
+
+
 def _fused_costs(graph: fx.Graph, base: Mapping[str, NodeCost], groups: FusionGroups,
                  profile: HardwareProfile) -> dict[str, NodeCost]:
     """Costs of the kernel nodes once fused: one roofline per fused kernel, shared among its nodes.
 
     A kernel's time is ``max(sum of compute, sum of memory time) + one launch``;
-    each node gets the part in proportion to its own ``max(compute, memory)``,
-    so the nodes of a kernel add up to exactly the kernel's roofline.
+    a loop node's compute includes what the generated loop pays beyond the
+    roofline (``loop_extra_s``). Each node gets the part in proportion to its own
+    ``max(compute, memory)``, so the nodes of a kernel add up to exactly the kernel's time.
     """
     nodes = {n.name: n for n in graph.nodes}
+    extras = loop_extra_s(graph, groups, profile)
+    # a kernel of a compiled graph is a call from Inductor's wrapper: its measured cost where the profile has one
+    launch_s = profile.loop_costs_s.get("kernel_call", profile.kernel_launch_s)
     compute: dict[str, float] = {}
     nbytes: dict[str, int] = {}
     for name, gid in groups.group_of.items():
         node, cost = nodes[name], base[name]
-        rate = profile.peak_flops_per_s(_compute_dtype(node), tensor_cores=profile.name != "cpu"
-                                        and _uses_tensor_cores(node, cost.flop_rule))
-        compute[name] = cost.flops / rate + profile.special_ops_s(cost.transcendentals, cost.random_values)
+        rate = flop_rate(profile, node, cost.flop_rule)
+        compute[name] = (cost.flops / rate + profile.special_ops_s(cost.transcendentals, cost.random_values)
+                         + extras.get(name, 0.0))
         nbytes[name] = groups.bytes_read[name] + groups.bytes_written[name]
     group_compute: dict[str, float] = {}
     group_bytes: dict[str, int] = {}
@@ -172,21 +256,23 @@ def _fused_costs(graph: fx.Graph, base: Mapping[str, NodeCost], groups: FusionGr
         cost = base[name]
         fused[name] = NodeCost(
             flops=cost.flops, bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
-            est_time_s=kernel_s * share + launches * profile.kernel_launch_s,
+            est_time_s=kernel_s * share + launches * launch_s,
             has_flop_formula=cost.has_flop_formula, flop_rule=cost.flop_rule,
             fused_bytes_read=groups.bytes_read[name], fused_bytes_written=groups.bytes_written[name],
             launches=launches, unfused_time_s=cost.unfused_time_s, time_source="roofline (fused)", fusion_group=gid,
             transcendentals=cost.transcendentals, random_values=cost.random_values,
+            loop_extra_s=extras.get(name, 0.0),
         )
     return fused
 
 
 def _calibrated(node: fx.Node, cost: NodeCost, measured_s: float) -> NodeCost:
-    est, source = measured_s, "measured"
-    if is_loop_op(node) and cost.unfused_time_s > 0 and cost.time_source == "roofline (fused)":
-        est, source = measured_s * cost.est_time_s / cost.unfused_time_s, "measured (fused-scaled)"
+    """The measured time for a library call or an op run alone; a node fused into a generated loop
+    keeps its estimate (see the module docstring)."""
     fields_now = {f.name: getattr(cost, f.name) for f in fields(cost)}
-    fields_now.update(est_time_s=est, measured_time_s=measured_s, time_source=source)
+    fields_now.update(measured_time_s=measured_s)
+    if not (is_loop_op(node) and cost.fusion_group):
+        fields_now.update(est_time_s=measured_s, time_source="measured")
     return NodeCost(**fields_now)
 
 
@@ -196,7 +282,8 @@ def annotate_costs(graph: fx.Graph, profile: HardwareProfile, *, fusion: bool = 
 
     ``fusion=False`` charges every op as its own kernel (eager). ``measured_times``
     (node name -> seconds, from ``calibrate.measure_node_times``) replaces the
-    roofline wherever it has a time for the node.
+    estimate of every library call it has a time for (of every op with ``fusion=False``), and is
+    recorded on every node.
     """
     base = {node.name: estimate_node_cost(node, profile) for node in graph.nodes}
     fused = _fused_costs(graph, base, find_fusion_groups(graph), profile) if fusion else {}
@@ -210,15 +297,32 @@ def annotate_costs(graph: fx.Graph, profile: HardwareProfile, *, fusion: bool = 
     return costs
 
 
-def phase_totals(graph: fx.Graph, costs: Mapping[str, NodeCost]) -> dict[str, NodeCost]:
-    """The summed cost of the forward and of the backward part of a joint graph."""
+def graph_call_s(profile: HardwareProfile) -> float:
+    """What calling one compiled graph costs beyond its kernels (0 when the profile did not measure it)."""
+    return profile.loop_costs_s.get("graph_call", 0.0)
+
+
+def phase_totals(graph: fx.Graph, costs: Mapping[str, NodeCost], *, per_graph_s: float = 0.0) -> dict[str, NodeCost]:
+    """The summed cost of the forward and of the backward part of a joint graph.
+
+    ``per_graph_s`` (``graph_call_s(profile)`` for fused costs) is added once to each
+    phase with a kernel: the forward and the backward are each one compiled graph,
+    whose call costs that much beyond its kernels. It belongs to no node (it is paid
+    once per call, never recomputed), so it is only in these totals.
+    """
     totals = {"forward": ZERO_COST, "backward": ZERO_COST}
+    has_kernel = {"forward": False, "backward": False}
     for name, phase in node_phases(graph).items():
         if name in costs:
             totals[phase] = totals[phase] + costs[name]
+            has_kernel[phase] = has_kernel[phase] or costs[name].launches > 0
+    if per_graph_s:
+        call = NodeCost(est_time_s=per_graph_s, time_source="graph call")
+        totals = {phase: total + call if has_kernel[phase] else total for phase, total in totals.items()}
     return totals
 
 
 __all__ = [
-    "COST_KEY", "ZERO_COST", "NodeCost", "annotate_costs", "estimate_node_cost", "phase_totals", "roofline_time_s",
+    "COST_KEY", "ZERO_COST", "NodeCost", "annotate_costs", "estimate_node_cost", "flop_rate", "graph_call_s",
+    "loop_extra_s", "phase_totals", "roofline_time_s",
 ]

@@ -6,10 +6,11 @@ than a 100 MiB one) and a per-kernel launch floor.
 
 - ``a100``, ``h100``, ``h200``: datasheet numbers (SXM, dense, no sparsity),
   labelled as such in ``source``.
-- ``cpu``: measured once on this machine (matmuls per dtype, copies at four
-  working-set sizes, exp and rand for the special-function and random-number
-  rates, a tiny op for the launch floor, one op per family of slow eager
-  kernels, ``eager_ops.py``) and cached on disk under
+- ``cpu``: measured once on this machine (matmuls per dtype, a 3x3 convolution
+  forward and backward, copies at four working-set sizes, exp and rand for the
+  special-function and random-number rates, a tiny op for the launch floor, one
+  op per family of slow eager kernels, ``eager_ops.py``, and what Inductor's
+  generated loops pay beyond the roofline, ``loop_costs.py``) and cached on disk under
   ``$REMAT_CACHE_DIR`` (default ``~/.cache/remat``), keyed by host, thread count
   and torch version. ``cuda``: the same measurement on the current CUDA device.
   A missing, corrupt or implausible cache file is measured again and rewritten;
@@ -35,9 +36,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 import torch
 
 from .eager_ops import measure_eager_classes
+from .loop_costs import check_loop_costs, measure_loop_costs
 
 CACHE_ENV_VAR = "REMAT_CACHE_DIR"
-CACHE_SCHEMA = 5
+CACHE_SCHEMA = 6
 DATASHEET_NAMES = ("a100", "h100", "h200")
 PROFILE_NAMES = ("auto", "cpu", "cuda") + DATASHEET_NAMES
 
@@ -56,6 +58,21 @@ class HardwareProfile:
     random_values_per_s: float = 0.0          # fp32 uniform random numbers drawn per second (0: not charged)
     # (family, fixed s, s per element): eager ops that run far below the roofline (eager_ops.py); measured only
     eager_classes: tuple[tuple[str, float, float], ...] = ()
+    # library op ("convolution", "convolution_backward") -> fp32 FLOP/s its library kernel attains (measured only):
+    # oneDNN runs 3x3 convolutions with Winograd, 1.2-2x "faster" than the matmul peak in counted FLOPs
+    library_flops_per_s: Mapping[str, float] = field(default_factory=dict)
+    # cost name -> seconds per element that Inductor's generated CPU loops pay beyond the roofline (loop_costs.py)
+    loop_costs_s: Mapping[str, float] = field(default_factory=dict)
+
+    def library_rate(self, op: str, dtype: Optional[torch.dtype]) -> Optional[float]:
+        """The measured fp32 rate of ``op``'s library kernel, or None (then the dtype's peak applies)."""
+        if dtype not in (None, torch.float32):
+            return None
+        return self.library_flops_per_s.get(op)
+
+    def loop_cost_s(self, name: str, elements: int) -> float:
+        """Seconds ``elements`` elements of cost ``name`` add to a generated loop (0 when not measured)."""
+        return elements * self.loop_costs_s.get(name, 0.0) if elements else 0.0
 
     def peak_flops_per_s(self, dtype: Optional[torch.dtype], *, tensor_cores: bool = False) -> float:
         """Peak rate for ``dtype``; fp32 matmuls use the TF32 rate when ``tensor_cores`` and the profile has one."""
@@ -167,6 +184,7 @@ def _measure_once(device: torch.device) -> HardwareProfile:
             flops[str(dtype).replace("torch.", "")] = 2 * n**3 / best(lambda: torch.mm(a, b))
         except RuntimeError:  # a dtype this device has no matmul kernel for
             continue
+    library = _measure_convolution(device, best) if device.type == "cpu" else {}
     levels = []
     for numel in (1 << 15, 1 << 18, 1 << 21, 1 << 24):   # 128 KiB, 1 MiB, 8 MiB, 64 MiB of fp32
         src = torch.randn(numel, device=device)
@@ -191,7 +209,31 @@ def _measure_once(device: torch.device) -> HardwareProfile:
         transcendentals_per_s=special.numel() / transcendentals_s,
         random_values_per_s=special.numel() / random_s,
         eager_classes=eager_classes,
+        library_flops_per_s=library,
     )
+
+
+# A 3x3 convolution between the sizes small CNNs use: 64 -> 64 channels, 16 x 16 pixels, batch 8.
+_CONV_SHAPE = (8, 64, 16, 16)
+
+
+def _measure_convolution(device: torch.device, best: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
+    """FLOP/s of a 3x3 fp32 convolution's forward and backward, in FlopCounterMode's count."""
+    aten = torch.ops.aten
+    batch, channels, height, width = _CONV_SHAPE
+    x = torch.randn(batch, channels, height, width, device=device)
+    weight = torch.randn(channels, channels, 3, 3, device=device)
+    bias = torch.randn(channels, device=device)
+    grad = torch.randn(batch, channels, height, width, device=device)
+    forward_flops = 2 * batch * channels * height * width * channels * 9
+    try:
+        forward_s = best(lambda: aten.convolution.default(x, weight, bias, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))
+        backward_s = best(lambda: aten.convolution_backward.default(
+            grad, x, weight, [channels], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]))
+    except RuntimeError:   # no convolution kernel on this device: the peak applies
+        return {}
+    # the backward counts twice the forward: the input's and the weight's gradients (FlopCounterMode)
+    return {"convolution": forward_flops / forward_s, "convolution_backward": 2 * forward_flops / backward_s}
 
 
 def _faster_of(a: HardwareProfile, b: HardwareProfile) -> HardwareProfile:
@@ -205,6 +247,8 @@ def _faster_of(a: HardwareProfile, b: HardwareProfile) -> HardwareProfile:
         transcendentals_per_s=max(a.transcendentals_per_s, b.transcendentals_per_s),
         random_values_per_s=max(a.random_values_per_s, b.random_values_per_s),
         eager_classes=_faster_classes(a.eager_classes, b.eager_classes),
+        library_flops_per_s={k: max(a.library_flops_per_s.get(k, 0.0), b.library_flops_per_s.get(k, 0.0))
+                             for k in a.library_flops_per_s | b.library_flops_per_s},
     )
 
 
@@ -266,8 +310,12 @@ def _measure_profile(device: torch.device) -> HardwareProfile:
             finally:
                 torch.set_num_threads(threads)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{threads} threads"
-    return replace(_monotone_levels(profile),
-                   source=f"measured on {socket.gethostname()} ({where}), torch {torch.__version__}")
+    source = f"measured on {socket.gethostname()} ({where}), torch {torch.__version__}"
+    loop_costs: dict[str, float] = {}
+    if device.type == "cpu":
+        loop_costs, note = measure_loop_costs(threads)
+        source += f"; {note}" if note else ""
+    return replace(_monotone_levels(profile), source=source, loop_costs_s=loop_costs)
 
 
 def check_plausible(profile: HardwareProfile, threads: int = 1) -> None:
@@ -287,6 +335,11 @@ def check_plausible(profile: HardwareProfile, threads: int = 1) -> None:
             raise ValueError(f"eager class {name!r}: fixed {fixed_s!r} s, {per_element_s!r} s per element")
     if "float32" not in profile.flops_per_s:
         raise ValueError("no float32 rate")
+    for op, rate in profile.library_flops_per_s.items():
+        # Winograd does fewer multiplications than the count: allow up to 4x the matmul peak, no more
+        if not (math.isfinite(rate) and 0 < rate <= 4 * max(profile.flops_per_s.values())):
+            raise ValueError(f"library_flops_per_s[{op!r}]={rate!r} is not a positive rate within 4x the peak")
+    check_loop_costs(profile.loop_costs_s)
     if profile.name == "cpu" and profile.flops_per_s["float32"] > _MAX_FLOPS_PER_THREAD * threads:
         raise ValueError(f"float32 rate {profile.flops_per_s['float32']:.3g} FLOP/s is beyond any CPU with {threads} threads")
     if any(rate > _MAX_BANDWIDTH for _, rate in profile.bandwidth_levels) or profile.bandwidth_bytes_per_s > _MAX_BANDWIDTH:
@@ -309,6 +362,8 @@ def profile_to_json(profile: HardwareProfile) -> dict:
         "transcendentals_per_s": profile.transcendentals_per_s,
         "random_values_per_s": profile.random_values_per_s,
         "eager_classes": [list(entry) for entry in profile.eager_classes],
+        "library_flops_per_s": dict(profile.library_flops_per_s),
+        "loop_costs_s": dict(profile.loop_costs_s),
         "source": profile.source,
     }
 
@@ -327,6 +382,8 @@ def profile_from_json(data: Any, threads: int = 1) -> HardwareProfile:
         transcendentals_per_s=float(data["transcendentals_per_s"]),
         random_values_per_s=float(data["random_values_per_s"]),
         eager_classes=tuple((str(name), float(fixed), float(per)) for name, fixed, per in data["eager_classes"]),
+        library_flops_per_s={str(k): float(v) for k, v in data["library_flops_per_s"].items()},
+        loop_costs_s={str(k): float(v) for k, v in data["loop_costs_s"].items()},
     )
     check_plausible(profile, threads)
     return profile
