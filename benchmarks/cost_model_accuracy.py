@@ -334,11 +334,11 @@ def per_node_metrics(graph: fx.Graph, nodes: list[str], in_context: dict[str, fl
 
 
 def phase_sums(graph: fx.Graph, roofline: dict, calibrated: dict, calibrated_s: dict[str, float],
-               in_context: dict[str, float], per_graph_s: float = 0.0) -> dict[str, dict[str, float]]:
+               in_context: dict[str, float], per_graph_s: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """Per phase, the summed estimates (op alone and fused) and the summed in-context times.
 
-    The fused sums are ``phase_totals``: the nodes' ``est_time_s`` plus one compiled-graph
-    call (``per_graph_s``) per phase; the unfused sums are what eager runs, op by op.
+    The fused sums are ``phase_totals``: the nodes' ``est_time_s`` plus the call of each
+    phase's compiled graph (``per_graph_s``); the unfused sums are what eager runs, op by op.
     """
     phases = node_phases(graph)
     fused = {"roofline": phase_totals(graph, roofline, per_graph_s=per_graph_s),
@@ -352,6 +352,7 @@ def phase_sums(graph: fx.Graph, roofline: dict, calibrated: dict, calibrated_s: 
             "roofline_fused_loop_extra_s": fused["roofline"][phase].loop_extra_s,
             "calibrated_unfused_s": sum(calibrated_s.get(n, roofline[n].unfused_time_s) for n in names),
             "calibrated_fused_s": fused["calibrated"][phase].est_time_s,
+            "graph_call_s": (per_graph_s or {}).get(phase, 0.0),
             "in_context_sum_s": sum(in_context.get(n, 0.0) for n in names),
         }
     return sums
@@ -430,7 +431,7 @@ def run_model(name: str, device: torch.device, profile_name: str, repeats: int, 
     print(f"[{name}] timing the joint graph in context", flush=True)
     in_context, graph_run_s, repeatability = time_in_context(joint, joint_args, device, repeats)
     nodes = [n.name for n in graph.nodes if n.name in in_context and n.name in calibration.times_s]
-    sums = phase_sums(graph, roofline, calibrated, calibration.times_s, in_context, graph_call_s(profile))
+    sums = phase_sums(graph, roofline, calibrated, calibration.times_s, in_context, graph_call_s(graph, profile))
     targets, phases = {n.name: n.target for n in graph.nodes}, node_phases(graph)
     compile_now = compiled and deadline.left_s() > compile_reserve_s
     if compiled and not compile_now:

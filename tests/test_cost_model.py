@@ -19,7 +19,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from models import ZOO, TwoLinear
-from remat.cost_model.costs import COST_KEY, NodeCost, annotate_costs, estimate_node_cost, phase_totals, roofline_time_s
+from remat.cost_model.costs import (
+    COST_KEY,
+    NodeCost,
+    annotate_costs,
+    estimate_node_cost,
+    graph_call_s,
+    phase_totals,
+    roofline_time_s,
+)
 from remat.cost_model.flops import (
     COMPOSITE_FLOPS_PER_ELEMENT,
     EXTRA_FLOP_FORMULAS,
@@ -203,7 +211,7 @@ LOOPY = HardwareProfile(
     name="round", flops_per_s={"float32": 1e12}, bandwidth_bytes_per_s=1e11, kernel_launch_s=1e-6, source="test",
     random_values_per_s=1e9,
     loop_costs_s={"random_value": 8e-9, "bool_store": 6e-9, "bool_load": 1e-9, "welford_long": 2e-10,
-                  "kernel_call": 3e-6, "graph_call": 5e-5})
+                  "kernel_call": 3e-6, "graph_call": 5e-5, "graph_input": 7e-7})
 
 
 def test_a_dropout_mask_pays_inductors_rng_and_bool_store():
@@ -248,19 +256,26 @@ def test_convolution_runs_at_its_librarys_measured_rate():
     assert estimate_node_cost(conv, ROUND).est_time_s == pytest.approx(flops / 1e12 + 1e-6)
     # the rate was measured in fp32: a half-precision convolution keeps the dtype's peak
     assert fast_conv.library_rate("convolution", torch.bfloat16) is None
+    # measured at two widths: a 64-channel convolution runs at the rate interpolated in log2(channels)
+    by_width = HardwareProfile(name="round", flops_per_s={"float32": 1e12}, bandwidth_bytes_per_s=1e11,
+                               kernel_launch_s=1e-6, source="test",
+                               library_flops_per_s={"convolution@16": 1e12, "convolution@128": 4e12})
+    assert estimate_node_cost(conv, by_width).est_time_s == pytest.approx(flops / 3e12 + 1e-6)
 
 
-def test_phase_totals_add_one_graph_call_per_phase_with_a_kernel():
-    graph = make_fx(lambda primals, tangents: (primals.relu(), tangents * 2))(m(N), m(N)).graph
+def test_phase_totals_add_each_phases_graph_call():
+    # forward inputs: primals; backward inputs: the tangent and the forward value it reads (relu's output)
+    graph = make_fx(lambda primals, tangents: (primals.relu(), tangents * primals.relu()))(m(N), m(N)).graph
+    calls = graph_call_s(graph, LOOPY)
+    assert calls == pytest.approx({"forward": 5e-5 + 1 * 7e-7, "backward": 5e-5 + 2 * 7e-7})
     costs = annotate_costs(graph, LOOPY)
-    plain = phase_totals(graph, costs)
-    called = phase_totals(graph, costs, per_graph_s=5e-5)
+    plain, called = phase_totals(graph, costs), phase_totals(graph, costs, per_graph_s=calls)
     for phase in ("forward", "backward"):
-        assert called[phase].est_time_s == pytest.approx(plain[phase].est_time_s + 5e-5)
-        assert plain[phase].launches == 1
+        assert called[phase].est_time_s == pytest.approx(plain[phase].est_time_s + calls[phase])
     no_backward = make_fx(lambda primals: primals.relu())(m(N)).graph
-    totals = phase_totals(no_backward, annotate_costs(no_backward, LOOPY), per_graph_s=5e-5)
-    assert totals["backward"].est_time_s == 0.0
+    totals = phase_totals(no_backward, annotate_costs(no_backward, LOOPY), per_graph_s={"backward": 5e-5})
+    assert totals["backward"].est_time_s == 0.0     # no backward kernel, no backward graph to call
+    assert graph_call_s(graph, ROUND) == {"forward": 0.0, "backward": 0.0}
 
 
 # ---------------------------------------------------------------- fusion-aware traffic

@@ -207,6 +207,14 @@ def test_a_loop_probe_that_cannot_run_is_not_fatal(monkeypatch):
     assert profile.loop_costs_s == {} and "generated-loop costs not measured" in profile.source
 
 
+@pytest.mark.parametrize("channels,rate", [(8, 1e12), (16, 1e12), (64, 3e12), (128, 4e12), (512, 4e12)])
+def test_convolution_rate_is_interpolated_in_log2_channels_between_the_two_widths(channels, rate):
+    profile = fake_profile(library_flops_per_s={"convolution@16": 1e12, "convolution@128": 4e12})
+    assert profile.library_rate("convolution", torch.float32, channels) == pytest.approx(rate)
+    assert profile.library_rate("convolution_backward", torch.float32, channels) is None   # not measured
+    assert profile.library_rate("convolution", torch.float16, channels) is None            # fp32 only
+
+
 def test_loop_costs_and_library_rates_round_trip_through_the_cache(tmp_path):
     profile = fake_profile(library_flops_per_s={"convolution": 2e11},
                            loop_costs_s={"random_value": 7e-9, "bool_store": 6e-9, "kernel_call": 1.3e-6})
@@ -248,7 +256,8 @@ def test_real_cpu_measurement_is_plausible_even_under_a_fake_mode(tmp_path):
     assert families["welford"][1] > 8 / profile.bandwidth_bytes_per_s
     # the probes of Inductor's loops ran in their subprocess (the fake mode does not reach it) and all measured
     assert set(profile.loop_costs_s) == set(LOOP_COST_NAMES), profile.source
-    assert set(profile.library_flops_per_s) == {"convolution", "convolution_backward"}
+    assert set(profile.library_flops_per_s) == {f"{op}@{width}" for op in ("convolution", "convolution_backward")
+                                                for width in hardware.CONV_WIDTHS}
 
 
 def test_eager_families_round_trip_through_the_cache(tmp_path):

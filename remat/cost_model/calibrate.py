@@ -12,8 +12,8 @@ meets in a step; an op looped on its own finds its inputs in cache and its
 output buffer just freed, and runs up to several times faster than in the graph
 for small ops (on two CPU cores the rank correlation with times measured in a
 real step rose from 0.93 to 0.96 for the zoo CNN). CPU calls are timed with
-``perf_counter``; CUDA calls with a pair of events each, read after the round
-synchronises. Inputs for at most ``max_live_input_bytes`` are made at a time:
+``hardware.clock_for`` (CPU time with one torch thread, else ``perf_counter``);
+CUDA calls with a pair of events each, read after the round synchronises. Inputs for at most ``max_live_input_bytes`` are made at a time:
 the nodes are timed in chunks.
 
 A node that cannot run on random inputs is skipped with the reason, and keeps
@@ -34,7 +34,6 @@ import logging
 import os
 import socket
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
@@ -42,12 +41,12 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import fx
 
-from .hardware import cache_dir, real_tensors, write_atomically
+from .hardware import cache_dir, clock_for, real_tensors, write_atomically
 from .tensors import concrete_int, is_free_op, iter_tensors, node_val
 
 log = logging.getLogger("remat.calibrate")
 
-CALIBRATION_SCHEMA = 2
+CALIBRATION_SCHEMA = 3
 MAX_LIVE_INPUT_BYTES = 1 << 30
 RECENT_PRODUCERS = 2     # inputs made by this many kernels just before an op are in cache when it runs
 
@@ -164,12 +163,13 @@ def _call_seconds(calls: list[Call], device: torch.device, held: dict[str, Any])
         torch.cuda.synchronize(device)
         return {name: start.elapsed_time(end) / 1e3 for name, start, end in events}
     seconds = {}
+    clock = clock_for(device)   # CPU time with one thread: what a neighbour's load does not inflate
     for name, call, warm in calls:
         if warm is not None:
             warm()
-        t0 = time.perf_counter()
+        t0 = clock()
         out = call()
-        seconds[name] = time.perf_counter() - t0
+        seconds[name] = clock() - t0
         held[name] = out
     return seconds
 

@@ -112,10 +112,22 @@ def _uses_tensor_cores(node: fx.Node, rule: str) -> bool:
     return torch.get_float32_matmul_precision() != "highest"
 
 
+def _conv_channels(node: fx.Node) -> int:
+    """A convolution's width: the smaller of its weight's input and output channels (0 for other ops)."""
+    name = op_name(node)
+    position = {"convolution": 1, "convolution_backward": 2}.get(name)
+    if position is None or len(node.args) <= position or not isinstance(node.args[position], fx.Node):
+        return 0
+    weight = node_val(node.args[position])
+    if not isinstance(weight, torch.Tensor) or weight.dim() < 2:
+        return 0
+    return min(concrete_int(weight.shape[0]), concrete_int(weight.shape[1]))
+
+
 def flop_rate(profile: HardwareProfile, node: fx.Node, rule: str) -> float:
     """FLOP/s for ``node``: its library kernel's measured rate where the profile has one, else the dtype's peak."""
     dtype = _compute_dtype(node)
-    library = profile.library_rate(op_name(node), dtype)
+    library = profile.library_rate(op_name(node), dtype, _conv_channels(node))
     if library is not None:
         return library
     return profile.peak_flops_per_s(dtype, tensor_cores=profile.name != "cpu" and _uses_tensor_cores(node, rule))
@@ -297,18 +309,31 @@ def annotate_costs(graph: fx.Graph, profile: HardwareProfile, *, fusion: bool = 
     return costs
 
 
-def graph_call_s(profile: HardwareProfile) -> float:
-    """What calling one compiled graph costs beyond its kernels (0 when the profile did not measure it)."""
-    return profile.loop_costs_s.get("graph_call", 0.0)
+def graph_call_s(graph: fx.Graph, profile: HardwareProfile) -> dict[str, float]:
+    """Per phase, what calling its compiled graph costs beyond its kernels (``loop_costs.py``):
+    one ``graph_call`` plus ``graph_input`` per input. The forward's inputs are the joint
+    graph's forward placeholders; the backward's are its tangents and the forward values
+    it reads (what the default partition saves). Zeros when the profile did not measure them."""
+    per_call, per_input = profile.loop_costs_s.get("graph_call", 0.0), profile.loop_costs_s.get("graph_input", 0.0)
+    phases = node_phases(graph)
+    inputs = {"forward": 0, "backward": 0}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            inputs[phases[node.name]] += 1
+        if phases[node.name] == "forward" and node.op != "output" and not is_free_op(node) \
+                and any(phases[user.name] == "backward" and user.op != "output" for user in node.users):
+            inputs["backward"] += 1   # a forward value (a parameter, an activation) the backward reads
+    return {phase: per_call + per_input * count for phase, count in inputs.items()}
 
 
-def phase_totals(graph: fx.Graph, costs: Mapping[str, NodeCost], *, per_graph_s: float = 0.0) -> dict[str, NodeCost]:
+def phase_totals(graph: fx.Graph, costs: Mapping[str, NodeCost], *,
+                 per_graph_s: Optional[Mapping[str, float]] = None) -> dict[str, NodeCost]:
     """The summed cost of the forward and of the backward part of a joint graph.
 
-    ``per_graph_s`` (``graph_call_s(profile)`` for fused costs) is added once to each
-    phase with a kernel: the forward and the backward are each one compiled graph,
-    whose call costs that much beyond its kernels. It belongs to no node (it is paid
-    once per call, never recomputed), so it is only in these totals.
+    ``per_graph_s`` (phase -> seconds; ``graph_call_s`` for fused costs) is added once
+    to each phase with a kernel: the forward and the backward are each one compiled
+    graph, whose call costs that much beyond its kernels. It belongs to no node (it is
+    paid once per call, never recomputed), so it is only in these totals.
     """
     totals = {"forward": ZERO_COST, "backward": ZERO_COST}
     has_kernel = {"forward": False, "backward": False}
@@ -316,9 +341,9 @@ def phase_totals(graph: fx.Graph, costs: Mapping[str, NodeCost], *, per_graph_s:
         if name in costs:
             totals[phase] = totals[phase] + costs[name]
             has_kernel[phase] = has_kernel[phase] or costs[name].launches > 0
-    if per_graph_s:
-        call = NodeCost(est_time_s=per_graph_s, time_source="graph call")
-        totals = {phase: total + call if has_kernel[phase] else total for phase, total in totals.items()}
+    for phase, seconds in (per_graph_s or {}).items():
+        if has_kernel[phase] and seconds:
+            totals[phase] = totals[phase] + NodeCost(est_time_s=seconds, time_source="graph call")
     return totals
 
 

@@ -6,8 +6,8 @@ than a 100 MiB one) and a per-kernel launch floor.
 
 - ``a100``, ``h100``, ``h200``: datasheet numbers (SXM, dense, no sparsity),
   labelled as such in ``source``.
-- ``cpu``: measured once on this machine (matmuls per dtype, a 3x3 convolution
-  forward and backward, copies at four working-set sizes, exp and rand for the
+- ``cpu``: measured once on this machine (matmuls per dtype, 3x3 convolutions
+  forward and backward at 16 and 128 channels, copies at four working-set sizes, exp and rand for the
   special-function and random-number rates, a tiny op for the launch floor, one
   op per family of slow eager kernels, ``eager_ops.py``, and what Inductor's
   generated loops pay beyond the roofline, ``loop_costs.py``) and cached on disk under
@@ -39,7 +39,7 @@ from .eager_ops import measure_eager_classes
 from .loop_costs import check_loop_costs, measure_loop_costs
 
 CACHE_ENV_VAR = "REMAT_CACHE_DIR"
-CACHE_SCHEMA = 6
+CACHE_SCHEMA = 9
 DATASHEET_NAMES = ("a100", "h100", "h200")
 PROFILE_NAMES = ("auto", "cpu", "cuda") + DATASHEET_NAMES
 
@@ -58,17 +58,28 @@ class HardwareProfile:
     random_values_per_s: float = 0.0          # fp32 uniform random numbers drawn per second (0: not charged)
     # (family, fixed s, s per element): eager ops that run far below the roofline (eager_ops.py); measured only
     eager_classes: tuple[tuple[str, float, float], ...] = ()
-    # library op ("convolution", "convolution_backward") -> fp32 FLOP/s its library kernel attains (measured only):
-    # oneDNN runs 3x3 convolutions with Winograd, 1.2-2x "faster" than the matmul peak in counted FLOPs
+    # library op ("convolution@16": at 16 channels) -> fp32 FLOP/s its library kernel attains (measured only):
+    # oneDNN's 3x3 convolutions run 1.2-2x "faster" than the matmul peak in counted FLOPs (Winograd-like
+    # algorithms), more so the more channels
     library_flops_per_s: Mapping[str, float] = field(default_factory=dict)
     # cost name -> seconds per element that Inductor's generated CPU loops pay beyond the roofline (loop_costs.py)
     loop_costs_s: Mapping[str, float] = field(default_factory=dict)
 
-    def library_rate(self, op: str, dtype: Optional[torch.dtype]) -> Optional[float]:
-        """The measured fp32 rate of ``op``'s library kernel, or None (then the dtype's peak applies)."""
+    def library_rate(self, op: str, dtype: Optional[torch.dtype], channels: int = 0) -> Optional[float]:
+        """The measured fp32 rate of ``op``'s library kernel, or None (then the dtype's peak applies).
+
+        Rates measured at two widths ("op@16", "op@128") are interpolated in log2(channels),
+        clamped to the two; a plain "op" rate holds at any width.
+        """
         if dtype not in (None, torch.float32):
             return None
-        return self.library_flops_per_s.get(op)
+        ends = sorted((int(key.split("@")[1]), rate) for key, rate in self.library_flops_per_s.items()
+                      if key.startswith(op + "@"))
+        if len(ends) < 2:
+            return self.library_flops_per_s.get(op)
+        (low, low_rate), (high, high_rate) = ends[0], ends[-1]
+        where = (math.log2(min(max(channels, low), high)) - math.log2(low)) / (math.log2(high) - math.log2(low))
+        return low_rate + where * (high_rate - low_rate)
 
     def loop_cost_s(self, name: str, elements: int) -> float:
         """Seconds ``elements`` elements of cost ``name`` add to a generated loop (0 when not measured)."""
@@ -139,29 +150,44 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock_for(device: torch.device) -> Callable[[], float]:
+    """CPU time for a CPU running one torch thread, else wall-clock time.
+
+    On a shared machine, a one-thread kernel's CPU time is what it costs; its wall
+    time adds whatever the neighbours took (the best of seven wall-clock samples of a
+    3x3 convolution still read 1.4x high at a load average of 4 on two cores). With
+    several threads, or on a GPU, only the wall clock measures the span.
+    """
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
 def time_call(fn: Callable[[], Any], device: torch.device, *, samples: int = 5, min_sample_s: float = 2e-3,
               max_total_s: float = 1.0, reduce: str = "median") -> float:
     """Seconds per call of ``fn``: the median (or ``reduce="min"``) of ``samples`` samples.
 
     Each sample loops ``fn`` long enough (``min_sample_s``) that clock resolution
     and one-off hiccups do not matter; the whole stays under about ``max_total_s``.
+    Times are CPU time for a one-thread CPU, else wall clock (``clock_for``).
     """
+    clock = clock_for(device)
     fn()
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
     _sync(device)
-    once = max(time.perf_counter() - t0, 1e-7)
+    once = max(clock() - t0, 1e-7)
     inner = max(1, min(int(min_sample_s / once), 10_000))
     samples = max(1, min(samples, int(max_total_s / (once * inner)) or 1))
     per_call = []
     for _ in range(samples):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             fn()
         _sync(device)
-        per_call.append((time.perf_counter() - t0) / inner)
+        per_call.append((clock() - t0) / inner)
     return min(per_call) if reduce == "min" else statistics.median(per_call)
 
 
@@ -213,27 +239,38 @@ def _measure_once(device: torch.device) -> HardwareProfile:
     )
 
 
-# A 3x3 convolution between the sizes small CNNs use: 64 -> 64 channels, 16 x 16 pixels, batch 8.
-_CONV_SHAPE = (8, 64, 16, 16)
+# 3x3 convolutions at the two ends of a small CNN's widths, with working sets of 0.25-0.5 MiB:
+# oneDNN's efficiency grows with the channel count (a GEMM with 16 output columns blocks poorly)
+CONV_WIDTHS = (16, 128)
+_CONV_PIXELS = {16: 32, 128: 8}   # height = width of the image at that channel count, batch 8
 
 
 def _measure_convolution(device: torch.device, best: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
-    """FLOP/s of a 3x3 fp32 convolution's forward and backward, in FlopCounterMode's count."""
+    """FLOP/s (FlopCounterMode's count) of a 3x3 fp32 convolution's forward and backward at each of
+    ``CONV_WIDTHS`` channels, keyed "convolution@16", "convolution_backward@128", ..."""
     aten = torch.ops.aten
-    batch, channels, height, width = _CONV_SHAPE
-    x = torch.randn(batch, channels, height, width, device=device)
-    weight = torch.randn(channels, channels, 3, 3, device=device)
-    bias = torch.randn(channels, device=device)
-    grad = torch.randn(batch, channels, height, width, device=device)
-    forward_flops = 2 * batch * channels * height * width * channels * 9
-    try:
-        forward_s = best(lambda: aten.convolution.default(x, weight, bias, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))
-        backward_s = best(lambda: aten.convolution_backward.default(
-            grad, x, weight, [channels], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]))
-    except RuntimeError:   # no convolution kernel on this device: the peak applies
-        return {}
-    # the backward counts twice the forward: the input's and the weight's gradients (FlopCounterMode)
-    return {"convolution": forward_flops / forward_s, "convolution_backward": 2 * forward_flops / backward_s}
+    rates: dict[str, float] = {}
+    for channels in CONV_WIDTHS:
+        batch, pixels = 8, _CONV_PIXELS[channels]
+        # channels-last, as Inductor lays out a CPU convolution's tensors (its layout optimisation);
+        # contiguous NCHW at 16 channels ran 1.5-3x slower, and erratically
+        last = torch.channels_last
+        x = torch.randn(batch, channels, pixels, pixels, device=device).to(memory_format=last)
+        weight = torch.randn(channels, channels, 3, 3, device=device).to(memory_format=last)
+        bias = torch.randn(channels, device=device)
+        grad = torch.randn(batch, channels, pixels, pixels, device=device).to(memory_format=last)
+        forward_flops = 2 * batch * channels * pixels * pixels * channels * 9
+        try:
+            forward_s = best(lambda: aten.convolution.default(
+                x, weight, bias, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))
+            backward_s = best(lambda: aten.convolution_backward.default(
+                grad, x, weight, [channels], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]))
+        except RuntimeError:   # no convolution kernel on this device: the peak applies
+            return {}
+        # the backward counts twice the forward: the input's and the weight's gradients (FlopCounterMode)
+        rates[f"convolution@{channels}"] = forward_flops / forward_s
+        rates[f"convolution_backward@{channels}"] = 2 * forward_flops / backward_s
+    return rates
 
 
 def _faster_of(a: HardwareProfile, b: HardwareProfile) -> HardwareProfile:
@@ -469,6 +506,6 @@ def get_profile(name: str = "auto", device: Optional[Union[str, torch.device]] =
 
 __all__ = [
     "CACHE_ENV_VAR", "DATASHEET_PROFILES", "PROFILE_NAMES", "HardwareProfile", "cache_dir", "check_plausible",
-    "cpu_profile", "datasheet_name_for", "get_profile", "measured_profile", "profile_from_json",
+    "clock_for", "cpu_profile", "datasheet_name_for", "get_profile", "measured_profile", "profile_from_json",
     "profile_to_json", "time_call",
 ]

@@ -26,8 +26,12 @@ Calls cost too. ``kernel_call``: each kernel of a compiled graph is a line of
 Inductor's Python wrapper (allocate the outputs, call through pybind, free
 inputs): ~10 us, where the roofline's launch floor (an eager add on 4 elements)
 is ~2 us. ``graph_call``: calling a compiled training graph (guards, the
-autograd function, saving for backward) once: ~50-100 us. Both measured on a
-chain of tiny matmuls and sines (all overhead), with 1 and with 9 blocks.
+autograd function, saving for backward) once: ~30 us. Both measured on a chain
+of tiny matmuls and sines (all overhead), with 1 and with 9 blocks.
+``graph_input``: what each input adds to a graph's call (a module's parameter
+is guarded by Dynamo and passed through AOTAutograd's and Inductor's wrappers):
+measured on a module with 1 and with 33 parameters, ~5-10 us each; the zoo
+CNN's 27-input forward pays ~0.3 ms before its first kernel.
 
 GPT's compiled forward spends most of its loop time on the first three (dropout
 masks are drawn, stored as bools and read back in the backward); the CNN's on
@@ -50,7 +54,7 @@ from typing import Mapping
 log = logging.getLogger("remat.loop_costs")
 
 ELEMENT_COSTS = ("random_value", "bool_store", "bool_load", "welford_long")   # seconds per element
-CALL_COSTS = ("kernel_call", "graph_call")                                      # seconds per call
+CALL_COSTS = ("kernel_call", "graph_call", "graph_input")                       # seconds per call (or input)
 LOOP_COST_NAMES = ELEMENT_COSTS + CALL_COSTS
 LONG_REDUCTION = 1024        # elements per output from which a Welford chain no longer overlaps the next
 PROBE_TIMEOUT_S = 600.0
@@ -103,11 +107,23 @@ def chain(blocks):
         return x
     return compiled(f)
 
-try:   # a training forward on 8 x 8 tensors: all call overhead (wrapper, allocation, saving for backward)
+class Summed(torch.nn.Module):
+    def __init__(self, parameters):
+        super().__init__()
+        self.ws = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(8, 8)) for _ in range(parameters))
+
+    def forward(self, x):
+        for w in self.ws:
+            x = x + w                      # one generated loop, whatever the number of inputs
+        return x.sin()
+
+try:   # training forwards on 8 x 8 tensors: all call overhead (guards, wrapper, allocation, saving for backward)
     x8, w8 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
     one, nine = best_s(chain(1), x8, w8), best_s(chain(9), x8, w8)
     out["kernel_call"] = max(nine - one, 0.0) / 16
     out["graph_call"] = max(one - 2 * out["kernel_call"], 0.0)
+    few, many = (best_s(torch.compile(Summed(p), dynamic=False, fullgraph=True), x8) for p in (1, 33))
+    out["graph_input"] = max(many - few, 0.0) / 32   # a module's parameter: a guard, a wrapper argument
 except Exception as error:
     out["error:kernel_call"] = type(error).__name__ + ": " + str(error).splitlines()[0][:200] if str(error) else ""
 for name, (paying, plain, args, n) in probes.items():
