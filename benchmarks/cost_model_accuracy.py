@@ -202,22 +202,30 @@ def time_in_context(gm: fx.GraphModule, args: Sequence[Any], device: torch.devic
     return {name: statistics.median(v) for name, v in samples.items()}, statistics.median(runs), repeatability
 
 
-def phase_times(step: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> dict[str, float]:
-    """Median forward and backward seconds of ``step`` (returns the loss; backward timed separately)."""
-    forward, backward = [], []
+def phase_times(step: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> dict[str, Any]:
+    """Median forward and backward wall-clock seconds of ``step`` (returns the loss; backward timed
+    separately). On a CPU running one torch thread, also the CPU time of each phase (median and best):
+    what the step itself costs, without the time a neighbour's load takes from it."""
+    forward, backward, cpu_forward, cpu_backward = [], [], [], []
     for i in range(repeats + 2):
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         loss = step()
         sync(device)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         loss.backward()
         sync(device)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         if i >= 2:
             forward.append(t1 - t0)
             backward.append(t2 - t1)
-    return {"forward": statistics.median(forward), "backward": statistics.median(backward)}
+            cpu_forward.append(c1 - c0)
+            cpu_backward.append(c2 - c1)
+    result: dict[str, Any] = {"forward": statistics.median(forward), "backward": statistics.median(backward)}
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        result["cpu_time_s"] = {"forward": statistics.median(cpu_forward), "backward": statistics.median(cpu_backward),
+                                "forward_best": min(cpu_forward), "backward_best": min(cpu_backward)}
+    return result
 
 
 _KERNEL_CALL = re.compile(
@@ -334,7 +342,8 @@ def per_node_metrics(graph: fx.Graph, nodes: list[str], in_context: dict[str, fl
 
 
 def phase_sums(graph: fx.Graph, roofline: dict, calibrated: dict, calibrated_s: dict[str, float],
-               in_context: dict[str, float], per_graph_s: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+               in_context: dict[str, float],
+               per_graph_s: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """Per phase, the summed estimates (op alone and fused) and the summed in-context times.
 
     The fused sums are ``phase_totals``: the nodes' ``est_time_s`` plus the call of each
@@ -380,6 +389,12 @@ def whole_graph_totals(name: str, make_model: Callable[[], tuple], sums: dict, d
                 "roofline_fused": relative_error(sums[phase]["roofline_fused_s"], inductor[phase]),
                 "calibrated_fused": relative_error(sums[phase]["calibrated_fused_s"], inductor[phase]),
             }
+            if "cpu_time_s" in inductor:
+                cpu = inductor["cpu_time_s"][phase]
+                totals[f"{phase}_vs_inductor_cpu_time"] = {
+                    "roofline_fused": relative_error(sums[phase]["roofline_fused_s"], cpu),
+                    "calibrated_fused": relative_error(sums[phase]["calibrated_fused_s"], cpu),
+                }
     return totals
 
 
@@ -547,6 +562,22 @@ def _totals_section(models: list[dict[str, Any]]) -> list[str]:
                         if ind else "- | - | - |")
             lines.append(f"| {r['model']} | {phase} | {1e3 * t['eager_s'][phase]:.2f} ms | "
                          f"{pct(ve['roofline_unfused'])} | {pct(ve['calibrated_unfused'])} | " + compiled)
+    cpu_rows = [(r, phase) for r in models for phase in ("forward", "backward")
+                if f"{phase}_vs_inductor_cpu_time" in r["totals"]]
+    if cpu_rows:
+        lines += [
+            "",
+            "The same Inductor steps in CPU time (one torch thread: the CPU time is the step's own; the wall "
+            "clock adds whatever neighbours took on a shared machine, though their cache and core sharing "
+            "still slow it). Median of the steps; best in brackets.",
+            "",
+            "| model | phase | Inductor CPU time | roofline (fused) | calibrated (fused) |",
+            "|---|---|---|---|---|",
+        ]
+        for r, phase in cpu_rows:
+            cpu, vs = r["totals"]["inductor_s"]["cpu_time_s"], r["totals"][f"{phase}_vs_inductor_cpu_time"]
+            lines.append(f"| {r['model']} | {phase} | {1e3 * cpu[phase]:.2f} ms ({1e3 * cpu[phase + '_best']:.2f}) | "
+                         f"{pct(vs['roofline_fused'])} | {pct(vs['calibrated_fused'])} |")
     return lines
 
 

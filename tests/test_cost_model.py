@@ -23,6 +23,7 @@ from remat.cost_model.costs import (
     COST_KEY,
     NodeCost,
     annotate_costs,
+    epilogue_reread_bytes,
     estimate_node_cost,
     graph_call_s,
     phase_totals,
@@ -244,6 +245,31 @@ def test_long_welford_reductions_pay_per_element(shape, dim, charged):
     graph = trace(lambda x: torch.var_mean(x, dim=dim, correction=0), m(*shape))
     costs = annotate_costs(graph, LOOPY)
     assert costs[the_node(graph, "var_mean").name].loop_extra_s == pytest.approx(charged * 2e-10)
+
+
+def test_a_reduction_and_its_epilogue_read_their_full_size_inputs_twice():
+    """Batch norm's backward, in small: a column sum, then every element from it. Inductor runs two
+    loop nests; the second reloads g and x."""
+    graph = trace(lambda g, x: g - x * (g * x).sum(0, keepdim=True), m(N, N), m(N, N))
+    groups = find_fusion_groups(graph)
+    assert len(groups.members) == 1
+    rereads = epilogue_reread_bytes(graph, groups)
+    assert list(rereads.values()) == [2 * MiB]                       # g and x, once more
+    costs = annotate_costs(graph, ROUND)
+    assert sum(c.fused_bytes_read for c in costs.values()) == 4 * MiB   # 2 MiB in each pass
+    # a row reduction whose epilogue reads only the reduced values reloads nothing
+    plain = trace(lambda x: x.sum(1, keepdim=True) * 2.0, m(N, N))
+    assert epilogue_reread_bytes(plain, find_fusion_groups(plain)) == {}
+
+
+def test_on_a_cpu_a_generated_loops_compute_and_memory_time_add_up():
+    graph = trace(lambda x: x.relu() * 3.0, m(N, N))
+    elsewhere = annotate_costs(graph, ROUND)
+    on_cpu = annotate_costs(graph, HardwareProfile(name="cpu", flops_per_s={"float32": 1e12},
+                                                   bandwidth_bytes_per_s=1e11, kernel_launch_s=1e-6, source="test"))
+    compute, memory = 2 * N * N / 1e12, 2 * MiB / 1e11
+    assert sum(c.est_time_s for c in elsewhere.values()) == pytest.approx(max(compute, memory) + 1e-6)
+    assert sum(c.est_time_s for c in on_cpu.values()) == pytest.approx(compute + memory + 1e-6)
 
 
 def test_convolution_runs_at_its_librarys_measured_rate():
