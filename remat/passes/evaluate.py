@@ -1,7 +1,8 @@
 """The ground truth every solver answers to: close a saved set into a partition and simulate it.
 
-``evaluate(facts, chosen_saved)`` runs ``schedule.partition_nodes``, ``memory_steps``
-and ``recompute_time_s`` and the memory simulator; a solver compares plans only by
+``evaluate(facts, chosen_saved)`` runs ``schedule.partition_nodes`` and
+``schedule.simulate_partition`` (the backward order, the simulator's steps and their
+simulation) and charges the recompute time of that order; a solver compares plans only by
 what it returns, so a change to the schedule (how regions are placed, how often a
 value is recomputed) changes what the solvers optimise, not their correctness.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AbstractSet
 
-from ..cost_model.memory import MemorySimulation, Step, simulate_memory
+from ..cost_model.memory import MemorySimulation, Step
 from . import schedule
 from .joint_graph import JointGraphFacts
 from .schedule import Partition
@@ -36,7 +37,7 @@ class Evaluated:
 def evaluate(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Evaluated:
     """Partition, steps, simulated peak and estimated recompute time of saving ``chosen_saved``."""
     partition = schedule.partition_nodes(facts, chosen_saved)
-    steps, pinned = schedule.memory_steps(facts, partition)
-    extra = schedule.recompute_time_s(facts, partition)
-    return Evaluated(frozenset(chosen_saved), partition, simulate_memory(steps, pinned), extra, tuple(steps),
-                     frozenset(pinned))
+    run = schedule.simulate_partition(facts, partition)
+    extra = schedule.recompute_time_of(facts, run.order)
+    return Evaluated(frozenset(chosen_saved), partition, run.simulation, extra, tuple(run.steps),
+                     frozenset(run.pinned))

@@ -17,7 +17,7 @@ import weakref
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable, Mapping
 
-from ..cost_model.memory import Step
+from ..cost_model.memory import MemorySimulation, Step, simulate_memory
 from .joint_graph import JointGraphFacts
 from ..cost_model.kernel_schedule import EXTERN, SCATTER
 from .kernel_steps import RECOMPUTE_SUFFIX, kernel_kinds, kernel_steps
@@ -314,6 +314,55 @@ _REBUILD: dict[int, tuple[weakref.ref, dict[tuple[frozenset[str], frozenset[str]
 _REBUILD_ENTRIES = 4096
 
 
+def _rebuild_memo(facts: JointGraphFacts) -> dict[tuple[frozenset[str], frozenset[str]], bool]:
+    entry = _REBUILD.get(id(facts))
+    if entry is None or entry[0]() is not facts:
+        for key in [k for k, (ref, _) in _REBUILD.items() if ref() is None]:
+            del _REBUILD[key]
+        entry = (weakref.ref(facts), {})
+        _REBUILD[id(facts)] = entry
+    return entry[1]
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """A partition's backward schedule, the simulator's steps for it, and their simulation."""
+
+    order: list[Scheduled]          # backward_order(facts, partition)
+    steps: list[Step]
+    pinned: set[str]
+    simulation: MemorySimulation
+
+
+def simulate_partition(facts: JointGraphFacts, partition: Partition) -> Simulated:
+    """``backward_order``, ``memory_steps`` and their simulation for ``partition``, with the
+    rebuild decision (``rebuilds_intermediates``) made on the way when it is not known yet.
+
+    Exactly what calling those three gives, with less work: the steps of the schedule chosen
+    are the ones the decision simulated (not built and simulated again), and when rebuilding
+    changes nothing (no recompute chain has an intermediate to close) the two schedules are
+    equal, so one simulation decides (holding, as a tie always has).
+    """
+    known = _rebuild_memo(facts)
+    key = (partition.saved, partition.recomputed)
+    fw_order = forward_order(facts, partition)
+    if key in known:
+        order = backward_order(facts, partition, known[key])
+        steps, pinned = kernel_steps(facts, partition, fw_order, order)
+        return Simulated(order, steps, pinned, simulate_memory(steps, pinned))
+    held = backward_order(facts, partition, False)
+    rebuilt = backward_order(facts, partition, True)
+    runs = []
+    for order in ((held,) if rebuilt == held else (held, rebuilt)):
+        steps, pinned = kernel_steps(facts, partition, fw_order, order)
+        runs.append(Simulated(order, steps, pinned, simulate_memory(steps, pinned)))
+    rebuild = len(runs) == 2 and runs[1].simulation.peak_bytes < runs[0].simulation.peak_bytes
+    if len(known) >= _REBUILD_ENTRIES:
+        known.clear()
+    known[key] = rebuild
+    return runs[1] if rebuild else runs[0]
+
+
 def rebuilds_intermediates(facts: JointGraphFacts, partition: Partition) -> bool:
     """Whether this partition's backward rebuilds recompute-chain intermediates per use.
 
@@ -323,24 +372,16 @@ def rebuilds_intermediates(facts: JointGraphFacts, partition: Partition) -> bool
     not lower the peak. Decided once per (graph, partition) and remembered, so the
     simulator, the time estimate and the rewrite all see the same schedule.
     """
-    from ..cost_model.memory import simulate_memory
-
-    entry = _REBUILD.get(id(facts))
-    if entry is None or entry[0]() is not facts:
-        for key in [k for k, (ref, _) in _REBUILD.items() if ref() is None]:
-            del _REBUILD[key]
-        entry = (weakref.ref(facts), {})
-        _REBUILD[id(facts)] = entry
-    known = entry[1]
+    known = _rebuild_memo(facts)
     key = (partition.saved, partition.recomputed)
     if key not in known:
-        fw_order = forward_order(facts, partition)
-        peaks = [simulate_memory(*kernel_steps(facts, partition, fw_order, backward_order(facts, partition, r))).peak_bytes
-                 for r in (False, True)]
-        if len(known) >= _REBUILD_ENTRIES:
-            known.clear()
-        known[key] = peaks[1] < peaks[0]
+        simulate_partition(facts, partition)
     return known[key]
+
+
+def recompute_time_of(facts: JointGraphFacts, order: list[Scheduled]) -> float:
+    """Estimated recompute time of a backward schedule: every instance its regions run."""
+    return sum(facts.nodes[s.name].cost.est_time_s for s in order if s.region >= 0)
 
 
 def recompute_time_s(facts: JointGraphFacts, partition: Partition) -> float:
@@ -350,7 +391,7 @@ def recompute_time_s(facts: JointGraphFacts, partition: Partition) -> float:
     (``backward_order``): the solvers read their extra time from here and nowhere
     else, so a value recomputed twice is charged twice.
     """
-    return sum(facts.nodes[s.name].cost.est_time_s for s in backward_order(facts, partition) if s.region >= 0)
+    return recompute_time_of(facts, backward_order(facts, partition))
 
 
 def memory_steps(facts: JointGraphFacts, partition: Partition) -> tuple[list[Step], set[str]]:
