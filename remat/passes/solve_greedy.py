@@ -20,7 +20,8 @@ From each start it works in rounds, each ending in one simulation
    timeline leaves room (most time saved per byte first), a batch per
    simulation, halved when the simulation says it does not fit. A batch is kept
    only when it fits and lowers the extra time.
-3. Local search (``solve_local.py``), on small graphs only.
+3. Local search (``solve_local.py``), on small graphs only, once, from the least-time plan
+   the starts gave.
 
 Infeasible targets: ``smallest_peak`` descends from saving everything and from
 each of ``starts`` towards a peak 1/16 lower each round, independent of any
@@ -231,11 +232,13 @@ def _cheapest_cover(priced: list[tuple[float, int, int]], need: int) -> list[int
     return best[1]
 
 
-def _descent_round(g: _Graph, current: Evaluated, target_bytes: int) -> frozenset[str]:
-    """The drops one round applies (see the module docstring); empty when none spans an excess step."""
+def _descent_round(g: _Graph, current: Evaluated, target_bytes: int,
+                   keep: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The drops one round applies (see the module docstring), none of them in ``keep``;
+    empty when none spans an excess step."""
     timeline = current.simulation.timeline_bytes
     left = {i: live - target_bytes for i, live in enumerate(timeline) if live > target_bytes}
-    options = _drop_options(g, current)
+    options = [o for o in _drop_options(g, current) if not keep.intersection(o.members)]
     saved = set(current.partition.saved)
     recomputed = set(current.partition.recomputed)
     picked: list[int] = []
@@ -412,12 +415,11 @@ def smallest_peak(g: _Graph, starts: tuple[Evaluated, ...]) -> Evaluated:
 
 
 def _from(g: _Graph, start: Evaluated, target_bytes: int) -> tuple[Optional[Evaluated], tuple[str, ...]]:
-    """Descent then polish and local search from ``start``; None when the descent gets stuck."""
+    """Descent then polish from ``start``; None when the descent gets stuck."""
     current, dropped, _ = _descend(g, start, target_bytes)
     if current.peak_bytes > target_bytes:
         return None, tuple(dropped)
     current = _polish(g, current, target_bytes)
-    current = local_search(g, current, target_bytes)
     return current, tuple(d for d in dropped if d not in current.chosen)
 
 
@@ -458,9 +460,15 @@ def solve_greedy(facts: JointGraphFacts, target_bytes: int, starts: tuple[Evalua
         if fallback.peak_bytes > target_bytes:
             return GreedyResult(None, (), g.evaluations, fallback)
         dropped = tuple(sorted(g.save_all() - fallback.chosen, key=g.position.__getitem__))
-        plan = local_search(g, _polish(g, fallback, target_bytes), target_bytes)
+        # smallest_peak spent its own local-search budget on the least peak; the least time
+        # under this target is another search, with a budget of its own
+        g.local_steps_left = LOCAL_SEARCH_STEPS
+        plan = _polish(g, fallback, target_bytes)
         found.append((plan.extra_time_s, plan.peak_bytes, 0, plan, dropped))
     _, _, _, plan, dropped = min(found, key=lambda f: f[:3])
+    # one local search, from the best start's plan, with the whole budget: the starts' plans
+    # tend to one neighbourhood, and searching each split the budget between near-copies
+    plan = local_search(g, plan, target_bytes)
     return GreedyResult(plan, tuple(d for d in dropped if d not in plan.chosen), g.evaluations, fallback)
 
 
