@@ -192,3 +192,19 @@ def test_inputs_beyond_the_live_byte_cap_are_timed_in_chunks(monkeypatch):
     assert not skipped and set(times) == kernel_names(graph)
     assert all(len(set(chunk)) == 1 for chunk in chunks)          # one node per chunk at a 1-byte cap
     assert len(chunks) == 2 * len(kernel_names(graph))            # two rounds each
+
+
+def test_cpu_convolutions_are_timed_channels_last_as_inductor_lays_them_out():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from remat.cost_model.calibrate import _real_args
+
+    graph = make_fx(lambda x, w: torch.nn.functional.conv2d(x, w, padding=1) + 1,
+                    tracing_mode="fake")(torch.randn(2, 16, 8, 8), torch.randn(16, 16, 3, 3)).graph
+    conv = next(n for n in graph.nodes if n.target is torch.ops.aten.convolution.default)
+    add = next(n for n in graph.nodes if n.target is torch.ops.aten.add.Tensor)
+    args, _ = _real_args(conv, torch.device("cpu"))
+    if torch.backends.mkldnn.is_available():
+        assert args[0].is_contiguous(memory_format=torch.channels_last) and args[0].shape == (2, 16, 8, 8)
+        assert args[1].is_contiguous(memory_format=torch.channels_last)
+    assert _real_args(add, torch.device("cpu"))[0][0].is_contiguous()   # other ops keep the traced layout
