@@ -275,13 +275,23 @@ def spawn(mode: str, out: Path, worker_args: list[str]) -> list[dict[str, Any]]:
     return [json.loads((out / f"{mode}_rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
 
 
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def _mb(num_bytes: float) -> str:
     return f"{num_bytes / 1e6:.2f}"
 
 
 def to_markdown(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
     lines = ["# remat under DDP and FSDP2: per-rank budgets (CPU, gloo, 2 ranks)", "",
-             f"`{meta['command']}` · torch {meta['torch']} · {meta['machine']} · load before/after "
+             f"`{meta['command']}` · commit {meta['commit']}"
+             + (" with uncommitted changes to " + ", ".join(line.split()[-1] for line in meta["modified"].splitlines())
+                if meta["modified"] else "")
+             + f" · torch {meta['torch']} · {meta['machine']} · load before/after "
              f"{meta['load_before']} / {meta['load_after']} · {meta['wall_s']:.0f} s", "",
              "Zoo GPT, 2 layers, batch 4 per rank. Peaks are per rank, above what was resident when the step began "
              "(DESIGN.md's CPU method), of the third training step. Fractions are of the larger rank's plain "
@@ -303,6 +313,19 @@ def to_markdown(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) 
                     run = measured = predicted = headroom = "infeasible"
                 lines.append(f"| {mode} | {r['rank']} | {_mb(r['plain_peak_bytes'])} | {row['fraction']:.0%} | {named} | "
                              f"{run} | {headroom} | {measured} | {predicted} |")
+    lines += ["", "## How each graph's share was set (rank 0; remat/distributed.py)", "",
+              "| mode | budget MB | graph | step target MB | held before MB | outside MB | later runs / reserve MB | "
+              "planning target MB | predicted peak MB | saved MB |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode, ranks in results.items():
+        for row in ranks[0]["rows"]:
+            for g in row.get("graphs", []):
+                sh = g["share"] or {}
+                later = (f"{_mb(sh.get('later_run_bytes', 0))} + {sh.get('rs_buffers', 0)} x {_mb(sh.get('rs_buffer_bytes', 0))}"
+                         f", prefetch {_mb(sh.get('prefetch_bytes', 0))}" if sh.get("kind") == "fsdp2"
+                         else _mb(sh.get("reserved_later_bytes", 0)))
+                lines.append(f"| {mode} | {row['budget_gb'] * 1e3:.3f} | {g['graph_id']} | {_mb(sh.get('step_target_bytes', 0))} | "
+                             f"{_mb(sh.get('held_before_bytes', 0))} | {_mb(sh.get('outside_bytes', 0))} | {later} | "
+                             f"{_mb(g['target_bytes'])} | {_mb(g['predicted_peak_bytes'])} | {_mb(g['saved_bytes'])} |")
     for mode, ranks in results.items():
         for r in ranks:
             for label, detail in [("plain Inductor", r["plain_detail"])] + [
@@ -310,7 +333,7 @@ def to_markdown(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) 
                 if not detail:
                     continue
                 lines += ["", f"## {mode} rank {r['rank']}, {label}: live at the peak ({_mb(detail['peak_bytes'])} MB)", ""]
-                lines += [f"- {_mb(size)} MB: `{scope}`" for scope, size in detail["live_at_peak"].items()]
+                lines += [f"- {_mb(size)} MB: `{scope}`" for scope, size in detail["live_at_peak"].items() if size >= 10_000]
     return "\n".join(lines) + "\n"
 
 
@@ -334,6 +357,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     load_before, start = os.getloadavg(), time.perf_counter()
     results = {mode: spawn(mode, work, worker_args) for mode in args.modes}
     meta = {"command": "python benchmarks/distributed_budget.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "commit": _git("rev-parse", "--short", "HEAD"), "modified": _git("status", "--short", "--untracked-files=no"),
             "torch": torch.__version__, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
             "load_before": " ".join(f"{x:.2f}" for x in load_before),
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "wall_s": time.perf_counter() - start}

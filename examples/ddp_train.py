@@ -1,6 +1,6 @@
 """Train the zoo's small GPT with DistributedDataParallel under a per-rank memory budget.
 
-    torchrun --nproc_per_node 2 examples/ddp_train.py --budget-gb 0.065 --steps 4
+    torchrun --nproc_per_node 2 examples/ddp_train.py --budget-gb 0.045 --steps 4
 
 Each rank wraps the GPT in DDP (small buckets, so Dynamo's DDP optimizer splits the step
 into pieces), compiles it with ``remat.backend(budget_gb=...)`` and trains a few steps on its
@@ -81,10 +81,12 @@ def train(backend: Any, args: argparse.Namespace, device: torch.device, rank: in
     return {"losses": losses, "measured_peak_bytes": measured, "compile_s": compile_s}
 
 
-def report(rank: int, backend: remat.RematBackend, ours: dict[str, Any], base: Optional[dict[str, Any]]) -> str:
-    lines = [f"[rank {rank}] budget:         {fmt(backend.options.budget_bytes)} per rank"
-             + (f", step target {fmt(backend.options.planning_target_bytes())} (less {backend.options.headroom_fraction:.0%} headroom)"
-                if backend.options.budget_bytes else "")]
+def report(rank: int, backend: remat.RematBackend, ours: dict[str, Any], base: Optional[dict[str, Any]],
+           device: torch.device) -> str:
+    options = backend.options
+    lines = [f"[rank {rank}] budget:         {fmt(options.budget_bytes)} per rank"
+             + (f", step target {fmt(options.planning_target_bytes(device.type))} "
+                f"(less {options.headroom_for(device.type):.0%} headroom)" if options.budget_bytes else "")]
     for graph in backend.compiled_graphs:
         share = graph.distributed.share if graph.distributed else None
         where = f"piece {share.index + 1}/{share.count}" if share and share.kind == "ddp" else "graph"
@@ -109,13 +111,15 @@ def report(rank: int, backend: remat.RematBackend, ours: dict[str, Any], base: O
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget-gb", type=parse_budget, default=0.065,
+    parser.add_argument("--budget-gb", type=parse_budget, default=0.045,
                         help="per-rank peak above the resident baseline, in GB (1 GB = 1e9 bytes); 'none' or 'auto'")
     parser.add_argument("--steps", type=int, default=4, help="training steps per backend; the last is measured (default 4)")
     parser.add_argument("--batch", type=int, default=8, help="batch per rank (default 8)")
     parser.add_argument("--bucket-cap-mb", type=float, default=1.0,
                         help="DDP bucket size in MiB; smaller buckets split the step into more pieces (default 1, the smallest "
                              "Dynamo's DDP optimizer accepts)")
+    parser.add_argument("--headroom-fraction", type=float, default=None,
+                        help="the share of the budget the plans leave unplanned (default: remat's)")
     parser.add_argument("--dump-dir", default="remat_dump_ddp", help="rank r writes its dump to DUMP_DIR/rank<r>")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain Inductor run")
@@ -132,7 +136,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.cuda.set_device(device)
     try:
         try:
-            backend = remat.backend(args.budget_gb, dump_dir=str(Path(args.dump_dir) / f"rank{rank}"))
+            extra = {} if args.headroom_fraction is None else {"headroom_fraction": args.headroom_fraction}
+            backend = remat.backend(args.budget_gb, dump_dir=str(Path(args.dump_dir) / f"rank{rank}"), **extra)
         except (ValueError, TypeError) as error:
             parser.error(str(error))
         if rank == 0:
@@ -146,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[rank {rank}] remat: {error}", file=sys.stderr)
             return 2
         base = None if args.no_baseline else train("inductor", args, device, rank)
-        text = report(rank, backend, ours, base)
+        text = report(rank, backend, ours, base, device)
         for r in range(world):  # one rank at a time, so the lines do not interleave
             if r == rank:
                 print("\n" + text, flush=True)

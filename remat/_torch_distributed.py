@@ -49,6 +49,7 @@ class DDPPieces:
     count: int                         # how many pieces the graph was split into
     split_id: int                      # identity of the split graph: pieces of one step share it
     forward_bytes: tuple[int, ...]     # per piece: bytes of the tensors its forward computes (Dynamo's meta)
+    output_bytes: int = 0              # bytes of the tensors the last piece returns: the step's outputs (a bound)
 
 
 def _forward_tensor_bytes(gm: fx.GraphModule) -> int:
@@ -65,6 +66,25 @@ def _forward_tensor_bytes(gm: fx.GraphModule) -> int:
                     total += int(v.numel()) * v.element_size()
                 except (TypeError, RuntimeError):  # a symbolic size without a hint
                     pass
+    return total
+
+
+def _output_tensor_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the tensors a Dynamo-level graph returns (each storage's owner once)."""
+    output = next((n for n in gm.graph.nodes if n.op == "output"), None)
+    if output is None:
+        return 0
+    seen, total = set(), 0
+    nodes: list[fx.Node] = []
+    fx.node.map_arg(output.args, nodes.append)
+    for node in nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and node.name not in seen:
+            seen.add(node.name)
+            try:
+                total += int(value.numel()) * value.element_size()
+            except (TypeError, RuntimeError):  # a symbolic size without a hint
+                pass
     return total
 
 
@@ -91,7 +111,10 @@ def ddp_pieces() -> Optional[DDPPieces]:
         if index is None:
             return None
         sizes = tuple(_forward_tensor_bytes(mod) if isinstance(mod, fx.GraphModule) else 0 for _, mod in ordered)
-        return DDPPieces(index=index, count=len(ordered), split_id=id(compiler.module), forward_bytes=sizes)
+        last = ordered[-1][1] if ordered else None
+        outputs = _output_tensor_bytes(last) if isinstance(last, fx.GraphModule) else 0
+        return DDPPieces(index=index, count=len(ordered), split_id=id(compiler.module), forward_bytes=sizes,
+                         output_bytes=outputs)
     return None
 
 

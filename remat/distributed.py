@@ -45,11 +45,17 @@ buffer until the next reduce-scatter), and FSDP2 prefetches the unit before it, 
 ``max_k (k*h + a + p + L(r-1-k) + U_k) <= room`` (``GraphShare.runs_peak_bytes``). Its safe
 target bounds ``h`` by ``a + p``.
 
-Proportional shares reserve for later pieces what they would get of the whole step, far
-more than they need once they recompute, so ``distributed_fit.calibrate_reserve`` caps the reserve at an
-estimate: this piece's smallest peak over its need, times the later pieces' needs (an
-estimate, not a bound: a later piece that shrinks less can find too little room, and then
-names the budget it needs).
+Proportional shares misjudge what later pieces need once they recompute: far more than it
+for most, too little for a piece whose floor is high (the one holding the head's logits),
+and then earlier pieces plan fast, hold much, and leave it too little, at every budget. So
+``distributed_fit.calibrate_reserve`` replaces the reserve with an estimate of the later
+pieces' smallest demand, scaled from this piece's smallest-peak plan: its peak (plus
+inputs) and what it holds, each over its need, times the later pieces' needs; the demand
+of later piece m is its estimated peak next to what the pieces between hold. What is left
+once that and this piece's own floor are met is split between this piece and the later ones
+by need, so a misjudged later piece gets more room as the budget grows. An estimate, not a
+bound: a later piece that shrinks less than this one can find too little room, and then
+names the budget it needs (a budget some pieces past it may still find short).
 
 That ``target_k`` is safe but tight: it charges the later pieces' reserve against piece k's
 whole peak, when only what k holds coexists with them. So ``distributed_fit.fit_plan`` first plans under
@@ -64,10 +70,11 @@ after it is planned (``Plan.saved_bytes`` counts each saved view's storage once 
 an over-count where a plan saves several views of one tensor, exact on the tight plans that
 matter here). Later pieces' needs are a proxy (forward tensor bytes), so the reserve can be
 more or less than they need. Memory the step allocates in eager code outside the graphs is
-not in the ledger and must fit in the headroom: the loss (cross-entropy's log-softmax and its
-two gradients, about three logits' bytes at the start of the backward, next to everything
-the pieces hold) and, under FSDP2 on torch 2.13, the root's own forward, which runs eagerly
-(the embedding, the final norm and the head).
+not in the ledger, except the loss of a DDP step: an eager loss on the outputs holds about
+three outputs' bytes at the start of the backward next to everything the pieces hold
+(``LOSS_OUTPUT_COPIES``; the last piece is admitted only if what all pieces hold leaves room
+for it). The rest must fit in the headroom: a loss that holds more, and under FSDP2 on torch
+2.13 the root's own forward, which runs eagerly (the embedding, the final norm, the head, the loss).
 """
 
 from __future__ import annotations
@@ -81,6 +88,13 @@ if TYPE_CHECKING:
 
 from .errors import BudgetInfeasibleError
 from .units import format_bytes
+
+
+# An eager loss on the step's outputs (cross-entropy on logits: measured on the zoo GPT under
+# DDP) holds, when the backward starts, its log-softmax of the outputs, the gradient of that,
+# and the outputs' gradient it hands the last piece: three tensors the size of the outputs,
+# next to everything the pieces hold. remat never sees the loss; this is what it reserves.
+LOSS_OUTPUT_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -101,7 +115,18 @@ class GraphShare:
     target_bytes: int              # the simulated peak this graph's plan must meet
     needs: tuple[int, ...] = ()    # every piece's need (forward tensor bytes), as the split used them
     total_grad_bytes: int = 0      # G: gradient bytes of the whole step's parameters
-    later_estimate_bytes: Optional[int] = None  # estimated smallest demand of the later pieces, caps the reserve
+    later_estimate_bytes: Optional[int] = None  # estimated smallest demand of the later pieces (see calibrate_reserve)
+    own_floor_bytes: int = 0       # this piece's smallest peak plus its activation inputs (with the estimate)
+    step_output_bytes: int = 0     # DDP: the step's outputs (the last piece's), which an eager loss consumes
+
+    @property
+    def is_last(self) -> bool:
+        return self.kind == "ddp" and self.index == self.count - 1
+
+    def loss_bytes(self) -> int:
+        """What an eager loss holds at the start of the backward, next to every piece's held
+        bytes (the last piece only): ``LOSS_OUTPUT_COPIES`` times the step's outputs."""
+        return LOSS_OUTPUT_COPIES * self.step_output_bytes if self.is_last else 0
     later_run_bytes: int = 0       # FSDP2: what each later run leaves after its backward (its sharded gradients)
     rs_buffer_bytes: int = 0       # FSDP2: one reduce-scatter input buffer (a unit's unsharded gradient bytes)
     rs_buffers: int = 0            # FSDP2: how many of those buffers FSDP keeps after their reduce-scatter
@@ -131,7 +156,7 @@ class GraphShare:
             input_activation_bytes=self.input_activation_bytes, total_grad_bytes=self.total_grad_bytes,
             grads_so_far_bytes=self.total_grad_bytes - self.later_grad_bytes, outside_bytes=self.outside_bytes,
             repeats=self.repeats, kind=self.kind, later_estimate_bytes=self.later_estimate_bytes,
-            later_run_bytes=self.later_run_bytes, rs_buffer_bytes=self.rs_buffer_bytes, rs_buffers=self.rs_buffers,
+            own_floor_bytes=self.own_floor_bytes, step_output_bytes=self.step_output_bytes, later_run_bytes=self.later_run_bytes, rs_buffer_bytes=self.rs_buffer_bytes, rs_buffers=self.rs_buffers,
             prefetch_bytes=self.prefetch_bytes, first_prefetch_bytes=self.first_prefetch_bytes,
         )
 
@@ -149,7 +174,7 @@ class GraphShare:
         for them next to what it holds."""
         fixed = self.held_before_bytes + self.later_grad_bytes + self.outside_bytes
         own = self.runs_peak_bytes(held_bytes, peak_bytes)
-        later = self.repeats * held_bytes + self.reserved_later_bytes
+        later = self.repeats * held_bytes + max(self.reserved_later_bytes, self.loss_bytes())
         return fixed + own <= self.step_target_bytes and fixed + later <= self.step_target_bytes
 
     def smallest_step_target_bytes(self, peak_bytes: int, loose: bool = False) -> int:
@@ -211,7 +236,8 @@ def split_shares(available_bytes: int, needs: tuple[int, ...]) -> tuple[int, ...
 def piece_target(
     *, step_target_bytes: int, index: int, needs: tuple[int, ...], held_before_bytes: int,
     input_activation_bytes: int, total_grad_bytes: int, grads_so_far_bytes: int, outside_bytes: int = 0,
-    repeats: int = 1, kind: str = "ddp", later_estimate_bytes: Optional[int] = None, later_run_bytes: int = 0,
+    repeats: int = 1, kind: str = "ddp", later_estimate_bytes: Optional[int] = None, own_floor_bytes: int = 0,
+    step_output_bytes: int = 0, later_run_bytes: int = 0,
     rs_buffer_bytes: int = 0, rs_buffers: int = 0, prefetch_bytes: int = 0, first_prefetch_bytes: int = 0,
 ) -> GraphShare:
     """The planning target of piece ``index`` of a step (see the module docstring).
@@ -228,8 +254,16 @@ def piece_target(
     later_grads = max(total_grad_bytes - grads_so_far_bytes, 0)
     shares = split_shares(step_target_bytes - total_grad_bytes - outside_bytes, needs)
     reserved = sum(shares[index + 1:])
-    if later_estimate_bytes is not None:  # reserve what the later pieces are estimated to need, at most their shares
-        reserved = min(reserved, max(later_estimate_bytes, 0))
+    if later_estimate_bytes is not None:
+        # Reserve what the later pieces are estimated to need at their floors, and of what is
+        # left once this piece's floor is met too, their part by need: a later piece the
+        # estimate misjudges gets more room as the budget grows (taking all of it here, a
+        # larger budget only let this piece hold more, and the later one failed again).
+        estimate = max(later_estimate_bytes, 0)
+        room = step_target_bytes - held_before_bytes - input_activation_bytes - later_grads - outside_bytes
+        surplus = max(room + input_activation_bytes - own_floor_bytes - estimate, 0)
+        later_need, all_need = sum(needs[index + 1:]), sum(needs[index:])
+        reserved = estimate + (surplus * later_need // all_need if all_need > 0 else 0)
     avail = step_target_bytes - held_before_bytes - later_grads - outside_bytes - reserved
     # Run k (of r) peaks next to k earlier runs, each holding at most its input and its peak
     # (what a plan holds is live at its peak), and r-1-k later runs' leftovers (FSDP2's
@@ -243,13 +277,17 @@ def piece_target(
     )
     target = min((avail - share.later_runs_bytes(repeats - 1 - k) - (prefetch_bytes if k > 0 else first_prefetch_bytes))
                  // (k + 1) - input_activation_bytes for k in range(repeats))
+    if kind == "ddp" and index == len(needs) - 1:  # the loss's copies of the outputs, next to all it holds (<= a + p)
+        target = min(target, avail - LOSS_OUTPUT_COPIES * step_output_bytes - input_activation_bytes)
     return GraphShare(
         kind=kind, index=index, count=len(needs), repeats=repeats, step_target_bytes=step_target_bytes,
         held_before_bytes=held_before_bytes, input_activation_bytes=input_activation_bytes,
         later_grad_bytes=later_grads, outside_bytes=outside_bytes, reserved_later_bytes=reserved,
         own_share_bytes=(shares[index] + input_activation_bytes) // repeats - input_activation_bytes,
         target_bytes=int(target), needs=tuple(needs), total_grad_bytes=total_grad_bytes,
-        later_estimate_bytes=later_estimate_bytes, later_run_bytes=later_run_bytes, rs_buffer_bytes=rs_buffer_bytes,
+        later_estimate_bytes=later_estimate_bytes, own_floor_bytes=own_floor_bytes, step_output_bytes=step_output_bytes,
+        later_run_bytes=later_run_bytes,
+        rs_buffer_bytes=rs_buffer_bytes,
         rs_buffers=rs_buffers, prefetch_bytes=prefetch_bytes, first_prefetch_bytes=first_prefetch_bytes,
     )
 

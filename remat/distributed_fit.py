@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .distributed import (
-    DistributedGraphRecord, GraphShare, LedgerEntry, StepLedger, budget_for_step_target, collectives_of, piece_target,
-    restate_infeasible, write_share_to_dump,
+    LOSS_OUTPUT_COPIES, DistributedGraphRecord, GraphShare, LedgerEntry, StepLedger, budget_for_step_target,
+    collectives_of, piece_target, restate_infeasible, write_share_to_dump,
 )
 from .errors import BudgetInfeasibleError
 from .units import format_bytes
@@ -74,7 +74,7 @@ def share_for_graph(ledger: StepLedger, step_target_bytes: Optional[int], joint:
         return piece_target(
             step_target_bytes=step_target_bytes, index=pieces.index, needs=needs, held_before_bytes=held_before,
             input_activation_bytes=activation_bytes, total_grad_bytes=max(total_grads, grads_before + own_grads),
-            grads_so_far_bytes=grads_before + own_grads, kind="ddp",
+            grads_so_far_bytes=grads_before + own_grads, kind="ddp", step_output_bytes=pieces.output_bytes,
         )
     unit = tdist.fsdp_unit()
     if unit is not None:
@@ -145,7 +145,7 @@ def held_bytes_of(joint: "fx.GraphModule", static_indices: Optional[Sequence[int
 
 
 def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Callable[[int], Any]",
-             budget_bytes: int, headroom_fraction: float) -> tuple[Any, GraphShare]:
+             budget_bytes: int, headroom_fraction: float, calibrate: bool = True) -> tuple[Any, GraphShare]:
     """The plan for a graph under its share: the largest planning target whose plan the share
     admits (``GraphShare.admits`` on what the plan really holds and its predicted peak).
 
@@ -158,7 +158,8 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     """
     from dataclasses import replace
 
-    share = calibrate_reserve(share, plan_at, budget_bytes)
+    if calibrate:  # the later pieces' reserve from this piece's smallest-peak plan (else the proportional shares)
+        share = calibrate_reserve(share, plan_at, budget_bytes, held_of)
     high = share.loose_target_bytes
     try:
         plan = plan_at(max(high, 1))
@@ -258,15 +259,17 @@ def _step_target_admitting(share: GraphShare, held: int, peak: int) -> int:
     return high
 
 
-def calibrate_reserve(share: GraphShare, plan_at: "Callable[[int], Any]", budget_bytes: int) -> GraphShare:
-    """Cap the reserve for later pieces at an estimate of their smallest demand.
+def calibrate_reserve(share: GraphShare, plan_at: "Callable[[int], Any]", budget_bytes: int,
+                      held_of: "Optional[Callable[[Any], int]]" = None) -> GraphShare:
+    """Set the reserve for later pieces to an estimate of their smallest demand.
 
-    The proportional shares reserve for later pieces what they would get of the whole step,
-    far more than they need once they recompute. This piece's smallest peak (the planner
-    names it when asked for a 1-byte target) over its need (forward tensor bytes) estimates
-    how far recomputation shrinks a piece; the later pieces' needs times that ratio is the
-    reserve. An estimate: a later piece that shrinks less than this one can find too little
-    room, and then names the budget it needs.
+    This piece's smallest-peak plan (the planner names its peak when asked for a 1-byte
+    target) says how far recomputation shrinks a piece: ``rp`` = (its peak + activation
+    inputs) over its need (forward tensor bytes), ``rh`` = what it holds over its need
+    (``rp`` if ``held_of`` is not given: what a plan holds is live at its peak). Later
+    piece m is estimated to peak at ``rp * need_m`` next to what the pieces between hold,
+    ``rh * need_j`` each; the reserve is the largest such demand. An estimate: a later piece
+    that shrinks less than this one can find too little room, and then names the budget it needs.
     """
     from dataclasses import replace
 
@@ -278,9 +281,22 @@ def calibrate_reserve(share: GraphShare, plan_at: "Callable[[int], Any]", budget
         return share  # a 1-byte target met: nothing to calibrate against
     except BudgetInfeasibleError as error:
         smallest_peak = _named_peak(error, 1, budget_bytes)
-    ratio = (smallest_peak + share.input_activation_bytes) / share.needs[share.index]
-    estimate = int(ratio * sum(share.needs[share.index + 1:]))
-    return replace(share, later_estimate_bytes=estimate).at(share.step_target_bytes)
+    need = share.needs[share.index]
+    peak_ratio = (smallest_peak + share.input_activation_bytes) / need
+    held_ratio = peak_ratio
+    if held_of is not None:
+        try:
+            held_ratio = held_of(plan_at(max(smallest_peak, 1))) / need
+        except BudgetInfeasibleError:
+            pass  # the named peak did not plan (rounding): bound what it holds by its peak
+    later = share.needs[share.index + 1:]
+    # The last piece also holds what it keeps next to the loss's copies of the outputs, before
+    # any gradient exists (``admits`` charges the later pieces' gradients to every reserve).
+    loss = LOSS_OUTPUT_COPIES * share.step_output_bytes - share.later_grad_bytes
+    estimate = max(int(max(peak_ratio * later[m], held_ratio * later[m] + (loss if m == len(later) - 1 else 0))
+                       + held_ratio * sum(later[:m])) for m in range(len(later)))
+    return replace(share, later_estimate_bytes=estimate,
+                   own_floor_bytes=smallest_peak + share.input_activation_bytes).at(share.step_target_bytes)
 
 
 def _named_peak(error: BudgetInfeasibleError, target_bytes: int, budget_bytes: int) -> int:
