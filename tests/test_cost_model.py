@@ -23,11 +23,11 @@ from remat.cost_model.costs import (
     COST_KEY,
     NodeCost,
     annotate_costs,
-    epilogue_reread_bytes,
     estimate_node_cost,
     graph_call_s,
     phase_totals,
     roofline_time_s,
+    split_kernel_loads,
 )
 from remat.cost_model.flops import (
     COMPOSITE_FLOPS_PER_ELEMENT,
@@ -253,13 +253,32 @@ def test_a_reduction_and_its_epilogue_read_their_full_size_inputs_twice():
     graph = trace(lambda g, x: g - x * (g * x).sum(0, keepdim=True), m(N, N), m(N, N))
     groups = find_fusion_groups(graph)
     assert len(groups.members) == 1
-    rereads = epilogue_reread_bytes(graph, groups)
-    assert list(rereads.values()) == [2 * MiB]                       # g and x, once more
+    assert sorted(v for loads in split_kernel_loads(graph, groups).values() for v in loads) == ["g_1", "x_1"]
     costs = annotate_costs(graph, ROUND)
     assert sum(c.fused_bytes_read for c in costs.values()) == 4 * MiB   # 2 MiB in each pass
     # a row reduction whose epilogue reads only the reduced values reloads nothing
     plain = trace(lambda x: x.sum(1, keepdim=True) * 2.0, m(N, N))
-    assert epilogue_reread_bytes(plain, find_fusion_groups(plain)) == {}
+    assert split_kernel_loads(plain, find_fusion_groups(plain)) == {}
+
+
+def test_a_mask_the_kernel_stores_is_loaded_back_by_each_later_nest():
+    """Dropout then layer norm, as in GPT's forward: the mask is stored for the backward, then the
+    statistics' nest and the normalisation's nest each load it (and x) back."""
+    def dropout_norm(x):
+        keep = torch.rand_like(x) > 0.1
+        y = x * keep
+        return keep, y - y.mean(1, keepdim=True)
+
+    graph = trace(dropout_norm, m(N, N))
+    groups = find_fusion_groups(graph)
+    assert len(groups.members) == 1
+    keep = the_node(graph, "gt").name
+    (loads,) = split_kernel_loads(graph, groups).values()
+    assert sorted(loads) == sorted([keep, keep, "x_1"])
+    costs = annotate_costs(graph, LOOPY)
+    bool_loads = sum(c.loop_extra_s for c in costs.values()) - costs[keep].loop_extra_s \
+        - costs[the_node(graph, "rand_like").name].loop_extra_s
+    assert bool_loads == pytest.approx(2 * N * N * 1e-9)
 
 
 def test_on_a_cpu_a_generated_loops_compute_and_memory_time_add_up():

@@ -190,12 +190,14 @@ def _storage_source(node: fx.Node) -> fx.Node:
     return node
 
 
-def loop_extra_s(graph: fx.Graph, groups: FusionGroups, profile: HardwareProfile) -> dict[str, float]:
+def loop_extra_s(graph: fx.Graph, groups: FusionGroups, profile: HardwareProfile,
+                 split_loads: Optional[Mapping[str, tuple[str, ...]]] = None) -> dict[str, float]:
     """Per loop node, what Inductor's generated loop pays beyond the roofline (``loop_costs.py``), in seconds.
 
     - random numbers at the loop's Philox cost (in place of eager's rate, which the roofline charges);
     - a bool output that reaches memory, per element written;
-    - a bool input loaded from memory, per element the loop reads (a broadcast mask is read per element);
+    - a bool input loaded from memory, per element the loop reads (a broadcast mask is read per element),
+      and each bool value a kernel split by a reduction loads again (``split_loads``, from ``split_kernel_loads``);
     - a Welford reduction of at least ``LONG_REDUCTION`` elements per output, per element reduced.
     A profile without measured loop costs (datasheet GPUs) gets an empty mapping.
     """
@@ -230,6 +232,10 @@ def loop_extra_s(graph: fx.Graph, groups: FusionGroups, profile: HardwareProfile
             outputs_numel = max((concrete_int(t.numel()) for t in outputs), default=1)
             if reduced >= LONG_REDUCTION * max(outputs_numel, 1):
                 seconds += profile.loop_cost_s("welford_long", reduced)
+        for value in (split_loads or {}).get(name, ()):
+            for tensor in iter_tensors(node_val(nodes[value])):
+                if tensor.dtype == torch.bool:
+                    seconds += profile.loop_cost_s("bool_load", concrete_int(tensor.numel()))
         if seconds:
             extra[name] = seconds
     return extra
@@ -239,41 +245,57 @@ def _is_reduction(node: fx.Node) -> bool:
     return op_name(node) in REDUCTION_OPS or torch.Tag.reduction in op_tags(node)
 
 
-def epilogue_reread_bytes(graph: fx.Graph, groups: FusionGroups) -> dict[str, int]:
-    """Per loop node, the bytes a fused kernel reads a second time because a reduction splits it in two passes.
+def split_kernel_loads(graph: fx.Graph, groups: FusionGroups) -> dict[str, tuple[str, ...]]:
+    """Per loop node, the full-size values its kernel loads beyond one load per outside input, by name,
+    once per load: what a reduction splitting the kernel into loop nests makes it load again.
 
     Inductor computes a kernel with a full-size reduction and a full-size loop over
-    its result (batch norm's backward: two sums over N, H, W, then the gradient of
-    every element) as two loop nests: the second reloads every full-size input it
-    needs that the first already read (its inlined producers are recomputed, not
-    stored). Charged to the kernel's first such epilogue node; 0 elsewhere.
+    its result (layer norm, batch norm's backward, softmax) as loop nests: the
+    reduction's, then the epilogue's. The epilogue reloads every full-size input it
+    needs that the first nest already read (its inlined producers are recomputed,
+    not stored), and a value the kernel stores from random numbers (a dropout mask
+    the backward needs) is loaded back by each later nest that reads it. Charged to the kernel's first
+    epilogue node (its first reduction when it has none).
     """
     nodes = {n.name: n for n in graph.nodes}
-    extra: dict[str, int] = {}
+    loads: dict[str, tuple[str, ...]] = {}
     for gid, member_names in groups.members.items():
         members = [nodes[name] for name in member_names]
         if len(members) < 2 or not all(is_loop_op(m) for m in members):
             continue
         inside = set(member_names)
+        # Inductor realizes random numbers (two reads of one draw must agree): the first value the kernel
+        # stores from them (the dropout mask) is loaded back by later nests; anything else, stored or not,
+        # is recomputed from its inputs where a later nest reads it
+        written = {name for name in member_names if groups.bytes_written.get(name, 0) > 0}
+        from_random: set[str] = set()
+        for m in members:
+            if node_special_ops(m)[1] or any(
+                    (source := _storage_source(a).name) in from_random and source not in written
+                    for a in m.all_input_nodes):
+                from_random.add(m.name)
+        stored = written & from_random
         full = max(_numel(node_val(m)) for m in members)
 
-        def full_inputs(node: fx.Node, seen: set) -> set:
-            """Full-size tensors from outside the kernel that computing ``node`` loads (through inlined producers)."""
+        def full_loads(node: fx.Node, seen: set) -> set:
+            """Full-size values computing ``node`` loads: outside inputs and values the kernel stored."""
             found = set()
             for arg in node.all_input_nodes:
                 source = _storage_source(arg)
-                if source.name in inside:
+                if source.name in stored and _numel(node_val(source)) == full:
+                    found.add(source.name)
+                elif source.name in inside:
                     if source not in seen and not _is_reduction(source):
                         seen.add(source)
-                        found |= full_inputs(source, seen)
+                        found |= full_loads(source, seen)
                 elif _numel(node_val(arg)) == full:
-                    found.add(source)
+                    found.add(source.name)
             return found
 
         reductions = [m for m in members if _is_reduction(m) and _numel(node_val(m)) < full]
         if not reductions:
             continue
-        first_pass = set().union(*(full_inputs(r, set()) for r in reductions))
+        first = set().union(*(full_loads(r, set()) for r in reductions))
         after = set(reductions)
         epilogue = []
         for m in members:   # graph order: a member after a reduction it reads (through the kernel) is in pass two
@@ -281,10 +303,11 @@ def epilogue_reread_bytes(graph: fx.Graph, groups: FusionGroups) -> dict[str, in
                 after.add(m)
                 if not _is_reduction(m) and _numel(node_val(m)) == full:
                     epilogue.append(m)
-        reread = first_pass & set().union(*(full_inputs(e, set()) for e in epilogue)) if epilogue else set()
-        if reread:
-            extra[epilogue[0].name] = sum(tensor_nbytes(t) for source in reread for t in iter_tensors(node_val(source)))
-    return extra
+        second = set().union(*(full_loads(e, set()) for e in epilogue)) if epilogue else set()
+        loaded = sorted(first & inside) + sorted(second & inside) + sorted((first & second) - inside)
+        if loaded:
+            loads[(epilogue or reductions)[0].name] = tuple(loaded)
+    return loads
 
 
 def _fused_costs(graph: fx.Graph, base: Mapping[str, NodeCost], groups: FusionGroups,
@@ -294,13 +317,15 @@ def _fused_costs(graph: fx.Graph, base: Mapping[str, NodeCost], groups: FusionGr
     A kernel's time is ``max(sum of compute, sum of memory time) + one launch``
     (on a CPU, a generated loop's is their sum). A loop node's compute includes
     what the generated loop pays beyond the roofline (``loop_extra_s``), its memory
-    the inputs a second loop nest reloads (``epilogue_reread_bytes``). Each node
+    the values a kernel split by a reduction loads again (``split_kernel_loads``). Each node
     gets the part in proportion to its own ``max(compute, memory)``, so the nodes
     of a kernel add up to exactly the kernel's time.
     """
     nodes = {n.name: n for n in graph.nodes}
-    extras = loop_extra_s(graph, groups, profile)
-    rereads = epilogue_reread_bytes(graph, groups)
+    split_loads = split_kernel_loads(graph, groups)
+    extras = loop_extra_s(graph, groups, profile, split_loads)
+    rereads = {name: sum(tensor_nbytes(t) for value in loaded for t in iter_tensors(node_val(nodes[value])))
+               for name, loaded in split_loads.items()}
     # a kernel of a compiled graph is a call from Inductor's wrapper: its measured cost where the profile has one
     launch_s = profile.loop_costs_s.get("kernel_call", profile.kernel_launch_s)
     compute: dict[str, float] = {}
@@ -416,7 +441,6 @@ def phase_totals(graph: fx.Graph, costs: Mapping[str, NodeCost], *,
 
 
 __all__ = [
-    "COST_KEY", "ZERO_COST", "NodeCost", "annotate_costs", "epilogue_reread_bytes", "estimate_node_cost", "flop_rate",
-    "graph_call_s",
-    "loop_extra_s", "phase_totals", "roofline_time_s",
+    "COST_KEY", "ZERO_COST", "NodeCost", "annotate_costs", "estimate_node_cost", "flop_rate", "graph_call_s",
+    "loop_extra_s", "phase_totals", "roofline_time_s", "split_kernel_loads",
 ]
