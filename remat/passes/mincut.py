@@ -19,7 +19,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from .joint_graph import JointGraphFacts
-from .schedule import why_not_recomputable
+from .schedule import _memo, why_not_recomputable
 
 
 def saved_cost_bytes(facts: JointGraphFacts, name: str) -> int:
@@ -58,8 +58,13 @@ def min_cut_saved(facts: JointGraphFacts) -> frozenset[str]:
     values exceed 2**30, they are scaled down (rounded up) to fit, so the cut is
     least up to that rounding. The network is built in graph order and the cut is
     read from the residual graph (the least cut nearest the backward), so the same
-    graph gives the same cut whatever the hash seed.
+    graph gives the same cut whatever the hash seed. Worked out once per joint graph
+    (``facts`` is immutable; the planner and ``schedule.register_only`` both ask).
     """
+    return _memo("min_cut_saved", facts, _min_cut_saved_uncached)
+
+
+def _min_cut_saved_uncached(facts: JointGraphFacts) -> frozenset[str]:
     relevant = _relevant(facts)
     index = {"source": 0, "sink": 1}
     edges: list[tuple[int, int, int]] = []      # (from, to, capacity); -1 = infinite

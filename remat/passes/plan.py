@@ -20,9 +20,11 @@ the target the simulated peak is.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from ..errors import BudgetInfeasibleError
 from ..options import DEFAULT_MILP_TIME_LIMIT_S, SOLVERS
@@ -237,6 +239,32 @@ def make_plan(
     """
     t0 = time.perf_counter()
     _check_solver(facts, solver, milp_time_limit_s)
+    with _cyclic_gc_paused():
+        return _make_plan(facts, budget_bytes, target_bytes, best_effort, solver, milp_time_limit_s, t0)
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while planning, back as it was after (reference
+    counting still frees everything without cycles, which is nearly all the planner makes).
+
+    Why: planning allocates millions of small tuples, and every so many allocations the
+    collector walks every tracked object in the process, the joint graph's facts and the
+    caller's heap included, so its cost grows with the heap, not with the work: on the
+    48-layer GPT graph it was 40% of make_plan's CPU time (2.0 -> 1.2 s), for about 20k
+    objects in cycles that the next collection frees (RSS 358 vs 361 MB)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes: Optional[int], best_effort: bool,
+               solver: str, milp_time_limit_s: float, t0: float) -> Plan:
+    """``make_plan``'s work, once the solver is checked (see there)."""
     target = budget_bytes if target_bytes is None else target_bytes
     no_remat = evaluate(facts, _save_all(facts))
     mincut_saved = min_cut_saved(facts)

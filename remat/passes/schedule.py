@@ -238,7 +238,7 @@ def _with_alias_bases(facts: JointGraphFacts, partition: Partition, names: list[
     return out
 
 
-def _unanchored(facts: JointGraphFacts, built: Mapping[str, str]) -> set[str]:
+def _unanchored(facts: JointGraphFacts, built: Mapping[str, str], kinds: Mapping[str, str]) -> set[str]:
     """Values of a region (``built``, in order) that no library call of the region precedes.
 
     Inductor fuses loops that read the same buffers into one kernel and runs it where
@@ -247,7 +247,6 @@ def _unanchored(facts: JointGraphFacts, built: Mapping[str, str]) -> set[str]:
     model says so too). A library call's output, and loops downstream of one, are
     anchored to their region: only those are rebuilt.
     """
-    kinds = kernel_kinds(facts)
     anchored: set[str] = set()
     for name in built:
         if kinds[name] in (EXTERN, SCATTER) or any(i in anchored for i in facts.nodes[name].inputs):
@@ -281,7 +280,8 @@ def backward_order(facts: JointGraphFacts, partition: Partition, rebuild: bool |
     """
     if rebuild is None:
         rebuild = rebuilds_intermediates(facts, partition)
-    position = facts.position()
+    position = _per_graph(facts)[1]
+    kinds = kernel_kinds(facts) if rebuild else {}    # a new dict per call: fetched once, not per region
     recomputed = partition.recomputed
     open_: dict[str, str] = {}
     count: dict[str, int] = {}
@@ -303,7 +303,7 @@ def backward_order(facts: JointGraphFacts, partition: Partition, rebuild: bool |
                 built[dep] = recompute_instance(dep, k)
                 schedule.append(Scheduled(dep, built[dep], region, reads))
             region += 1
-            kept = _with_alias_bases(facts, partition, needs) | _unanchored(facts, built) if rebuild else built
+            kept = _with_alias_bases(facts, partition, needs) | _unanchored(facts, built, kinds) if rebuild else built
             open_.update((v, i) for v, i in built.items() if v in kept)
         schedule.append(Scheduled(name, name, -1, tuple((i, open_[i]) for i in needs)))
     return schedule
