@@ -247,6 +247,25 @@ def test_backward_relu_writes_over_the_matmul_gradient_it_masks(tensors):
     assert facts.nodes[overwritten].op == "aten.mm.default" and dict(masked[0].allocs)[written] == MIB
 
 
+def test_saved_transposes_of_inputs_count_in_inductors_estimate_until_their_last_reader(tensors):
+    # x.t() and w2.t() are backward inputs whose memory is the step's inputs', not the step's own:
+    # the window does not hold them, but Inductor's peak estimate (which gates its buffer reuse)
+    # counts every input not named primals_*/tangents_* until its last reader.
+    x, (w1, w2, _) = tensors
+
+    def f(x, w1, w2):
+        return (torch.relu(x @ w1) @ w2).sum()
+
+    facts, steps, _ = _steps(f, x, w1, w2)
+    primals = {n for n in facts.order if facts.nodes[n].role == "primal"}
+    transposes = [n for n in facts.order if facts.nodes[n].is_view and facts.nodes[n].inputs[0] in primals]
+    assert len(transposes) == 2
+    backward = [s for s in steps if s.phase == "backward" and s.name != "<tangents>"]
+    last = {t: max(i for i, s in enumerate(backward) if t in facts.nodes[s.name].inputs) for t in transposes}
+    assert [s.phantom_bytes for s in backward] == [MIB * sum(i <= end for end in last.values()) for i in range(len(backward))]
+    assert backward[0].phantom_bytes == 2 * MIB and backward[-1].phantom_bytes <= MIB
+
+
 def test_recomputed_values_are_suffixed_and_outputs_pinned(tensors):
     x, (w1, w2, _) = tensors
 

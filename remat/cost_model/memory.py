@@ -19,10 +19,12 @@ Two Inductor mechanisms change when memory is really returned:
   held from the free to that allocation. It offers the most recently freed
   buffer of the size, and takes it only when holding it keeps Inductor's *own
   estimate* of the graph's memory under that estimate's peak (always when the
-  allocation is in the very next kernel). That estimate knows no in-place reuse
-  and counts buffers codegen later removes (``Step.phantom_bytes``), so it can
-  sit well above the real curve, and held buffers fill the gap: in the zoo's
-  Llama under a tight plan this adds 40% to the backward's real peak. Storages
+  allocation is in the very next kernel). That estimate knows no in-place reuse,
+  counts buffers codegen later removes, and counts the backward's inputs that
+  are views of the step's inputs (a saved transposed weight) until their last
+  reader (both in ``Step.phantom_bytes``), so it can sit well above the real
+  curve, and held buffers fill the gap: in the zoo's Llama under a tight plan
+  this adds 40% to the backward's real peak. Storages
   of a step marked ``external`` (the autograd engine's incoming gradients) or
   not ``pooled`` (the tuple outputs of a library call), and storages made by the
   other graph, are never held.
@@ -46,7 +48,7 @@ class Step:
     uses: tuple[str, ...]
     region: int = -1                        # recompute region id, -1 outside regions
     reuses_inputs: bool = False             # any output may take over any dying input of equal size
-    phantom_bytes: int = 0                  # buffers Inductor's estimate counts here that codegen removes
+    phantom_bytes: int = 0                  # bytes only Inductor's estimate counts here (removed buffers, inputs outside the window)
     external: bool = False                  # allocated outside the compiled graph: freed, never pooled
     inplace: tuple[tuple[str, str], ...] = ()   # (storage allocated, input storage it may overwrite)
     pooled: bool = True                     # its storages wait in the reuse pool when freed (not a call's tuple outputs)

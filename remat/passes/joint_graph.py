@@ -76,6 +76,7 @@ class NodeFacts:
     inner_reduction: bool = False  # reduces its input's innermost dims (a row reduction: its loop nests inside the rows')
     device: str = ""               # device type of its (first) tensor output: "cpu", "cuda", ...
     shape: tuple[int, ...] = ()    # shape of its (first) tensor output, at the size hint
+    itemsize: int = 0              # bytes per element of its (first) tensor output
 
     @property
     def alloc_bytes(self) -> int:
@@ -301,6 +302,7 @@ def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_out
             inner_reduction=_is_inner_reduction(node),
             device=next((t.device.type for t in iter_tensors(node_val(node))), ""),
             shape=next((tuple(concrete_int(d) for d in t.shape) for t in iter_tensors(node_val(node))), ()),
+            itemsize=next((t.element_size() for t in iter_tensors(node_val(node))), 0),
         )
         users[node.name] = tuple(u.name for u in node.users if u.op != "output")
         order.append(node.name)

@@ -19,7 +19,7 @@ storages it is made of.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..cost_model.kernel_schedule import ALIAS, EXTERN, POINTWISE, REDUCTION, SCATTER, GraphOp, schedule_kernels
@@ -251,8 +251,10 @@ class _Graph:
 
     def __init__(self, facts: JointGraphFacts, cache: _FactsCache, instances: Sequence[tuple[str, str]],
                  outputs: set[str], outer_storages: Callable[[str], tuple[str, ...]], donated: frozenset[str],
-                 reads: Mapping[str, Mapping[str, str]] | None = None) -> None:
+                 reads: Mapping[str, Mapping[str, str]] | None = None,
+                 estimated_inputs: frozenset[str] = frozenset()) -> None:
         self.facts = facts
+        self.estimated_inputs = estimated_inputs         # inputs only Inductor's estimate holds (see steps)
         self.cache = cache
         self.instances = list(instances)                 # (node name, instance name), in graph order
         self.node_of = {i: n for n, i in self.instances}
@@ -354,7 +356,34 @@ class _Graph:
                               inplace=inplace, pooled=not (kernel.extern and len(allocs) > 1)))
         for inst in by_kernel.get(len(schedule.kernels), ()):   # never computed or read by a kernel
             steps.append(Step(inst, phase, (), (), regions.get(inst, -1)))
-        return steps, of
+        return self._with_estimated_inputs(steps, schedule.kernels, of), of
+
+    def _with_estimated_inputs(self, steps: list[Step], kernels: Sequence, of: Callable[[str], tuple[str, ...]]) -> list[Step]:
+        """Add to ``phantom_bytes`` the graph inputs Inductor's own peak estimate counts but the
+        window does not hold (``estimated_inputs``: saved values whose storage is a parameter's,
+        e.g. a transposed weight). ``torch._inductor.memory.get_freeable_input_buf`` counts every
+        input not named ``primals_*``/``tangents_*`` as memory live from the graph's start to its
+        last reader; that estimate gates buffer reuse (``memory.simulate_memory``)."""
+        if not self.estimated_inputs:
+            return steps
+        facts = self.facts
+        last: dict[str, int] = {}
+        index = -1
+        for kernel in kernels:
+            index = next(i for i in range(index + 1, len(steps)) if steps[i].name == kernel.ops[-1])
+            for op in kernel.ops:
+                for name in self.inputs_of.get(op, ()):
+                    if name in self.estimated_inputs:
+                        last[name] = index
+        ending = [0] * len(steps)          # bytes whose last reader is at each step
+        for name, end in last.items():
+            ending[end] += facts.nodes[name].numel * facts.nodes[name].itemsize
+        extra, held = [0] * len(steps), sum(ending)
+        for i, gone in enumerate(ending):
+            extra[i] = held
+            held -= gone
+        return [replace(step, phantom_bytes=step.phantom_bytes + more) if more else step
+                for step, more in zip(steps, extra)]
 
 
 def channels_last_copies(facts: JointGraphFacts, fw_order: Sequence[str]) -> dict[str, tuple[str, int]]:
@@ -407,14 +436,21 @@ def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Seque
         return node.value_storages
 
     pinned_fw = {s for o in facts.fwd_outputs for s in fw_storages(o)}
-    # AOTAutograd donates saved activations to the backward, which may then overwrite them
-    donated = frozenset(n for n in partition.saved if facts.nodes[n].allocs and not set(fw_storages(n)) & pinned_fw)
+    # AOTAutograd donates to the backward every saved tensor whose storage no forward input or
+    # output shares (``collect_fw_donated_buffer_idxs``), views of intermediates included; the
+    # backward may then overwrite it. ``owned``: storages the step allocates (a primal's or a
+    # tangent's is there before the step starts)
+    owned = {sid for node in facts.nodes.values() if node.role in ("forward", "backward") for sid, _ in node.allocs}
+    saved_views = [n for n in partition.saved if facts.nodes[n].is_view and facts.nodes[n].is_tensor]
+    donated = frozenset(n for n in partition.saved if facts.nodes[n].allocs and not set(fw_storages(n)) & pinned_fw) | {
+        n for n in saved_views if fw_storages(n) and set(fw_storages(n)) <= owned and not set(fw_storages(n)) & pinned_fw}
     bw_instances = [(s.name, s.instance) for s in bw_order]
     regions = {s.instance: s.region for s in bw_order}
     reads = {s.instance: dict(s.reads) for s in bw_order if s.reads}
     last = {s.name: s.instance for s in bw_order}    # a gradient that is a recomputed value: its last copy
     outputs = {last.get(o, o) for o in facts.bwd_outputs}
-    backward = _Graph(facts, cache, bw_instances, outputs, backward_input, donated, reads)
+    param_views = frozenset(n for n in saved_views if not any(sid in owned for sid in fw_storages(n)))
+    backward = _Graph(facts, cache, bw_instances, outputs, backward_input, donated, reads, param_views)
     bw_steps, bw_storages = backward.steps("backward", regions)
     tangent_allocs = tuple(
         alloc for name in facts.order if facts.nodes[name].role == "tangent" for alloc in facts.nodes[name].allocs
