@@ -123,7 +123,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     base = None if args.no_baseline else run("inductor", "inductor", args, device)
 
     print(f"\nbudget:          {fmt(backend.options.budget_bytes)}"
-          + (f", planning target {fmt(backend.options.planning_target_bytes())}" if backend.options.budget_bytes else ""))
+          + (f", planning target {fmt(backend.options.planning_target_bytes(device.type))} "
+             f"(less {backend.options.headroom_for(device.type):.0%} headroom)" if backend.options.budget_bytes else ""))
     for graph in backend.compiled_graphs:
         plan = graph.plan
         print(f"predicted peak:  {fmt(plan.predicted_peak_bytes)}   [{graph.graph_id}; no-remat simulated peak "

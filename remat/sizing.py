@@ -206,7 +206,7 @@ def max_size_that_fits(
     step: int = 1,
     replan: bool = True,
     hardware: str = "auto",
-    headroom_fraction: float = 0.15,
+    headroom_fraction: Optional[float] = None,
 ) -> SizeFit:
     """The largest value of a dynamic size for which remat's plan fits ``budget_gb`` (decimal GB).
 
@@ -233,7 +233,8 @@ def max_size_that_fits(
             raise ValueError(f"{name}={value!r} must be a positive int.")
     if highest < lowest or highest < step:
         raise ValueError(f"highest={highest} must be >= lowest={lowest} and >= step={step}.")
-    budget, target = options.budget_bytes, options.planning_target_bytes()
+    device_type = _device_type(model, example_inputs)
+    budget, target = options.budget_bytes, options.planning_target_bytes(device_type)
     assert target is not None
 
     def keep(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int) -> _Graph:
@@ -266,7 +267,7 @@ def max_size_that_fits(
         raise BudgetInfeasibleError(
             f"even the smallest size {smallest} does not fit budget {format_bytes(budget)}: the smallest simulated "
             f"peak a plan reaches there is {format_bytes(peak)} against a target of {format_bytes(target)} (the budget "
-            f"less {100 * options.headroom_fraction:.0f}% headroom). "
+            f"less {100 * options.headroom_for(device_type):.0f}% headroom). "
             f"Raise the budget to at least {minimum / 1e9:.4f} GB"
             " (1 GB = 1e9 bytes) or lower `lowest`.",
             budget_bytes=budget, min_feasible_bytes=minimum, reasons=(),
@@ -278,6 +279,13 @@ def max_size_that_fits(
         next_peak_bytes=fits_at(next_size)[1] if next_size is not None else None,
         replanned=replan, sizes_tried=tuple(tried),
     )
+
+
+def _device_type(model: Any, example_inputs: Sequence[Any]) -> str:
+    """The device type the step runs on: the first non-CPU input or parameter's, else "cpu"."""
+    parameters = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)] + list(parameters)
+    return next((t.device.type for t in tensors if t.device.type != "cpu"), "cpu")
 
 
 def _hint_plan_saved(facts: JointGraphFacts, budget: int, target: int) -> frozenset[str]:

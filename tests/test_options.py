@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import remat
-from remat.options import budget_from_env, make_options, validate_budget_gb
+from remat.options import (DEFAULT_HEADROOM_BY_DEVICE, DEFAULT_HEADROOM_FRACTION, budget_from_env, make_options,
+                           validate_budget_gb)
 
 
 class _NeverTraced(torch.nn.Module):
@@ -71,12 +72,24 @@ def test_budget_is_decimal_gb(budget_gb, expected_bytes):
 def test_no_budget():
     options = remat.backend().options
     assert options.budget_bytes is None
-    assert options.planning_target_bytes() is None
+    assert options.planning_target_bytes("cpu") is None
 
 
 def test_headroom_sets_the_planning_target():
-    assert remat.backend(1, headroom_fraction=0.10).options.planning_target_bytes() == 900_000_000
-    assert remat.backend(1, headroom_fraction=0.0).options.planning_target_bytes() == 1_000_000_000
+    assert remat.backend(1, headroom_fraction=0.10).options.planning_target_bytes("cpu") == 900_000_000
+    assert remat.backend(1, headroom_fraction=0.0).options.planning_target_bytes("cuda") == 1_000_000_000
+
+
+def test_default_headroom_depends_on_the_device():
+    options = remat.backend(1).options
+    assert options.headroom_fraction is None
+    assert options.headroom_for("cpu") == DEFAULT_HEADROOM_BY_DEVICE["cpu"] == 0.05
+    assert options.headroom_for("cuda") == DEFAULT_HEADROOM_FRACTION == 0.15
+    assert options.planning_target_bytes("cpu") == 950_000_000
+    assert options.planning_target_bytes("cuda") == 850_000_000
+    # an explicit headroom is used on every device, and the plan cache tells the two apart
+    assert remat.backend(1, headroom_fraction=0.05).options.headroom_for("cuda") == 0.05
+    assert remat.backend(1).options.cache_key() != remat.backend(1, headroom_fraction=0.05).options.cache_key()
 
 
 @pytest.mark.parametrize("spelling", ["auto", "AUTO", " Auto "])
