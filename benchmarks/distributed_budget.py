@@ -228,7 +228,7 @@ def worker_main(argv: list[str]) -> None:
                     row["last_error"] = str(error)[:600]
                     continue
                 row.update(budget_gb=budget, peak_bytes=ours["peak_bytes"], detail=ours["detail"], graphs=_graphs(backend),
-                           headroom_fraction=backend.options.headroom_fraction)
+                           headroom_fraction=backend.options.headroom_for("cpu"))
                 break
             row["named_gb"] = named
             rows.append(row)
@@ -347,8 +347,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "distributed_budget-cpu"))
     args = parser.parse_args(argv)
     out = Path(args.out)
-    work = out.parent / (out.name + "_work")
-    work.mkdir(parents=True, exist_ok=True)
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="remat_distributed_budget_"))  # per-rank logs and results
     worker_args = ["--fractions", *map(str, args.fractions), "--attempts", str(args.attempts)]
     if args.headroom is not None:
         worker_args += ["--headroom", str(args.headroom)]
