@@ -39,7 +39,7 @@ from .eager_ops import measure_eager_classes
 from .loop_costs import check_loop_costs, measure_loop_costs
 
 CACHE_ENV_VAR = "REMAT_CACHE_DIR"
-CACHE_SCHEMA = 9
+CACHE_SCHEMA = 10
 DATASHEET_NAMES = ("a100", "h100", "h200")
 PROFILE_NAMES = ("auto", "cpu", "cuda") + DATASHEET_NAMES
 

@@ -28,10 +28,10 @@ inputs): ~10 us, where the roofline's launch floor (an eager add on 4 elements)
 is ~2 us. ``graph_call``: calling a compiled training graph (guards, the
 autograd function, saving for backward) once: ~30 us. Both measured on a chain
 of tiny matmuls and sines (all overhead), with 1 and with 9 blocks.
-``graph_input``: what each input adds to a graph's call (a module's parameter
-is guarded by Dynamo and passed through AOTAutograd's and Inductor's wrappers):
-measured on a module with 1 and with 33 parameters, ~5-10 us each; the zoo
-CNN's 27-input forward pays ~0.3 ms before its first kernel.
+``graph_input``: what each input adds to a graph's call (a module and its
+parameters are guarded by Dynamo, each tensor passes through AOTAutograd's and
+Inductor's wrappers): measured on chains of 1 and 17 linear layers, ~2 us per
+parameter.
 
 GPT's compiled forward spends most of its loop time on the first three (dropout
 masks are drawn, stored as bools and read back in the backward); the CNN's on
@@ -107,23 +107,16 @@ def chain(blocks):
         return x
     return compiled(f)
 
-class Summed(torch.nn.Module):
-    def __init__(self, parameters):
-        super().__init__()
-        self.ws = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(8, 8)) for _ in range(parameters))
-
-    def forward(self, x):
-        for w in self.ws:
-            x = x + w                      # one generated loop, whatever the number of inputs
-        return x.sin()
-
 try:   # training forwards on 8 x 8 tensors: all call overhead (guards, wrapper, allocation, saving for backward)
     x8, w8 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
     one, nine = best_s(chain(1), x8, w8), best_s(chain(9), x8, w8)
     out["kernel_call"] = max(nine - one, 0.0) / 16
     out["graph_call"] = max(one - 2 * out["kernel_call"], 0.0)
-    few, many = (best_s(torch.compile(Summed(p), dynamic=False, fullgraph=True), x8) for p in (1, 33))
-    out["graph_input"] = max(many - few, 0.0) / 32   # a module's parameter: a guard, a wrapper argument
+    # a module's parameters: Dynamo guards each module and tensor, the wrappers pass each one on;
+    # a chain of linear layers adds two inputs and one library call per layer
+    few, many = (best_s(torch.compile(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]),
+                                      dynamic=False, fullgraph=True), x8) for layers in (1, 17))
+    out["graph_input"] = max(many - few - 16 * out["kernel_call"], 0.0) / 32
 except Exception as error:
     out["error:kernel_call"] = type(error).__name__ + ": " + str(error).splitlines()[0][:200] if str(error) else ""
 for name, (paying, plain, args, n) in probes.items():
