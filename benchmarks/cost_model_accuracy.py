@@ -21,8 +21,12 @@ partitioner; no code generation), then:
   eagerly on real tensors, each op timed where it runs, median of several
   runs): Spearman rank correlation over all kernel nodes;
 - whole graph: the per-phase sums of the estimates against the measured
-  forward and backward times of the eager model (unfused estimates) and of the
-  model compiled by Inductor (fused estimates, ``est_time_s``);
+  forward and backward times of the model compiled by Inductor (fused
+  estimates: ``phase_totals``, the nodes' ``est_time_s`` plus each compiled
+  graph's call), the reference, and of the eager model (unfused estimates).
+  With ``--threads 1`` the compiled steps' CPU time is recorded too: on a
+  shared machine it is the step's own time (wall-clock medians at load 5-7
+  read 1.5-2x the quiet machine's, CPU time within ~5-10%);
 - FLOPs: per phase and op, against ``FlopCounterMode`` on the eager model;
   the nodes whose FLOPs are estimates, by op.
 
