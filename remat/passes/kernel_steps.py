@@ -19,7 +19,7 @@ storages it is made of.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..cost_model.kernel_schedule import ALIAS, EXTERN, POINTWISE, REDUCTION, SCATTER, GraphOp, schedule_kernels
@@ -220,6 +220,11 @@ class _FactsCache:
         self.storage_bytes = {sid: n for node in facts.nodes.values() for sid, n in node.allocs}
         self.layouts = _layouts(facts, kinds)
         self.static = {name: _static_of(facts, name, kinds, self.layouts, self.storage_bytes) for name in facts.order}
+        # storages a step allocates (a primal's or a tangent's is there before the step starts)
+        self.owned = frozenset(sid for node in facts.nodes.values() if node.role in ("forward", "backward")
+                               for sid, _ in node.allocs)
+        self.tangent_allocs = tuple(alloc for name in facts.order if facts.nodes[name].role == "tangent"
+                                    for alloc in facts.nodes[name].allocs)
 
 
 _CACHE: dict[int, tuple[weakref.ref, _FactsCache]] = {}
@@ -336,15 +341,17 @@ class _Graph:
         by_kernel: dict[int, list[str]] = {}
         for _, inst in self.instances:
             by_kernel.setdefault(schedule.first_kernel.get(inst, len(schedule.kernels)), []).append(inst)
-        steps: list[Step] = []
+        # (instance, allocs, uses, phantom bytes, inplace, pooled) per step; Steps are made once the
+        # estimated inputs' bytes are known (remaking each Step with dataclasses.replace cost 9%)
+        rows: list[tuple[str, tuple, tuple, int, tuple, bool]] = []
+        kernel_rows: list[int] = []          # the row of each kernel's call (its last op)
         for k, kernel in enumerate(schedule.kernels):
             in_kernel = set(kernel.ops)
             for inst in by_kernel.get(k, ()):   # values computed inside this kernel, views of it
                 if inst not in in_kernel:
-                    steps.append(Step(inst, phase, (), (), regions.get(inst, -1)))
+                    rows.append((inst, (), (), 0, (), True))
             for inst in kernel.ops[:-1]:
-                steps.append(Step(inst, phase, (), (), regions.get(inst, -1)))
-            last = kernel.ops[-1]
+                rows.append((inst, (), (), 0, (), True))
             allocs = tuple(
                 (sid, nbytes) for b in kernel.buffers
                 for sid, (_, nbytes) in zip(of(b), static[node_of[b]].allocs)
@@ -352,38 +359,41 @@ class _Graph:
             uses = tuple(dict.fromkeys(s for name in kernel.loads for s in of(name)))
             phantom = sum(static[node_of[p]].nbytes for p in kernel.phantoms)
             inplace = tuple((mine, theirs) for op, source in kernel.inplace for mine, theirs in zip(of(op), of(source)))
-            steps.append(Step(last, phase, allocs, uses, regions.get(last, -1), phantom_bytes=phantom,
-                              inplace=inplace, pooled=not (kernel.extern and len(allocs) > 1)))
+            kernel_rows.append(len(rows))
+            rows.append((kernel.ops[-1], allocs, uses, phantom, inplace, not (kernel.extern and len(allocs) > 1)))
         for inst in by_kernel.get(len(schedule.kernels), ()):   # never computed or read by a kernel
-            steps.append(Step(inst, phase, (), (), regions.get(inst, -1)))
-        return self._with_estimated_inputs(steps, schedule.kernels, of), of
+            rows.append((inst, (), (), 0, (), True))
+        extra = self._estimated_input_bytes(schedule.kernels, kernel_rows, len(rows))
+        steps = [Step(inst, phase, allocs, uses, regions.get(inst, -1), phantom_bytes=phantom + more,
+                      inplace=inplace, pooled=pooled)
+                 for (inst, allocs, uses, phantom, inplace, pooled), more in zip(rows, extra)]
+        return steps, of
 
-    def _with_estimated_inputs(self, steps: list[Step], kernels: Sequence, of: Callable[[str], tuple[str, ...]]) -> list[Step]:
-        """Add to ``phantom_bytes`` the graph inputs Inductor's own peak estimate counts but the
-        window does not hold (``estimated_inputs``: saved values whose storage is a parameter's,
-        e.g. a transposed weight). ``torch._inductor.memory.get_freeable_input_buf`` counts every
-        input not named ``primals_*``/``tangents_*`` as memory live from the graph's start to its
-        last reader; that estimate gates buffer reuse (``memory.simulate_memory``)."""
+    def _estimated_input_bytes(self, kernels: Sequence, kernel_rows: Sequence[int], count: int) -> list[int]:
+        """Per step, the bytes of graph inputs Inductor's own peak estimate counts but the window
+        does not hold (``estimated_inputs``: saved values whose storage is a parameter's, e.g. a
+        transposed weight), added to the step's ``phantom_bytes``.
+        ``torch._inductor.memory.get_freeable_input_buf`` counts every input not named
+        ``primals_*``/``tangents_*`` as memory live from the graph's start to its last reader;
+        that estimate gates buffer reuse (``memory.simulate_memory``). ``kernel_rows``: the step
+        of each kernel's call."""
         if not self.estimated_inputs:
-            return steps
+            return [0] * count
         facts = self.facts
         last: dict[str, int] = {}
-        index = -1
-        for kernel in kernels:
-            index = next(i for i in range(index + 1, len(steps)) if steps[i].name == kernel.ops[-1])
+        for kernel, index in zip(kernels, kernel_rows):
             for op in kernel.ops:
                 for name in self.inputs_of.get(op, ()):
                     if name in self.estimated_inputs:
                         last[name] = index
-        ending = [0] * len(steps)          # bytes whose last reader is at each step
+        ending = [0] * count          # bytes whose last reader is at each step
         for name, end in last.items():
             ending[end] += facts.nodes[name].numel * facts.nodes[name].itemsize
-        extra, held = [0] * len(steps), sum(ending)
+        extra, held = [0] * count, sum(ending)
         for i, gone in enumerate(ending):
             extra[i] = held
             held -= gone
-        return [replace(step, phantom_bytes=step.phantom_bytes + more) if more else step
-                for step, more in zip(steps, extra)]
+        return extra
 
 
 def channels_last_copies(facts: JointGraphFacts, fw_order: Sequence[str]) -> dict[str, tuple[str, int]]:
@@ -440,7 +450,7 @@ def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Seque
     # output shares (``collect_fw_donated_buffer_idxs``), views of intermediates included; the
     # backward may then overwrite it. ``owned``: storages the step allocates (a primal's or a
     # tangent's is there before the step starts)
-    owned = {sid for node in facts.nodes.values() if node.role in ("forward", "backward") for sid, _ in node.allocs}
+    owned = cache.owned
     saved_views = [n for n in partition.saved if facts.nodes[n].is_view and facts.nodes[n].is_tensor]
     donated = frozenset(n for n in partition.saved if facts.nodes[n].allocs and not set(fw_storages(n)) & pinned_fw) | {
         n for n in saved_views if fw_storages(n) and set(fw_storages(n)) <= owned and not set(fw_storages(n)) & pinned_fw}
@@ -452,9 +462,6 @@ def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Seque
     param_views = frozenset(n for n in saved_views if not any(sid in owned for sid in fw_storages(n)))
     backward = _Graph(facts, cache, bw_instances, outputs, backward_input, donated, reads, param_views)
     bw_steps, bw_storages = backward.steps("backward", regions)
-    tangent_allocs = tuple(
-        alloc for name in facts.order if facts.nodes[name].role == "tangent" for alloc in facts.nodes[name].allocs
-    )
-    steps = fw_steps + [Step("<tangents>", "backward", tangent_allocs, (), external=True)] + bw_steps
+    steps = fw_steps + [Step("<tangents>", "backward", cache.tangent_allocs, (), external=True)] + bw_steps
     pinned = pinned_fw | {s for o in outputs for s in bw_storages(o)}
     return steps, pinned
