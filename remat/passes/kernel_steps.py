@@ -417,13 +417,19 @@ def channels_last_copies(facts: JointGraphFacts, fw_order: Sequence[str]) -> dic
     return copies
 
 
-def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Sequence[str],
-                 bw_order: Sequence["Scheduled"]) -> tuple[list[Step], set[str]]:
-    """The forward, then the backward, as simulator steps in Inductor's kernel order; and the pinned storages.
+@dataclass(frozen=True)
+class ForwardSteps:
+    """The forward graph's steps for one partition, and what the backward's steps need of it."""
 
-    ``bw_order`` is ``schedule.backward_order``'s: each recomputation is its own instance,
-    with its own storages, reading the instances it names.
-    """
+    steps: list[Step]
+    storages: Callable[[str], tuple[str, ...]]    # a forward value's storages, by name
+    copies: dict[str, tuple[str, int]]            # channels_last_copies
+    fw_order: tuple[str, ...]
+
+
+def forward_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Sequence[str]) -> ForwardSteps:
+    """The forward's part of ``kernel_steps``: it depends on the partition and ``fw_order`` only,
+    so one serves every backward schedule of the partition (``schedule.simulate_partition``)."""
     cache = _cache(facts)
     fw_outputs = set(partition.saved) | set(facts.fwd_outputs)
     copies = channels_last_copies(facts, fw_order)
@@ -435,6 +441,21 @@ def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Seque
     fw_steps, fw_storages = forward.steps("forward", {})
     if copies:
         fw_steps.insert(0, Step("<channels_last>", "forward", tuple(copies.values()), ()))
+    return ForwardSteps(fw_steps, fw_storages, copies, tuple(fw_order))
+
+
+def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Sequence[str],
+                 bw_order: Sequence["Scheduled"], forward: ForwardSteps | None = None) -> tuple[list[Step], set[str]]:
+    """The forward, then the backward, as simulator steps in Inductor's kernel order; and the pinned storages.
+
+    ``bw_order`` is ``schedule.backward_order``'s: each recomputation is its own instance,
+    with its own storages, reading the instances it names. ``forward``: ``forward_steps`` of
+    the same partition and ``fw_order``, when the caller has it (the result is the same).
+    """
+    cache = _cache(facts)
+    if forward is None or forward.fw_order != tuple(fw_order):
+        forward = forward_steps(facts, partition, fw_order)
+    fw_steps, fw_storages, copies = list(forward.steps), forward.storages, forward.copies
 
     def backward_input(name: str) -> tuple[str, ...]:
         """A saved value, a primal (its channels-last copy if the forward made one), a tangent."""

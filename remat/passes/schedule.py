@@ -20,7 +20,7 @@ from typing import AbstractSet, Any, Callable, Mapping
 from ..cost_model.memory import MemorySimulation, Step, simulate_memory
 from .joint_graph import JointGraphFacts
 from ..cost_model.kernel_schedule import EXTERN, SCATTER
-from .kernel_steps import RECOMPUTE_SUFFIX, kernel_kinds, kernel_steps
+from .kernel_steps import RECOMPUTE_SUFFIX, forward_steps, kernel_kinds, kernel_steps
 
 # The simulator no longer reads these: it follows Inductor's realization rules
 # (cost_model/kernel_schedule.py). solve_milp's linear memory model still does.
@@ -338,8 +338,9 @@ def simulate_partition(facts: JointGraphFacts, partition: Partition) -> Simulate
     """``backward_order``, ``memory_steps`` and their simulation for ``partition``, with the
     rebuild decision (``rebuilds_intermediates``) made on the way when it is not known yet.
 
-    Exactly what calling those three gives, with less work: the steps of the schedule chosen
-    are the ones the decision simulated (not built and simulated again), and when rebuilding
+    Exactly what calling those three gives, with less work: the forward's steps are built once
+    for both schedules, the steps of the schedule chosen are the ones the decision simulated
+    (not built and simulated again), and when rebuilding
     changes nothing (no recompute chain has an intermediate to close) the two schedules are
     equal, so one simulation decides (holding, as a tie always has).
     """
@@ -352,9 +353,10 @@ def simulate_partition(facts: JointGraphFacts, partition: Partition) -> Simulate
         return Simulated(order, steps, pinned, simulate_memory(steps, pinned))
     held = backward_order(facts, partition, False)
     rebuilt = backward_order(facts, partition, True)
+    forward = forward_steps(facts, partition, fw_order)     # the same for both schedules
     runs = []
     for order in ((held,) if rebuilt == held else (held, rebuilt)):
-        steps, pinned = kernel_steps(facts, partition, fw_order, order)
+        steps, pinned = kernel_steps(facts, partition, fw_order, order, forward)
         runs.append(Simulated(order, steps, pinned, simulate_memory(steps, pinned)))
     rebuild = len(runs) == 2 and runs[1].simulation.peak_bytes < runs[0].simulation.peak_bytes
     if len(known) >= _REBUILD_ENTRIES:
