@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from remat.cost_model.kernel_schedule import EXTERN, POINTWISE, REDUCTION, GraphOp, schedule_kernels
-from remat.cost_model.memory import Step, simulate_memory
+from remat.cost_model.memory import Step, _inductor_estimate, _lifetimes, simulate_memory
 from remat.passes.schedule import memory_steps, partition_nodes, recompute_instance
 
 from joint_graphs import capture_joint
@@ -104,6 +104,21 @@ def test_reuse_pool_never_holds_external_untracked_or_other_graph_storages():
                   step("x", [("x", 100)], phase="forward")):
         steps = [first, step("y", [("y", 10)], ["x"], phantom_bytes=50)] + tail
         assert simulate_memory(steps).timeline_bytes[2] == 20, first
+
+
+def test_each_graphs_estimate_counts_only_its_own_buffers_and_its_inputs():
+    # Inductor estimates the backward from the backward's graph alone: the forward's output (alive
+    # for the loss, never read by the backward) is not in it; a saved value is, until its last reader.
+    steps = [
+        step("out", [("out", 500)], phase="forward"),
+        step("saved", [("saved", 100)], phase="forward"),
+        step("g1", [("g1", 10)], ["saved"]),
+        step("g2", [("g2", 10)], ["g1"]),
+    ]
+    pinned = {"out", "g2"}
+    estimate = _inductor_estimate(steps, _lifetimes(steps, pinned))
+    assert estimate == [500, 600, 110, 20]
+    assert simulate_memory(steps, pinned).timeline_bytes == (500, 600, 610, 520)
 
 
 def test_reuse_pool_offers_the_most_recently_freed_buffer():

@@ -88,11 +88,22 @@ def _lifetimes(steps: Sequence[Step], pinned: set[str]) -> dict[int, list[str]]:
 
 def _inductor_estimate(steps: Sequence[Step], frees_at: dict[int, list[str]]) -> list[int]:
     """Inductor's own estimate after each step's allocations: no in-place reuse, removed
-    buffers counted, incoming gradients not counted."""
+    buffers counted, incoming gradients not counted. Each graph's estimate knows only its own
+    buffers and its inputs (an earlier graph's storage is counted from the graph's start to its
+    last reader there, and not at all if it reads none of it: e.g. the forward's outputs,
+    alive during the backward, are not in the backward's estimate)."""
+    used_in: dict[str, set[str]] = {}
+    for step in steps:
+        used_in.setdefault(step.phase, set()).update(step.uses)
     live = 0
     size: dict[str, int] = {}
     estimate = []
+    phase = steps[0].phase if steps else ""
     for index, step in enumerate(steps):
+        if step.phase != phase:
+            phase = step.phase
+            size = {sid: n for sid, n in size.items() if sid in used_in[phase]}
+            live = sum(size.values())
         for sid, nbytes in step.allocs:
             if sid not in size and not step.external:
                 size[sid] = nbytes
