@@ -57,7 +57,9 @@ def render_report(plan: Plan, graph_id: str, regions: tuple[RegionSummary, ...],
         f"- peak if every value the backward needs were saved (no remat): {format_bytes(plan.no_remat_peak_bytes)}",
         f"- peak of the free min-cut plan: {format_bytes(plan.mincut_peak_bytes)}",
         f"- planning target: {'none' if plan.target_bytes is None else format_bytes(plan.target_bytes)} "
-        "(the budget less the headroom kept for Inductor's kernel fusion and reordering)",
+        + ("" if plan.target_bytes is None or not plan.budget_bytes else
+           f"(the budget less {1 - plan.target_bytes / plan.budget_bytes:.0%} headroom, kept for what the memory "
+           "simulator may miss in Inductor's code: `headroom_fraction`, by default 5% on CPU and 15% elsewhere)"),
         f"- fits the budget: {'yes' if plan.fits_budget else 'NO (best effort)'}",
         f"- solver: {plan.solver}",
         "",
