@@ -27,7 +27,6 @@ from remat.cost_model.costs import (
     graph_call_s,
     phase_totals,
     roofline_time_s,
-    split_kernel_loads,
 )
 from remat.cost_model.flops import (
     COMPOSITE_FLOPS_PER_ELEMENT,
@@ -41,6 +40,7 @@ from remat.cost_model.flops import (
 )
 from remat.cost_model.fusion import MAX_GROUP_SIZE, find_fusion_groups
 from remat.cost_model.hardware import DATASHEET_PROFILES, HardwareProfile
+from remat.cost_model.loop_charges import split_kernel_loads
 from remat.cost_model.phases import node_phases
 from remat.cost_model.symbolic import (
     evaluate,

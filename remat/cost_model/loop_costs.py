@@ -7,25 +7,25 @@ AMD EPYC VM, one thread, against a float loop of the same size):
 
 - ``random_value``: every random number is one Philox4x32-10 call made from
   the element's offset (``normalized_rand_cpu`` in Inductor's ``cpp_prefix.h``),
-  scalar, 16 per vector: ~6.6 ns, 3x eager ``torch.rand`` (a sequential
+  scalar, 16 per vector: ~7 ns, 2-3x eager ``torch.rand`` (a sequential
   mt19937 stream).
 - ``bool_store``: a bool tensor written from a float comparison goes through
-  ``VecMask::store(bool*)``: ~6 ns per element, where a float store costs 0.1.
+  ``VecMask::store(bool*)``: ~7 ns per element, where a float store costs 0.1.
 - ``bool_load``: a bool tensor read into a vector mask (``VecMask::from(bool*)``):
   ~0.8 ns per element.
   Both branch per element: the probes use masks as models have them (dropout
   keeps 90%); a 50/50 random mask costs 1.4x (store) to 4x (load) more.
 - ``welford_long``: a mean and variance over a long reduction (batch norm's
   statistics over N, H, W) is one Welford chain per output, whose every step
-  waits on a division: ~0.5 ns per element where a sum takes 0.06. Short row
+  waits on a division: ~0.25 ns per element more than a sum. Short row
   reductions (layer norm's 128 elements per row) overlap their chains and stay
   near the roofline; a reduction counts as long from ``LONG_REDUCTION``
   elements per output.
 
 Calls cost too. ``kernel_call``: each kernel of a compiled graph is a line of
 Inductor's Python wrapper (allocate the outputs, call through pybind, free
-inputs): ~10 us, where the roofline's launch floor (an eager add on 4 elements)
-is ~2 us. ``graph_call``: calling a compiled training graph (guards, the
+inputs): ~1.3 us, where the roofline's launch floor (an eager add on 4 elements)
+is ~1.7 us. ``graph_call``: calling a compiled training graph (guards, the
 autograd function, saving for backward) once: ~30 us. Both measured on a chain
 of tiny matmuls and sines (all overhead), with 1 and with 9 blocks.
 ``graph_input``: what each input adds to a graph's call (a module and its
@@ -38,14 +38,15 @@ masks are drawn, stored as bools and read back in the backward); the CNN's on
 the fourth. ``measure_loop_costs`` compiles one probe per cost with
 ``torch.compile`` in a subprocess (a compile cannot nest inside the partitioner
 that asks for a profile, and a fresh process keeps Dynamo's state clean) and
-returns seconds per element; a probe that cannot run (no C++ compiler) leaves
-its cost out, and out means not charged.
+returns seconds per element (per call, per input); a probe that cannot run (no
+C++ compiler) leaves its cost out, and out means not charged.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -160,8 +161,6 @@ def measure_loop_costs(threads: int, timeout_s: float = PROBE_TIMEOUT_S) -> tupl
 def check_loop_costs(costs: Mapping[str, float]) -> None:
     """Raise ValueError naming a cost that no CPU could have: negative, not finite, above
     1 us per element or 10 ms per call."""
-    import math
-
     for name, seconds in costs.items():
         if name not in LOOP_COST_NAMES:
             raise ValueError(f"unknown generated-loop cost {name!r}; known: {', '.join(LOOP_COST_NAMES)}")
