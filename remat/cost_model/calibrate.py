@@ -7,15 +7,18 @@ convolution's tensors channels-last, as Inductor lays them out). Integer
 inputs are zeros, so every index is in range; booleans are random.
 
 It times in rounds: each round calls every kernel node once, in graph order, and
-a node's time is the median over the rounds after the first (a warm-up). An op
-timed once between the graph's other ops meets the cache and allocator state it
-meets in a step; an op looped on its own finds its inputs in cache and its
+a node's time is the best of the rounds after the first (a warm-up): like every
+profile number, what the kernel takes when nothing else interferes (medians read
+the zoo's library calls 10-15% above the compiled step's own time at load 2). An
+op timed once between the graph's other ops meets the cache and allocator state
+it meets in a step; an op looped on its own finds its inputs in cache and its
 output buffer just freed, and runs up to several times faster than in the graph
 for small ops (on two CPU cores the rank correlation with times measured in a
 real step rose from 0.93 to 0.96 for the zoo CNN). CPU calls are timed with
 ``hardware.clock_for`` (CPU time with one torch thread, else ``perf_counter``);
-CUDA calls with a pair of events each, read after the round synchronises. Inputs for at most ``max_live_input_bytes`` are made at a time:
-the nodes are timed in chunks.
+CUDA calls with a pair of events each, read after the round synchronises. Inputs
+for at most ``max_live_input_bytes`` are made at a time: the nodes are timed in
+chunks.
 
 A node that cannot run on random inputs is skipped with the reason, and keeps
 its roofline estimate. Results are cached on disk by a hash of the graph (ops,
@@ -34,7 +37,6 @@ import json
 import logging
 import os
 import socket
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
@@ -47,14 +49,14 @@ from .tensors import concrete_int, is_free_op, iter_tensors, node_val, op_name
 
 log = logging.getLogger("remat.calibrate")
 
-CALIBRATION_SCHEMA = 4
+CALIBRATION_SCHEMA = 5
 MAX_LIVE_INPUT_BYTES = 1 << 30
 RECENT_PRODUCERS = 2     # inputs made by this many kernels just before an op are in cache when it runs
 
 
 @dataclass(frozen=True)
 class Calibration:
-    times_s: Mapping[str, float]           # node name -> median seconds per run
+    times_s: Mapping[str, float]           # node name -> best seconds per run over the rounds
     skipped: Mapping[str, str]             # node name -> why it was not timed
     graph_hash: str
     device: str
@@ -196,7 +198,7 @@ def _time_rounds(calls: list[Call], device: torch.device, repeats: int) -> dict[
         for name, seconds in _call_seconds(calls, device, held).items():
             if round_index > 0:   # the first round warms caches, the allocator and lazy initialisation
                 samples[name].append(seconds)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return {name: min(values) for name, values in samples.items()}
 
 
 def _warm_fresh_inputs(node: fx.Node, args: tuple, recent: list[str]) -> Optional[Callable[[], Any]]:
