@@ -16,7 +16,8 @@ the free min-cut's simulated peak (``ROUNDS`` halvings: the answer is within
 - ``per-use``: the schedule as shipped (``rebuild=None``: intermediates of a recompute
   chain rebuilt per use when that lowers the simulated peak).
 
-The budget a user must pass is the target over (1 - headroom), headroom 15% by default.
+The budget a user must pass is the target over (1 - headroom), headroom 5% by default on the CPU
+(``remat.options.DEFAULT_HEADROOM_BY_DEVICE``).
 Also recorded: the minimum the planner's ``BudgetInfeasibleError`` names when asked for the
 lowest target tried, with no headroom (so in target units; it should not exceed the
 bisection's answer), and how long that ``make_plan`` call took (the infeasible path: every
@@ -41,7 +42,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 RESULTS = ROOT / "benchmarks" / "results"
 ROUNDS = 7
 LOW_FRACTION = 0.15
-HEADROOM = 0.15
+
+
+def _cpu_headroom() -> float:
+    from remat.options import DEFAULT_HEADROOM_BY_DEVICE
+
+    return DEFAULT_HEADROOM_BY_DEVICE["cpu"]
 
 
 def _smallest_target(facts, min_cut_peak: int) -> dict[str, Any]:
@@ -71,7 +77,7 @@ def _smallest_target(facts, min_cut_peak: int) -> dict[str, Any]:
     return {
         "smallest_target_bytes": high,
         "plan_peak_bytes": best.predicted_peak_bytes,
-        "budget_bytes_with_headroom": int(high / (1 - HEADROOM)),
+        "budget_bytes_with_headroom": int(high / (1 - _cpu_headroom())),
         "extra_time_s": best.est_extra_time_s,
         "recomputed_values": len(best.recomputed),
         "recomputations": recomputations,
@@ -84,9 +90,9 @@ def _with_schedule(held: bool, run: Callable[[], dict[str, Any]]) -> dict[str, A
     from remat.passes import schedule
 
     original = schedule.backward_order
-    if held:
+    if held:   # every schedule the planner weighs holds its intermediates (both of simulate_partition's)
         def backward_order(facts, partition, rebuild=None):
-            return original(facts, partition, False if rebuild is None else rebuild)
+            return original(facts, partition, False)
         schedule.backward_order = backward_order
     try:
         return run()
@@ -99,12 +105,16 @@ def measure(name: str) -> dict[str, Any]:
     from remat.backend import trace_joint_facts
     from remat.passes.plan import make_plan
 
-    model, inputs = ZOO[name]()
-    graphs = trace_joint_facts(model, inputs, hardware="cpu")
-    facts = next(f for f in graphs if any(n.role == "backward" for n in f.nodes.values()))
+    def traced():   # a fresh graph per schedule: the planner memoises its schedule decisions per graph
+        model, inputs = ZOO[name]()
+        graphs = trace_joint_facts(model, inputs, hardware="cpu")
+        return next(f for f in graphs if any(n.role == "backward" for n in f.nodes.values()))
+
+    facts = traced()
     min_cut_peak = make_plan(facts, None).predicted_peak_bytes
     row: dict[str, Any] = {"model": name, "nodes": len(facts.order), "min_cut_peak_bytes": min_cut_peak}
     for label, held in (("held", True), ("per_use", False)):
+        facts = traced()
         t0 = time.perf_counter()
         row[label] = _with_schedule(held, lambda: _smallest_target(facts, min_cut_peak))
         row[label]["search_time_s"] = time.perf_counter() - t0
@@ -120,7 +130,7 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"torch {meta['torch']}, commit {meta['commit']}, `{meta['command']}`. Simulated (the planner's "
         "kernel-level model), not measured; MB = 1e6 bytes. Target = what the simulated peak must meet; "
-        f"budget = target / (1 - {HEADROOM:.2f} headroom). 'named' = the minimum the planner's "
+        f"budget = target / (1 - {_cpu_headroom():.2f} headroom, the CPU default). 'named' = the minimum the planner's "
         "BudgetInfeasibleError names (asked with budget = target = 15% of the min-cut peak, so in target units); "
         "it should not exceed the bisection's target; 'named s' = the seconds that infeasible make_plan took "
         "(held / per-use).",
