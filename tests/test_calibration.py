@@ -208,3 +208,20 @@ def test_cpu_convolutions_are_timed_channels_last_as_inductor_lays_them_out():
         assert args[0].is_contiguous(memory_format=torch.channels_last) and args[0].shape == (2, 16, 8, 8)
         assert args[1].is_contiguous(memory_format=torch.channels_last)
     assert _real_args(add, torch.device("cpu"))[0][0].is_contiguous()   # other ops keep the traced layout
+
+
+def test_an_input_that_is_a_view_of_a_fresh_output_is_warmed():
+    """A batched matmul in the backward reads a transposed view of the gradient just made:
+    the view is not a kernel node, the tensor under it is, and it is in cache in a step."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from remat.cost_model.calibrate import _warm_fresh_inputs
+
+    graph = make_fx(lambda a, b: torch.bmm((a * 2).transpose(1, 2), b),
+                    tracing_mode="fake")(torch.randn(2, 4, 4), torch.randn(2, 4, 4)).graph
+    mul = next(n for n in graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    bmm = next(n for n in graph.nodes if n.target is torch.ops.aten.bmm.default)
+    assert bmm.args[0] is not mul                      # reads the transpose, a view of mul's output
+    args = (torch.randn(2, 4, 4), torch.randn(2, 4, 4))
+    assert _warm_fresh_inputs(bmm, args, recent=[mul.name]) is not None
+    assert _warm_fresh_inputs(bmm, args, recent=["something_else"]) is None

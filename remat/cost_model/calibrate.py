@@ -32,6 +32,7 @@ Use: ``annotate_costs(graph, profile, measured_times=measure_node_times(graph))`
 from __future__ import annotations
 
 import functools
+import operator
 import hashlib
 import json
 import logging
@@ -49,7 +50,7 @@ from .tensors import concrete_int, is_free_op, iter_tensors, node_val, op_name
 
 log = logging.getLogger("remat.calibrate")
 
-CALIBRATION_SCHEMA = 5
+CALIBRATION_SCHEMA = 6
 MAX_LIVE_INPUT_BYTES = 1 << 30
 RECENT_PRODUCERS = 2     # inputs made by this many kernels just before an op are in cache when it runs
 
@@ -201,11 +202,19 @@ def _time_rounds(calls: list[Call], device: torch.device, repeats: int) -> dict[
     return {name: min(values) for name, values in samples.items()}
 
 
+def _producer(node: fx.Node) -> fx.Node:
+    """The kernel node whose output ``node``'s value is (through views and getitems)."""
+    while node.op == "call_function" and (is_free_op(node) or node.target is operator.getitem) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
 def _warm_fresh_inputs(node: fx.Node, args: tuple, recent: list[str]) -> Optional[Callable[[], Any]]:
     """Read the inputs the graph produced just before ``node`` (they are in cache when it runs
-    in a step; its other inputs were made long before and are not)."""
+    in a step; its other inputs were made long before and are not). An input that is a view
+    (a transposed gradient into a batched matmul) is fresh when the tensor under it is."""
     fresh = [value for arg, value in zip(node.args, args)
-             if isinstance(arg, fx.Node) and arg.name in recent and isinstance(value, torch.Tensor)]
+             if isinstance(arg, fx.Node) and _producer(arg).name in recent and isinstance(value, torch.Tensor)]
     if not fresh:
         return None
     return lambda: [t.sum() if t.dtype != torch.bool else t.any() for t in fresh]
