@@ -5,6 +5,8 @@
 - ``costs``: ``NodeCost`` records and the roofline; ``annotate_costs``.
 - ``hardware``: ``HardwareProfile``s (datasheet GPUs, measured CPU/GPU, cached).
 - ``eager_ops``: families of ops eager PyTorch runs far below the roofline, fitted per profile.
+- ``loop_costs``: what Inductor's generated CPU loops pay beyond the roofline, measured on its own kernels.
+- ``loop_charges``: which node pays them.
 - ``calibrate``: measured kernel times per node, cached by graph hash.
 - ``symbolic``: costs as formulas in the shape symbols.
 - ``memory``: the memory simulator.
