@@ -87,7 +87,7 @@ class _Graph:
         self.ban = {name: why_not_recomputable(facts, name) for name in facts.nodes
                     if facts.nodes[name].role == "forward"}
         self.evaluations = 0
-        self.local_steps_left = LOCAL_SEARCH_STEPS     # shared by every local search of one solve
+        self.local_steps_left = LOCAL_SEARCH_STEPS     # the target search's; smallest_peak sets its own
 
     def evaluate(self, chosen: frozenset[str]) -> Evaluated:
         self.evaluations += 1
@@ -232,13 +232,11 @@ def _cheapest_cover(priced: list[tuple[float, int, int]], need: int) -> list[int
     return best[1]
 
 
-def _descent_round(g: _Graph, current: Evaluated, target_bytes: int,
-                   keep: frozenset[str] = frozenset()) -> frozenset[str]:
-    """The drops one round applies (see the module docstring), none of them in ``keep``;
-    empty when none spans an excess step."""
+def _descent_round(g: _Graph, current: Evaluated, target_bytes: int) -> frozenset[str]:
+    """The drops one round applies (see the module docstring); empty when none spans an excess step."""
     timeline = current.simulation.timeline_bytes
     left = {i: live - target_bytes for i, live in enumerate(timeline) if live > target_bytes}
-    options = [o for o in _drop_options(g, current) if not keep.intersection(o.members)]
+    options = _drop_options(g, current)
     saved = set(current.partition.saved)
     recomputed = set(current.partition.recomputed)
     picked: list[int] = []
