@@ -30,6 +30,7 @@ from ..errors import BudgetInfeasibleError
 from ..options import DEFAULT_MILP_TIME_LIMIT_S, SOLVERS
 from ..units import format_bytes, format_seconds
 from .evaluate import Evaluated, evaluate
+from .held_cap import reduce_saved_bytes
 from .joint_graph import JointGraphFacts
 from .kernel_steps import storage_owner
 from .mincut import min_cut_saved, saved_cost_bytes
@@ -221,6 +222,7 @@ def make_plan(
     best_effort: bool = False,
     solver: str = "greedy",
     milp_time_limit_s: float = DEFAULT_MILP_TIME_LIMIT_S,
+    saved_cap_bytes: Optional[int] = None,
 ) -> Plan:
     """Plan one joint graph.
 
@@ -236,11 +238,16 @@ def make_plan(
     plan depends only on the graph, the target and the solver (not on hash seeds).
     ``solver="milp"``: ValueError for graphs with more than MILP_MAX_CANDIDATES
     forward values; ``Plan.solver`` says whether the MILP answered or fell back, and why.
+    ``saved_cap_bytes`` (a DDP/FSDP2 graph whose saved values stay alive while later graphs
+    run): once a plan meets the target, stop saving values while ``Plan.saved_bytes`` is over
+    the cap, without raising the simulated peak over the target (``held_cap.reduce_saved_bytes``);
+    the plan may still be over the cap, and ``Plan.saved_bytes`` says by how much.
     """
     t0 = time.perf_counter()
     _check_solver(facts, solver, milp_time_limit_s)
     with _cyclic_gc_paused():
-        return _make_plan(facts, budget_bytes, target_bytes, best_effort, solver, milp_time_limit_s, t0)
+        return _make_plan(facts, budget_bytes, target_bytes, best_effort, solver, milp_time_limit_s, t0,
+                          saved_cap_bytes)
 
 
 @contextlib.contextmanager
@@ -263,7 +270,7 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 
 def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes: Optional[int], best_effort: bool,
-               solver: str, milp_time_limit_s: float, t0: float) -> Plan:
+               solver: str, milp_time_limit_s: float, t0: float, saved_cap_bytes: Optional[int] = None) -> Plan:
     """``make_plan``'s work, once the solver is checked (see there)."""
     target = budget_bytes if target_bytes is None else target_bytes
     no_remat = evaluate(facts, _save_all(facts))
@@ -282,6 +289,10 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
     elif target is not None:
         chosen, dropped, used, smallest = _solve(facts, target, solver, milp_time_limit_s, mincut, no_remat)
     fits = chosen is not None
+    if chosen is not None and target is not None and saved_cap_bytes is not None:
+        capped = reduce_saved_bytes(facts, chosen, target, saved_cap_bytes)
+        dropped += tuple(n for n in facts.order if n in chosen.chosen - capped.chosen)
+        chosen = capped
     if chosen is None:
         assert budget_bytes is not None and target is not None
         if smallest is None:

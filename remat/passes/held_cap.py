@@ -1,0 +1,65 @@
+"""Hold less for the backward at the same peak: a cap on the bytes a plan saves.
+
+A single graph's plan only has to meet its peak target. Under DDP or FSDP2 what a graph
+saves for its backward stays alive while the *later* graphs of the step run, so the step's
+ledger (``remat/distributed.py``) may refuse a plan that meets its own peak but holds too
+much. ``reduce_saved_bytes`` takes such a plan and stops saving values (they are recomputed
+in the backward instead), the least added recompute time per byte no longer held first,
+never raising the simulated peak over the target, until the saved bytes meet the cap.
+
+Pure over the joint graph's facts and ``evaluate``: no torch, no compile.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .evaluate import Evaluated, evaluate
+from .joint_graph import JointGraphFacts
+from .mincut import saved_cost_bytes
+from .schedule import why_not_recomputable
+
+# Each round simulates one plan per saved value it could drop; a cap needing more rounds than
+# this is left unmet (the caller sees ``saved_bytes`` over the cap and decides).
+MAX_ROUNDS = 64
+
+
+def saved_bytes_of(facts: JointGraphFacts, plan: Evaluated) -> int:
+    """Bytes the plan's forward keeps for its backward, as ``Plan.saved_bytes`` counts them."""
+    return sum(saved_cost_bytes(facts, name) for name in plan.partition.saved)
+
+
+def reduce_saved_bytes(facts: JointGraphFacts, start: Evaluated, target_bytes: int, cap_bytes: int) -> Evaluated:
+    """A plan saving at most ``cap_bytes`` whose simulated peak stays <= ``target_bytes``, or the
+    closest to the cap this greedy reaches.
+
+    Guarantees: the result's peak is <= ``max(target_bytes, start's peak)``; its saved bytes are
+    <= ``start``'s; every step it takes lowers the saved bytes; values that may not be recomputed
+    stay saved (``schedule.why_not_recomputable``). Each round drops the saved value with the least
+    added recompute time per byte it frees (ties: fewer bytes left, then graph order), so the
+    answer does not depend on hash seeds.
+    """
+    current, held = start, saved_bytes_of(facts, start)
+    peak_limit = max(target_bytes, start.peak_bytes)
+    position = facts.position()
+    for _ in range(MAX_ROUNDS):
+        if held <= cap_bytes:
+            break
+        best: Optional[tuple[float, int, int, Evaluated]] = None
+        for name in sorted(current.chosen, key=position.__getitem__):
+            if why_not_recomputable(facts, name) is not None:
+                continue
+            trial = evaluate(facts, current.chosen - {name})
+            freed = held - saved_bytes_of(facts, trial)
+            if freed <= 0 or trial.peak_bytes > peak_limit:
+                continue
+            key = ((trial.extra_time_s - current.extra_time_s) / freed, held - freed, position[name])
+            if best is None or key < best[:3]:
+                best = (*key, trial)
+        if best is None:
+            break
+        current, held = best[3], best[1]
+    return current
+
+
+__all__ = ["MAX_ROUNDS", "reduce_saved_bytes", "saved_bytes_of"]

@@ -1,0 +1,55 @@
+"""``saved_cap_bytes``: hold less for the backward at the same peak target (remat/passes/held_cap.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat.passes.evaluate import evaluate
+from remat.passes.held_cap import reduce_saved_bytes, saved_bytes_of
+from remat.passes.plan import make_plan
+
+from joint_graphs import capture_joint
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def facts():
+    torch.manual_seed(0)
+    x = torch.randn(512, 512)
+    ws = [torch.randn(512, 512, requires_grad=True) for _ in range(4)]
+
+    def f(x, *ws):
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w)
+        return h.sum()
+
+    return capture_joint(f, x, *ws).facts()
+
+
+def test_cap_lowers_the_saved_bytes_without_raising_the_peak_over_the_target(facts):
+    plan = make_plan(facts, 100 * MIB)            # a loose target: the plan saves what is cheapest
+    assert plan.saved_bytes >= 3 * MIB
+    capped = make_plan(facts, 100 * MIB, saved_cap_bytes=MIB)
+    assert capped.saved_bytes <= MIB < plan.saved_bytes
+    assert capped.predicted_peak_bytes <= 100 * MIB
+    assert capped.est_extra_time_s >= plan.est_extra_time_s     # holding less costs recomputation
+    assert set(capped.recomputed) > set(plan.recomputed)
+    assert any(d.reason.startswith("dropped to meet the budget") for d in capped.decisions if d.decision == "recompute")
+
+
+def test_cap_never_raises_the_peak_over_a_tight_target(facts):
+    start = make_plan(facts, 100 * MIB)
+    target = start.predicted_peak_bytes           # no slack at all: drops may only keep or lower the peak
+    reduced = reduce_saved_bytes(facts, evaluate(facts, frozenset(start.saved)), target, 0)
+    assert reduced.peak_bytes <= target
+    assert saved_bytes_of(facts, reduced) <= start.saved_bytes
+
+
+def test_no_cap_and_a_met_cap_change_nothing(facts):
+    plan = make_plan(facts, 100 * MIB)
+    assert make_plan(facts, 100 * MIB, saved_cap_bytes=plan.saved_bytes).saved == plan.saved
+    start = evaluate(facts, frozenset(plan.saved))
+    assert reduce_saved_bytes(facts, start, 100 * MIB, plan.saved_bytes) is start
