@@ -42,7 +42,7 @@ from .distributed import DistributedGraphRecord, StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
 from .errors import BudgetInfeasibleError
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
-from .passes.joint_graph import JointGraphFacts, read_joint_graph
+from .passes.joint_graph import read_joint_graph
 from .passes.plan import Plan, make_plan
 from .passes.random_ops import split_dropout_outputs
 from .passes.rewrite import RegionSummary, place_recompute_regions
@@ -262,7 +262,7 @@ class RematBackend:
         target_bytes = self.options.planning_target_bytes(device_type)
         share = share_for_graph(self._step_ledger, target_bytes, joint, num_fwd_outputs, static_indices)
 
-        def plan_at(target_bytes: Optional[int]) -> Plan:
+        def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None) -> Plan:
             return make_plan(
                 facts,
                 self.options.budget_bytes,
@@ -270,6 +270,7 @@ class RematBackend:
                 best_effort=self.options.best_effort,
                 solver=self.options.solver,
                 milp_time_limit_s=self.options.milp_time_limit_s,
+                saved_cap_bytes=saved_cap_bytes,
             )
 
         try:
@@ -277,7 +278,8 @@ class RematBackend:
                 plan = plan_at(target_bytes)
             else:  # the largest target the step's ledger admits (remat/distributed.py)
                 plan, share = fit_plan(share, lambda p: held_bytes_of(joint, static_indices, p.saved_bytes, p.saved_primals),
-                                       plan_at, self.options.budget_bytes, self.options.headroom_for(device_type))
+                                       plan_at, self.options.budget_bytes, self.options.headroom_for(device_type),
+                                       plan_capped=plan_at)
         except BudgetInfeasibleError as error:
             raise _passthrough_error_class(BudgetInfeasibleError)(error) from None
         if not plan.fits_budget:

@@ -177,6 +177,23 @@ class GraphShare:
         later = self.repeats * held_bytes + max(self.reserved_later_bytes, self.loss_bytes())
         return fixed + own <= self.step_target_bytes and fixed + later <= self.step_target_bytes
 
+    def largest_held_bytes(self, peak_bytes: int) -> int:
+        """The most a plan peaking at ``peak_bytes`` may hold for its backward and still be
+        admitted (``admits`` only gets stricter as the held bytes grow: a bisection finds it);
+        -1 when even holding nothing is not admitted."""
+        if not self.admits(0, peak_bytes):
+            return -1
+        low, high = 0, max(self.step_target_bytes, 1)
+        if self.admits(high, peak_bytes):
+            return high
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self.admits(middle, peak_bytes):
+                low = middle
+            else:
+                high = middle
+        return low
+
     def smallest_step_target_bytes(self, peak_bytes: int, loose: bool = False) -> int:
         """The smallest step target whose share for this graph (its safe target, or with
         ``loose`` its loose one) is >= ``peak_bytes``: both grow with the step target, so a

@@ -153,13 +153,36 @@ def held_bytes_of(joint: "fx.GraphModule", static_indices: Optional[Sequence[int
     return saved_bytes + sum(sizes[name] for name in activations)
 
 
+def _admitted(share: GraphShare, plan: Any, target: int, held_of: "Callable[[Any], int]",
+              plan_capped: "Optional[Callable[[int, int], Any]]") -> Any:
+    """``plan`` if the share admits it; else, given ``plan_capped``, the plan for the same target
+    made to save less (``make_plan(saved_cap_bytes=)``: what it holds beyond its saved bytes, its
+    activation inputs, stays), if the share admits that one; else None."""
+    held = held_of(plan)
+    if share.admits(held, plan.predicted_peak_bytes):
+        return plan
+    if plan_capped is None:
+        return None
+    cap = share.largest_held_bytes(plan.predicted_peak_bytes) - (held - plan.saved_bytes)
+    if cap < 0:
+        return None
+    try:
+        capped = plan_capped(max(target, 1), cap)
+    except BudgetInfeasibleError:
+        return None
+    return capped if share.admits(held_of(capped), capped.predicted_peak_bytes) else None
+
+
 def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Callable[[int], Any]",
-             budget_bytes: int, headroom_fraction: float, calibrate: bool = True) -> tuple[Any, GraphShare]:
+             budget_bytes: int, headroom_fraction: float, calibrate: bool = True,
+             plan_capped: "Optional[Callable[[int, int], Any]]" = None) -> tuple[Any, GraphShare]:
     """The plan for a graph under its share: the largest planning target whose plan the share
     admits (``GraphShare.admits`` on what the plan really holds and its predicted peak).
 
     ``plan_at(target)`` makes a plan (or raises ``BudgetInfeasibleError``); ``held_of(plan)``
-    says what it holds. Tries the loose target (nothing held) first, then bisects down to
+    says what it holds; ``plan_capped(target, saved_cap_bytes)``, if given, makes the plan for a
+    target saving at most that many bytes where it can: a plan the share refuses for what it
+    holds is tried again that way (``_admitted``). Tries the loose target (nothing held) first, then bisects down to
     the safe one (``share.target_bytes``: the room less the later pieces' reserve, which any
     plan meeting it is admitted at, since what a plan holds is live at its peak). Returns the
     plan and the share with ``target_bytes`` set to the target it was made for. Raises
@@ -173,10 +196,11 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     try:
         plan = plan_at(max(high, 1))
     except BudgetInfeasibleError as error:  # infeasible here: infeasible at every lower target
-        candidates = _near_smallest(error, high, plan_at, budget_bytes)
+        candidates = _holding_least(_near_smallest(error, high, plan_at, budget_bytes), plan_capped)
         raise _infeasible(error, share, candidates, held_of, budget_bytes, headroom_fraction, loose=True) from None
-    if share.admits(held_of(plan), plan.predicted_peak_bytes):
-        return plan, replace(share, target_bytes=high)
+    admitted = _admitted(share, plan, high, held_of, plan_capped)
+    if admitted is not None:
+        return admitted, replace(share, target_bytes=high)
     low, best = share.target_bytes, None
     for _ in range(FIT_ROUNDS):
         if high - low <= max(high // 50, 1):
@@ -188,8 +212,9 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
             # No plan peaks this low; the planner names the smallest peak it reaches.
             low = max(middle, _named_peak(error, middle, budget_bytes) - 1)
             continue
-        if share.admits(held_of(trial), trial.predicted_peak_bytes):
-            low, best = middle, (trial, middle)
+        admitted = _admitted(share, trial, middle, held_of, plan_capped)
+        if admitted is not None:
+            low, best = middle, (admitted, middle)
         else:
             high = middle
     if best is not None:
@@ -199,7 +224,7 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     except BudgetInfeasibleError as error:
         # Last, the plans just above the smallest peak the planner names: the admitted
         # targets can be a window the bisection stepped over.
-        candidates = _near_smallest(error, share.target_bytes, plan_at, budget_bytes)
+        candidates = _holding_least(_near_smallest(error, share.target_bytes, plan_at, budget_bytes), plan_capped)
         admitted = [(t, c) for t, c in candidates if share.admits(held_of(c), c.predicted_peak_bytes)]
         if admitted:
             target, plan = max(admitted, key=lambda tc: tc[0])
@@ -227,6 +252,21 @@ def _near_smallest(error: BudgetInfeasibleError, target_bytes: int, plan_at: "Ca
         except BudgetInfeasibleError:
             continue
     return found
+
+
+def _holding_least(candidates: "list[tuple[int, Any]]", plan_capped: "Optional[Callable[[int, int], Any]]"
+                   ) -> "list[tuple[int, Any]]":
+    """``candidates`` and, given ``plan_capped``, each target's plan saving as little as it can at
+    that peak (cap 0): near the smallest peak, what a plan holds often decides admission."""
+    if plan_capped is None:
+        return candidates
+    capped = []
+    for target, _ in candidates:
+        try:
+            capped.append((target, plan_capped(target, 0)))
+        except BudgetInfeasibleError:
+            continue
+    return candidates + capped
 
 
 def _infeasible(error: BudgetInfeasibleError, share: GraphShare, candidates: "list[tuple[int, Any]]",

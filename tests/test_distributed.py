@@ -167,7 +167,7 @@ def worker_main(argv: list[str]) -> None:
                 ours = _train(args.mode, backend, measure_steps=(STEPS - 1,))
                 break
             except remat.BudgetInfeasibleError as error:
-                # Both ranks plan the same graphs, so both get here. Neither mode reaches 60%
+                # Both ranks plan the same graphs, so both get here. FSDP2 does not reach 60%
                 # (README): test at the smallest feasible budget it names (the larger rank's).
                 # A DDP piece names the budget its own share needs; a later piece can need more.
                 if attempt == MAX_ATTEMPTS - 1:
@@ -311,9 +311,10 @@ def test_measured_peak_per_rank_within_budget(mode: str, tmp_path_factory: pytes
 
 
 # The smallest feasible per-rank budget each mode reaches, as a fraction of plain Inductor's
-# peak (measured at 62% for DDP and 78% for FSDP2 with 5% headroom; the issue asks for ~60%):
-# a bound that fails if the ledger or the planner gets worse. README says what stops each.
-SMALLEST_FRACTION_BOUND = {"ddp": 0.65, "fsdp2": 0.80}
+# peak (with 5% headroom and the saved-bytes cap: DDP runs at the 60% asked for, FSDP2's
+# smallest named is 68%): a bound that fails if the ledger or the planner gets worse. README
+# says what stops FSDP2.
+SMALLEST_FRACTION_BOUND = {"ddp": 0.60, "fsdp2": 0.72}
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
@@ -323,7 +324,9 @@ def test_smallest_feasible_budget_fraction(mode: str, tmp_path_factory: pytest.T
     results, _ = _run(mode, tmp_path_factory)
     for r in results:
         fraction = r["budget_gb"] * 1e9 / r["plain_peak_max_bytes"]
-        assert fraction <= SMALLEST_FRACTION_BOUND[mode], (
+        if mode == "ddp":   # 60% itself, not a smallest budget named after refusing it
+            assert r["smallest_feasible_gb"] is None, f"ddp refused 60%, named {r['smallest_feasible_gb']} GB"
+        assert fraction <= SMALLEST_FRACTION_BOUND[mode] + 1e-3, (
             f"{mode} rank {r['rank']}: smallest feasible budget {r['budget_gb'] * 1e3:.3f} MB is {fraction:.1%} of plain "
             f"Inductor's peak {r['plain_peak_max_bytes'] / 1e6:.3f} MB (bound {SMALLEST_FRACTION_BOUND[mode]:.0%})")
         if r["smallest_feasible_gb"] is None:
@@ -511,6 +514,35 @@ def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility()
         fit_plan(squeezed, lambda p: p.held, planner_from_3_5_mb, budget_bytes=4 * MB, headroom_fraction=0.0,
                  calibrate=False)
     assert abs(info.value.min_feasible_bytes - 4_200_000) <= 1 and "holds 2.10 MB" in str(info.value)  # shares round down
+
+
+def test_fit_plan_asks_for_a_plan_holding_less_when_the_share_refuses_what_one_holds() -> None:
+    from types import SimpleNamespace
+
+    from remat.distributed import piece_target
+    from remat.distributed_fit import fit_plan
+
+    share = piece_target(step_target_bytes=10 * MB, index=0, needs=(1, 1), held_before_bytes=0, input_activation_bytes=0,
+                         total_grad_bytes=0, grads_so_far_bytes=0)
+    # Half the step is reserved for the later piece: whatever peaks at 9 MB may hold at most 5 MB.
+    assert share.largest_held_bytes(9 * MB) == 5 * MB and share.admits(5 * MB, 9 * MB)
+    assert not share.admits(5 * MB + 1, 9 * MB) and share.largest_held_bytes(11 * MB) == -1
+    asked = []
+
+    def plan_at(target, saved_cap_bytes=None):  # peaks at its target; holds 90% of it unless capped
+        held = int(0.9 * target) if saved_cap_bytes is None else min(int(0.9 * target), saved_cap_bytes)
+        asked.append(saved_cap_bytes)
+        return SimpleNamespace(predicted_peak_bytes=target, held=held, saved_bytes=held)
+
+    loose = share.loose_target_bytes
+    plan, fitted = fit_plan(share, lambda p: p.held, plan_at, budget_bytes=10 * MB, headroom_fraction=0.0,
+                            calibrate=False, plan_capped=plan_at)
+    # The loose target's plan holds 9 MB, refused; the same target capped at 5 MB is admitted.
+    assert fitted.target_bytes == loose and plan.predicted_peak_bytes == loose
+    assert asked == [None, share.largest_held_bytes(loose)] and share.admits(plan.held, plan.predicted_peak_bytes)
+    # Without plan_capped the bisection has to lower the peak until 90% of it is under 5 MB.
+    plan, fitted = fit_plan(share, lambda p: p.held, plan_at, budget_bytes=10 * MB, headroom_fraction=0.0, calibrate=False)
+    assert plan.predicted_peak_bytes <= 5 * MB / 0.9 + 1
 
 
 def test_calibrate_reserve_scales_later_needs_by_this_pieces_smallest_peak() -> None:
