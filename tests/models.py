@@ -8,7 +8,6 @@ Each ``make_*`` function returns ``(model, example_inputs)`` built from a fixed 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
