@@ -42,7 +42,7 @@ from .distributed import DistributedGraphRecord, StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
 from .errors import BudgetInfeasibleError
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
-from .passes.joint_graph import read_joint_graph
+from .passes.joint_graph import JointGraphFacts, read_joint_graph
 from .passes.plan import Plan, make_plan
 from .passes.random_ops import split_dropout_outputs
 from .passes.rewrite import RegionSummary, place_recompute_regions
@@ -97,6 +97,21 @@ def _device_of(joint_inputs: Sequence[Any]) -> torch.device:
     offsets, scalar constants), and the cost profile must be the GPU's."""
     devices = [value.device for value in joint_inputs if isinstance(value, torch.Tensor)]
     return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+
+
+# Scatter sums Inductor's CPU backend sends to the library call when more than one thread runs
+# its code (torch/_inductor/utils.py: needs_fallback_due_to_atomic_add_limitations) and lowers as
+# loops with one thread: the kernel model knows the library call only.
+_SCATTER_SUM_OPS = frozenset({"aten.scatter_add.default", "aten.scatter_reduce.two"})
+
+
+def _simulator_models(facts: "JointGraphFacts", device_type: str) -> bool:
+    """False when the graph's generated code is one the memory simulator is known not to model:
+    a scatter sum compiled for a single-threaded CPU (the zoo CNN's max-pool backward then
+    measures 10% over its simulation). The plan then keeps the larger default headroom."""
+    if device_type != "cpu" or torch.get_num_threads() != 1:
+        return True
+    return not any(node.op in _SCATTER_SUM_OPS for node in facts.nodes.values())
 
 
 def _current_compile_id() -> str:
@@ -259,7 +274,8 @@ class RematBackend:
         # Under DDP / FSDP2 the per-rank budget is split across the step's graphs (remat/distributed.py).
         static_indices = kwargs.get("static_lifetime_input_indices")
         device_type = _device_of(joint_inputs).type
-        target_bytes = self.options.planning_target_bytes(device_type)
+        modeled = _simulator_models(facts, device_type)
+        target_bytes = self.options.planning_target_bytes(device_type, modeled)
         share = share_for_graph(self._step_ledger, target_bytes, joint, num_fwd_outputs, static_indices)
 
         def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None) -> Plan:
@@ -278,7 +294,7 @@ class RematBackend:
                 plan = plan_at(target_bytes)
             else:  # the largest target the step's ledger admits (remat/distributed.py)
                 plan, share = fit_plan(share, lambda p: held_bytes_of(joint, static_indices, p.saved_bytes, p.saved_primals),
-                                       plan_at, self.options.budget_bytes, self.options.headroom_for(device_type),
+                                       plan_at, self.options.budget_bytes, self.options.headroom_for(device_type, modeled),
                                        plan_capped=plan_at)
         except BudgetInfeasibleError as error:
             raise _passthrough_error_class(BudgetInfeasibleError)(error) from None

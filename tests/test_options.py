@@ -87,6 +87,8 @@ def test_default_headroom_depends_on_the_device():
     assert options.headroom_for("cuda") == DEFAULT_HEADROOM_FRACTION == 0.15
     assert options.planning_target_bytes("cpu") == 950_000_000
     assert options.planning_target_bytes("cuda") == 850_000_000
+    # a graph whose generated code the simulator is known not to model keeps the larger headroom
+    assert options.headroom_for("cpu", modeled=False) == 0.15 and options.headroom_for("cpu", modeled=True) == 0.05
     # an explicit headroom is used on every device, and the plan cache tells the two apart
     assert remat.backend(1, headroom_fraction=0.05).options.headroom_for("cuda") == 0.05
     assert remat.backend(1).options.cache_key() != remat.backend(1, headroom_fraction=0.05).options.cache_key()
@@ -189,3 +191,29 @@ def test_bad_milp_time_limit_fails_at_the_boundary(limit):
 def test_unknown_solver_fails_at_the_boundary():
     with pytest.raises(ValueError, match=r"solver='ilp' is not one of \('greedy', 'milp', 'save-all'\)"):
         remat.backend(1, solver="ilp")
+
+
+def test_single_threaded_cpu_scatter_sums_keep_the_larger_headroom():
+    # Inductor lowers a CPU scatter sum as a loop when its code runs on one thread, and as a
+    # library call otherwise; the simulator models the library call only.
+    import sys
+
+    from joint_graphs import capture_joint
+
+    simulator_models = sys.modules["remat.backend"]._simulator_models
+    def scatter(x, index):
+        return torch.zeros(2, 8).scatter_add(0, index, x.exp()).sum()
+
+    index = torch.tensor([0, 1, 0, 1])[:, None].expand(4, 8).contiguous()
+    facts = capture_joint(scatter, torch.randn(4, 8, requires_grad=True), index).facts()
+    plain = capture_joint(lambda x: x.exp().sum(), torch.randn(4, 8, requires_grad=True)).facts()
+    assert any(n.op == "aten.scatter_add.default" for n in facts.nodes.values())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert not simulator_models(facts, "cpu") and simulator_models(plain, "cpu")
+        assert simulator_models(facts, "cuda")
+        torch.set_num_threads(2)
+        assert simulator_models(facts, "cpu")
+    finally:
+        torch.set_num_threads(threads)
