@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -38,42 +37,12 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
-from models import GPT, GPTConfig  # noqa: E402
+from distributed_setup import CFG, STEPS, WORLD_SIZE, all_max, batches, run_ranks, worker_parser, wrap  # noqa: E402
+from models import GPT  # noqa: E402
 
 import remat  # noqa: E402
 
-WORLD_SIZE = 2
-CFG = GPTConfig(n_layers=2, dropout=0.0)
-BATCH_PER_RANK = 4
-STEPS = 3
 RUN_TIMEOUT_S = 900
-
-
-def _batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    generator = torch.Generator().manual_seed(7)
-    steps = []
-    for _ in range(STEPS):
-        ranks = []
-        for _ in range(WORLD_SIZE):
-            tokens = torch.randint(0, CFG.vocab_size, (BATCH_PER_RANK, CFG.seq_len + 1), generator=generator)
-            ranks.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
-        steps.append(ranks)
-    return steps
-
-
-def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model, bucket_cap_mb=1)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 # ---------------------------------------------------------------- what was live at the peak
@@ -157,11 +126,11 @@ def _train(mode: str, backend: Any, timeline: bool) -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _wrap(GPT(CFG).train(), mode)
+    model = wrap(GPT(CFG).train(), mode)
     compiled = torch.compile(model, backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     out: dict[str, Any] = {}
-    for step, ranks in enumerate(_batches()):
+    for step, ranks in enumerate(batches()):
         tokens, targets = ranks[rank]
         optimizer.zero_grad(set_to_none=True)
 
@@ -178,12 +147,6 @@ def _train(mode: str, backend: Any, timeline: bool) -> dict[str, Any]:
     return out
 
 
-def _all_max(value: float) -> float:
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return float(tensor.item())
-
-
 def _graphs(backend: Any) -> list[dict[str, Any]]:
     rows = []
     for g in backend.compiled_graphs:
@@ -196,11 +159,7 @@ def _graphs(backend: Any) -> list[dict[str, Any]]:
 
 
 def worker_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ddp", "fsdp2"), required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--out", required=True)
+    parser = worker_parser()
     parser.add_argument("--fractions", type=float, nargs="+", required=True)
     parser.add_argument("--headroom", type=float, default=None)
     parser.add_argument("--attempts", type=int, default=3)
@@ -211,7 +170,7 @@ def worker_main(argv: list[str]) -> None:
     torch.distributed.init_process_group("gloo", rank=args.rank, world_size=WORLD_SIZE)
     try:
         plain = _train(args.mode, "inductor", args.timeline)
-        plain_max = _all_max(plain["peak_bytes"])
+        plain_max = all_max(plain["peak_bytes"])
         rows = []
         for fraction in args.fractions:
             requested = budget = fraction * plain_max / 1e9
@@ -223,7 +182,7 @@ def worker_main(argv: list[str]) -> None:
                 try:
                     ours = _train(args.mode, backend, args.timeline)
                 except remat.BudgetInfeasibleError as error:
-                    named.append(_all_max(error.min_feasible_bytes) / 1e9)
+                    named.append(all_max(error.min_feasible_bytes) / 1e9)
                     budget = named[-1]
                     row["last_error"] = str(error)[:600]
                     continue
@@ -242,34 +201,11 @@ def worker_main(argv: list[str]) -> None:
 
 # ---------------------------------------------------------------- parent
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(mode: str, out: Path, worker_args: list[str]) -> list[dict[str, Any]]:
     """Both ranks of one mode; both are killed if either fails or the time is up."""
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    logs = [open(out / f"{mode}_log_rank{r}.txt", "w") for r in range(WORLD_SIZE)]
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--mode", mode, "--rank", str(r), "--port", str(port),
-                               "--out", str(out), *worker_args], env=env, stdout=logs[r], stderr=subprocess.STDOUT)
-             for r in range(WORLD_SIZE)]
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.5)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-    if any(p.returncode != 0 for p in procs):
+    codes = run_ranks(__file__, ["--mode", mode, "--out", str(out), *worker_args],
+                      [out / f"{mode}_log_rank{r}.txt" for r in range(WORLD_SIZE)], RUN_TIMEOUT_S)
+    if any(code != 0 for code in codes):
         tails = "\n".join((out / f"{mode}_log_rank{r}.txt").read_text()[-3000:] for r in range(WORLD_SIZE))
         raise SystemExit(f"{mode}: a rank failed or timed out:\n{tails}")
     return [json.loads((out / f"{mode}_rank{r}.json").read_text()) for r in range(WORLD_SIZE)]

@@ -17,11 +17,8 @@ tightest budget never recomputes one.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +31,8 @@ import torch.nn.functional as F
 import remat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import GPT, GPTConfig  # noqa: E402
+from distributed_setup import CFG, STEPS, WORLD_SIZE, all_max, batches, run_ranks, worker_parser, wrap  # noqa: E402
+from models import GPT  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,
@@ -42,10 +40,6 @@ pytestmark = [
                        reason="torch.distributed with the gloo backend is not available in this build"),
 ]
 
-WORLD_SIZE = 2
-CFG = GPTConfig(n_layers=2, dropout=0.0)
-BATCH_PER_RANK = 4
-STEPS = 3
 LR = 0.1
 BUDGET_FRACTION = 0.6
 # Passed explicitly, so the tested budgets do not move with remat's default: the CPU
@@ -55,19 +49,6 @@ HEADROOM_FRACTION = 0.05
 PARAM_REL_TOL = 1e-5
 RUN_TIMEOUT_S = 200
 MAX_ATTEMPTS = 3
-
-
-def _batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per step, per rank: (tokens, targets), from a fixed generator."""
-    generator = torch.Generator().manual_seed(7)
-    steps = []
-    for _ in range(STEPS):
-        ranks = []
-        for _ in range(WORLD_SIZE):
-            tokens = torch.randint(0, CFG.vocab_size, (BATCH_PER_RANK, CFG.seq_len + 1), generator=generator)
-            ranks.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
-        steps.append(ranks)
-    return steps
 
 
 def _fresh_model() -> GPT:
@@ -81,22 +62,6 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- worker (one rank)
 
-def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        # 1 MiB buckets (the smallest the DDP optimizer accepts) split the 2-layer GPT into pieces.
-        return DistributedDataParallel(model, bucket_cap_mb=1)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _train(mode: str, backend: Any, measure_steps: tuple[int, ...]) -> dict[str, Any]:
     """Train STEPS steps of the wrapped, compiled GPT; measure the forward+backward peak of
     ``measure_steps`` (gradients None at their start: the budget covers them).
@@ -106,11 +71,11 @@ def _train(mode: str, backend: Any, measure_steps: tuple[int, ...]) -> dict[str,
     every gradient's bytes that then stays resident), which is no part of a steady step."""
     rank = torch.distributed.get_rank()
     torch._dynamo.reset()
-    model = _wrap(_fresh_model(), mode)
+    model = wrap(_fresh_model(), mode)
     compiled = torch.compile(model, backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     peaks, losses = [], []
-    for step, ranks in enumerate(_batches()):
+    for step, ranks in enumerate(batches()):
         tokens, targets = ranks[rank]
         optimizer.zero_grad(set_to_none=True)
 
@@ -133,18 +98,8 @@ def _train(mode: str, backend: Any, measure_steps: tuple[int, ...]) -> dict[str,
     return {"peaks": peaks, "losses": losses, "params": params}
 
 
-def _all_max(value: float) -> float:
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return float(tensor.item())
-
-
 def worker_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ddp", "fsdp2"), required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--out", required=True)
+    parser = worker_parser()
     args = parser.parse_args(argv)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     torch.set_num_threads(1)
@@ -155,7 +110,7 @@ def worker_main(argv: list[str]) -> None:
         start = time.perf_counter()
         plain = _train(args.mode, "inductor", measure_steps=(STEPS - 1,))
         times["plain_s"] = time.perf_counter() - start
-        plain_peak = _all_max(plain["peaks"][0])
+        plain_peak = all_max(plain["peaks"][0])
         requested_gb = BUDGET_FRACTION * plain_peak / 1e9
         budget_gb, smallest_gb = requested_gb, None
         dump_dir = out / f"dump_rank{args.rank}"
@@ -172,7 +127,7 @@ def worker_main(argv: list[str]) -> None:
                 # A DDP piece names the budget its own share needs; a later piece can need more.
                 if attempt == MAX_ATTEMPTS - 1:
                     raise
-                smallest_gb = _all_max(error.min_feasible_bytes) / 1e9
+                smallest_gb = all_max(error.min_feasible_bytes) / 1e9
                 budget_gb = smallest_gb
         times["remat_s"] = time.perf_counter() - start
         graphs = []
@@ -206,38 +161,13 @@ def worker_main(argv: list[str]) -> None:
 
 # ---------------------------------------------------------------- parent (pytest)
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(mode: str, out: Path) -> list[dict[str, Any]]:
     """Run both ranks; kill both if either fails or the time is up. Returns each rank's result."""
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    logs_out = [open(out / f"log_rank{r}.txt", "w") for r in range(WORLD_SIZE)]
-    procs = [
-        subprocess.Popen([sys.executable, __file__, "--worker", "--mode", mode, "--rank", str(r), "--port", str(port),
-                          "--out", str(out)], env=env, stdout=logs_out[r], stderr=subprocess.STDOUT)
-        for r in range(WORLD_SIZE)
-    ]
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.5)
-    finally:
-        for p in procs:  # a rank that failed leaves the other blocked in a collective: stop both
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs_out:
-            f.close()
-    logs = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n" + (out / f"log_rank{r}.txt").read_text()[-4000:]
-                     for r, p in enumerate(procs))
-    if any(p.returncode != 0 for p in procs):
+    codes = run_ranks(__file__, ["--mode", mode, "--out", str(out)],
+                      [out / f"log_rank{r}.txt" for r in range(WORLD_SIZE)], RUN_TIMEOUT_S)
+    logs = "\n".join(f"--- rank {r} (exit {code}) ---\n" + (out / f"log_rank{r}.txt").read_text()[-4000:]
+                     for r, code in enumerate(codes))
+    if any(code != 0 for code in codes):
         pytest.fail(f"{mode} run failed or timed out after {RUN_TIMEOUT_S} s:\n{logs}")
     return [json.loads((out / f"result_rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
 
@@ -246,7 +176,7 @@ def _reference_params() -> dict[str, torch.Tensor]:
     """The same 3 steps in one process, eager, no remat: the mean of both ranks' losses."""
     model = _fresh_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for ranks in _batches():
+    for ranks in batches():
         optimizer.zero_grad(set_to_none=True)
         loss = sum(_loss(model(tokens), targets) for tokens, targets in ranks) / WORLD_SIZE
         loss.backward()
