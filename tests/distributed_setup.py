@@ -1,7 +1,7 @@
 """What the distributed test and benchmark share: the model, the batches, the wrapping.
 
 ``tests/test_distributed.py`` and ``benchmarks/distributed_budget.py`` run the same two-rank
-training on 127.0.0.1 (gloo): the zoo GPT with 2 layers and no dropout, batch 4 per rank,
+training on 127.0.0.1 (gloo): the zoo GPT (its default 4 layers) without dropout, batch 4 per rank,
 3 steps, DDP with 1 MiB buckets or FSDP2 ``fully_shard`` on each block and the model.
 """
 
@@ -20,7 +20,7 @@ import torch
 from models import GPTConfig
 
 WORLD_SIZE = 2
-CFG = GPTConfig(n_layers=2, dropout=0.0)
+CFG = GPTConfig(dropout=0.0)   # the zoo GPT; no dropout: a single-process reference cannot replay per-rank masks
 BATCH_PER_RANK = 4
 STEPS = 3
 
@@ -40,7 +40,7 @@ def batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
 
 def wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     """``mode`` "ddp": DistributedDataParallel with 1 MiB buckets (the smallest the DDP optimizer
-    accepts: they split the 2-layer GPT into pieces); "fsdp2": ``fully_shard`` on each block, then
+    accepts: they split the GPT into pieces); "fsdp2": ``fully_shard`` on each block, then
     on the model."""
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel

@@ -2,7 +2,7 @@
 
 Each mode is one spawned run of two ranks (``python tests/test_distributed.py --worker``,
 127.0.0.1, a free port, killed when the test's time is up). Per rank it compiles the zoo
-GPT (2 layers, no dropout: the reference below cannot replay per-rank dropout masks) with
+GPT (4 layers, no dropout: the reference below cannot replay per-rank dropout masks) with
 plain Inductor, measures that step's peak, then trains 3 steps with remat at 60% of the
 larger rank's plain-Inductor peak (or at the smallest feasible budget the planner names,
 recorded, as tests/test_e2e.py does). The parent process trains the same model for the
@@ -122,8 +122,8 @@ def worker_main(argv: list[str]) -> None:
                 ours = _train(args.mode, backend, measure_steps=(STEPS - 1,))
                 break
             except remat.BudgetInfeasibleError as error:
-                # Both ranks plan the same graphs, so both get here. FSDP2 does not reach 60%
-                # (README): test at the smallest feasible budget it names (the larger rank's).
+                # Both ranks plan the same graphs, so both get here: run at the smallest feasible
+                # budget named (the larger rank's), which test_smallest_feasible_budget_fraction refuses.
                 # A DDP piece names the budget its own share needs; a later piece can need more.
                 if attempt == MAX_ATTEMPTS - 1:
                     raise
@@ -240,11 +240,10 @@ def test_measured_peak_per_rank_within_budget(mode: str, tmp_path_factory: pytes
         assert budget_bytes < r["plain_peak_bytes"]
 
 
-# The smallest feasible per-rank budget each mode reaches, as a fraction of plain Inductor's
-# peak (with 5% headroom and the saved-bytes cap: DDP runs at the 60% asked for, FSDP2's
-# smallest named is 68%): a bound that fails if the ledger or the planner gets worse. README
-# says what stops FSDP2.
-SMALLEST_FRACTION_BOUND = {"ddp": 0.60, "fsdp2": 0.72}
+# The per-rank budget each mode runs at, as a fraction of plain Inductor's peak: both run at the
+# 60% the issue asks for (5% headroom, the saved-bytes cap). On a 2-layer GPT FSDP2 stopped at
+# 65-68%: its own gathered parameters and buffers were a third of the budget (README).
+SMALLEST_FRACTION_BOUND = {"ddp": 0.60, "fsdp2": 0.60}
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
@@ -254,8 +253,8 @@ def test_smallest_feasible_budget_fraction(mode: str, tmp_path_factory: pytest.T
     results, _ = _run(mode, tmp_path_factory)
     for r in results:
         fraction = r["budget_gb"] * 1e9 / r["plain_peak_max_bytes"]
-        if mode == "ddp":   # 60% itself, not a smallest budget named after refusing it
-            assert r["smallest_feasible_gb"] is None, f"ddp refused 60%, named {r['smallest_feasible_gb']} GB"
+        # 60% itself, not a smallest budget named after refusing it
+        assert r["smallest_feasible_gb"] is None, f"{mode} refused 60%, named {r['smallest_feasible_gb']} GB"
         assert fraction <= SMALLEST_FRACTION_BOUND[mode] + 1e-3, (
             f"{mode} rank {r['rank']}: smallest feasible budget {r['budget_gb'] * 1e3:.3f} MB is {fraction:.1%} of plain "
             f"Inductor's peak {r['plain_peak_max_bytes'] / 1e6:.3f} MB (bound {SMALLEST_FRACTION_BOUND[mode]:.0%})")
