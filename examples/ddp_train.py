@@ -1,6 +1,6 @@
 """Train the zoo's small GPT with DistributedDataParallel under a per-rank memory budget.
 
-    torchrun --nproc_per_node 2 examples/ddp_train.py --budget-gb 0.055 --steps 4
+    torchrun --nproc_per_node 2 examples/ddp_train.py --budget-gb 0.037 --steps 4
 
 Each rank wraps the GPT in DDP (small buckets, so Dynamo's DDP optimizer splits the step
 into pieces), compiles it with ``remat.backend(budget_gb=...)`` and trains a few steps on its
@@ -111,7 +111,7 @@ def report(rank: int, backend: remat.RematBackend, ours: dict[str, Any], base: O
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget-gb", type=parse_budget, default=0.055,
+    parser.add_argument("--budget-gb", type=parse_budget, default=0.037,
                         help="per-rank peak above the resident baseline, in GB (1 GB = 1e9 bytes); 'none' or 'auto'")
     parser.add_argument("--steps", type=int, default=4, help="training steps per backend; the last is measured (default 4)")
     parser.add_argument("--batch", type=int, default=8, help="batch per rank (default 8)")
