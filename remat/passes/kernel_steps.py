@@ -469,19 +469,31 @@ def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Seque
     pinned_fw = {s for o in facts.fwd_outputs for s in fw_storages(o)}
     # AOTAutograd donates to the backward every saved tensor whose storage no forward input or
     # output shares (``collect_fw_donated_buffer_idxs``), views of intermediates included; the
-    # backward may then overwrite it. ``owned``: storages the step allocates (a primal's or a
-    # tangent's is there before the step starts)
-    owned = cache.owned
-    saved_views = [n for n in partition.saved if facts.nodes[n].is_view and facts.nodes[n].is_tensor]
-    donated = frozenset(n for n in partition.saved if facts.nodes[n].allocs and not set(fw_storages(n)) & pinned_fw) | {
-        n for n in saved_views if fw_storages(n) and set(fw_storages(n)) <= owned and not set(fw_storages(n)) & pinned_fw}
+    # backward may then overwrite it (``cache.owned``: storages the step allocates; a primal's or
+    # a tangent's is there before the step starts).
+    # ``param_views``: saved views of what the step did not allocate (a transposed weight), which
+    # only Inductor's peak estimate holds (``_Graph._estimated_input_bytes``)
+    donated: set[str] = set()
+    param_views: set[str] = set()
+    for n in partition.saved:
+        node = facts.nodes[n]
+        is_view = node.is_view and node.is_tensor
+        if not (node.allocs or is_view):
+            continue
+        storages = set(fw_storages(n))
+        if is_view and not storages & cache.owned:
+            param_views.add(n)
+        if storages & pinned_fw:
+            continue
+        if node.allocs or (storages and storages <= cache.owned):
+            donated.add(n)
     bw_instances = [(s.name, s.instance) for s in bw_order]
     regions = {s.instance: s.region for s in bw_order}
     reads = {s.instance: dict(s.reads) for s in bw_order if s.reads}
     last = {s.name: s.instance for s in bw_order}    # a gradient that is a recomputed value: its last copy
     outputs = {last.get(o, o) for o in facts.bwd_outputs}
-    param_views = frozenset(n for n in saved_views if not any(sid in owned for sid in fw_storages(n)))
-    backward = _Graph(facts, cache, bw_instances, outputs, backward_input, donated, reads, param_views)
+    backward = _Graph(facts, cache, bw_instances, outputs, backward_input, frozenset(donated), reads,
+                      frozenset(param_views))
     bw_steps, bw_storages = backward.steps("backward", regions)
     steps = fw_steps + [Step("<tangents>", "backward", cache.tangent_allocs, (), external=True)] + bw_steps
     pinned = pinned_fw | {s for o in outputs for s in bw_storages(o)}

@@ -291,7 +291,8 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
     fits = chosen is not None
     if chosen is not None and target is not None and saved_cap_bytes is not None:
         capped = reduce_saved_bytes(facts, chosen, target, saved_cap_bytes)
-        dropped += tuple(n for n in facts.order if n in chosen.chosen - capped.chosen)
+        no_longer_saved = chosen.chosen - capped.chosen
+        dropped += tuple(n for n in facts.order if n in no_longer_saved)
         chosen = capped
     if chosen is None:
         assert budget_bytes is not None and target is not None
