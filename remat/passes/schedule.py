@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Iterable, Mapping
 
 from ..cost_model.memory import MemorySimulation, Step, simulate_memory
 from .joint_graph import JointGraphFacts
@@ -179,17 +179,23 @@ def partition_nodes(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> P
     return Partition(frozenset(saved), frozenset(primals), frozenset(recomputed), ordered)
 
 
-def forward_order(facts: JointGraphFacts, partition: Partition) -> list[str]:
-    """Forward candidates the forward graph computes, in joint-graph order."""
-    roots = set(facts.forward_required) | set(partition.saved)
-    needed: set[str] = set()
+def forward_ancestors(facts: JointGraphFacts, roots: Iterable[str]) -> set[str]:
+    """The forward nodes among ``roots`` and their inputs, transitively (a non-forward node ends
+    the walk: primals, tangents)."""
+    found: set[str] = set()
     stack = list(roots)
     while stack:
         name = stack.pop()
-        if name in needed or facts.nodes[name].role != "forward":
+        if name in found or facts.nodes[name].role != "forward":
             continue
-        needed.add(name)
+        found.add(name)
         stack.extend(facts.nodes[name].inputs)
+    return found
+
+
+def forward_order(facts: JointGraphFacts, partition: Partition) -> list[str]:
+    """Forward candidates the forward graph computes, in joint-graph order."""
+    needed = forward_ancestors(facts, set(facts.forward_required) | set(partition.saved))
     return [name for name in facts.order if name in needed]
 
 

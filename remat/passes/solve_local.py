@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional
 
 from .evaluate import Evaluated
+from .schedule import forward_ancestors
 
 if TYPE_CHECKING:
     from .solve_greedy import _Graph
@@ -37,16 +38,7 @@ REPAIR_DROPS = 2                # values dropped after saving one more (_save_an
 
 def _relevant(g: _Graph) -> list[str]:
     """Forward values the backward reads, or that a recomputation of those could read; in graph order."""
-    facts = g.facts
-    found: set[str] = set()
-    stack = [n for n in facts.needed_by_backward if facts.nodes[n].role == "forward"]
-    while stack:
-        name = stack.pop()
-        if name in found or facts.nodes[name].role != "forward":
-            continue
-        found.add(name)
-        stack.extend(facts.nodes[name].inputs)
-    return sorted(found, key=g.position.__getitem__)
+    return sorted(forward_ancestors(g.facts, g.facts.needed_by_backward), key=g.position.__getitem__)
 
 
 def _neighbours(g: _Graph, name: str, chosen: frozenset[str]) -> list[str]:
