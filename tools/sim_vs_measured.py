@@ -3,6 +3,7 @@ without Inductor's buffer reuse, and the measured peak of the Inductor-compiled 
 
     python tools/sim_vs_measured.py MODEL none 0.02 ...
     INDUCTOR=allow_buffer_reuse=0 python tools/sim_vs_measured.py MODEL none   # Inductor config overrides
+    THREADS=1 python tools/sim_vs_measured.py cnn none                        # torch threads Inductor compiles for
 
 Budgets in GB (1 GB = 1e9 bytes); printed sizes in MB (1e6 bytes). The measurement is
 benchmarks/memory_accuracy.py's (allocations made inside one step, gradients cleared before).
@@ -17,6 +18,8 @@ sys.path.insert(0, "/work/main")
 sys.path.insert(0, "/work/main/benchmarks")
 import torch._inductor.config as inductor_config  # noqa: E402
 
+if os.environ.get("THREADS"):
+    torch.set_num_threads(int(os.environ["THREADS"]))
 for kv in filter(None, os.environ.get("INDUCTOR", "").split(",")):
     key, value = kv.split("=")
     setattr(inductor_config, key, value == "1")
