@@ -1,0 +1,339 @@
+"""Does the budget hold on models remat was never tuned on? Predicted vs measured peak over a corpus.
+
+    PYTHONHASHSEED=0 python benchmarks/fidelity.py                      # the whole corpus -> results/
+    python benchmarks/fidelity.py --only rand-1003 hf-t5                # some models
+    python benchmarks/fidelity.py --limit 3 --seeds 1000-1002 --out /tmp/fid.jsonl
+    python benchmarks/fidelity.py --report-only                         # rewrite the .md from the .jsonl
+
+The corpus is ``remat.testing.corpus``: random nets for ``--seeds`` (default
+``BENCHMARK_SEEDS``), CNNs with BatchNorm and pooling, tiny Hugging Face models (when
+``transformers`` is importable). Each model runs in its own worker process (``PYTHONHASHSEED``
+inherited, a fresh ``torch._dynamo.reset()`` before every compile), and every variant below is
+built fresh from the entry's seed (same parameters and inputs) and run for three steps, each
+``torch.manual_seed(STEP_SEED)``, gradients set to None before it, the loss and backward inside:
+
+- ``plain``: ``torch.compile(backend="inductor")``. Its step-3 measured peak is "plain's peak",
+  the base of the budgets; its step-1 gradients are the reference.
+- ``probe``: remat at a 1 kB budget, which no plan meets: the ``BudgetInfeasibleError`` names
+  the floor, the smallest budget remat accepts (``min_budget_bytes`` when the error has it,
+  else ``min_feasible_bytes``). Only traced and planned, no code generated.
+- ``none``, ``0.9``, ``0.7``, ``0.5``: ``remat.backend(budget_gb=...)`` at no budget and at
+  those fractions of plain's peak (a fraction below the floor is recorded as infeasible, from
+  the probe, without compiling), and with ``--floor-point``, ``floor``: at the floor itself.
+- ``checkpoint``: full per-block checkpointing (``entry.build(checkpoint_blocks=True)``, non-
+  reentrant ``torch.utils.checkpoint``) under plain Inductor, for models with repeated blocks.
+
+Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
+in compile (= forward) order: ``max_i(saved_bytes of graphs before i + predicted peak of i)``),
+the measured peak of step 1 (the compiling step, measured around the call) and of step 3
+(``remat.measure_peak_bytes``), measured / budget, and the largest relative gradient error of
+steps 1 and 3 against plain's (``benchmarks/common.max_relative_grad_error``). When
+``remat.backend`` takes ``verify_peak`` (the closed loop on the measured peak), it is passed
+``verify_peak=1``, step 1 is not wrapped in a second profiler, and ``backend.feedback_events``
+is recorded. Writes one JSON line per point as it goes (a model with a ``done`` line is skipped
+on a rerun), then ``benchmarks/results/fidelity-cpu.md`` (``fidelity_report.py``). Units: bytes
+in the JSON, MB (1e6 bytes) in the tables; 1 GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_OUT = RESULTS / "fidelity-cpu.jsonl"
+FRACTIONS = (0.9, 0.7, 0.5)
+PROBE_BUDGET_GB = 1e-6          # 1 kB: below any model's floor
+STEP_SEED = 1234
+WORKER_TIMEOUT_S = 1500
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import remat  # noqa: E402
+from common import grads_of, machine_info, max_relative_grad_error, source_info  # noqa: E402
+from remat.testing import corpus as corpus_mod  # noqa: E402
+
+
+# ---- one variant ---------------------------------------------------------------------------------
+
+
+def loop_supported() -> bool:
+    """Whether this remat has the closed loop on the measured peak (``remat.backend(verify_peak=...)``)."""
+    return "verify_peak" in inspect.signature(remat.backend).parameters
+
+
+def make_backend(budget_gb: Optional[float]) -> remat.RematBackend:
+    if loop_supported():
+        return remat.backend(budget_gb, verify_peak=1)
+    return remat.backend(budget_gb)
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _jsonable(v) for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def predicted_step_peak(plans: list[Any]) -> Optional[int]:
+    """The step's predicted peak from its graphs' plans in compile (= forward) order: while graph i
+    runs, the graphs before it hold what they saved for their backward."""
+    held, peak = 0, None
+    for plan in plans:
+        peak = max(peak or 0, held + plan.predicted_peak_bytes)
+        held += plan.saved_bytes
+    return peak
+
+
+def _plans_summary(backend: Any) -> dict[str, Any]:
+    records = list(getattr(backend, "compiled_graphs", []))
+    plans = [g.plan for g in records]
+    return {
+        "graphs": [g.graph_id for g in records],
+        "predicted_peak_bytes": predicted_step_peak(plans),
+        "graph_predicted_peak_bytes": [p.predicted_peak_bytes for p in plans],
+        "graph_saved_bytes": [p.saved_bytes for p in plans],
+        "no_remat_peak_bytes": [p.no_remat_peak_bytes for p in plans],
+        "peak_step": [p.peak_step_name for p in plans],
+        "fits_budget": [p.fits_budget for p in plans],
+    }
+
+
+def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_blocks: bool = False,
+                measure_first: bool = True) -> dict[str, Any]:
+    """Compile a fresh copy of ``entry`` with ``backend`` and run three steps; see the module docstring."""
+    torch._dynamo.reset()
+    built = entry.build(checkpoint_blocks)
+    compiled = torch.compile(built.model, backend=backend)
+
+    def prepare() -> None:
+        built.model.zero_grad(set_to_none=True)
+        torch.manual_seed(STEP_SEED)
+
+    def step() -> float:
+        loss = built.loss(compiled)
+        loss.backward()
+        return float(loss.detach())
+
+    record: dict[str, Any] = {}
+    prepare()
+    if measure_first:
+        first = remat.measure_peak_bytes(step, "cpu")
+        record["measured_first_bytes"], loss = first.peak_bytes, first.result
+    else:
+        record["measured_first_bytes"], loss = None, step()
+    record["plans_first"] = _plans_summary(backend) if isinstance(backend, remat.RematBackend) else None
+    grads_first = grads_of(built.model)
+    prepare()
+    step()
+    prepare()
+    later = remat.measure_peak_bytes(step, "cpu")
+    record.update(measured_later_bytes=later.peak_bytes, loss_first=loss, loss_later=later.result,
+                  grads_first=grads_first, grads_later=grads_of(built.model))
+    return record
+
+
+# ---- one model -----------------------------------------------------------------------------------
+
+
+class ModelRun:
+    """Every point of one corpus model, each written as a JSON line the moment it is known."""
+
+    def __init__(self, entry: corpus_mod.CorpusEntry, out: Path) -> None:
+        self.entry, self.out = entry, out
+        self.reference: Optional[dict[str, torch.Tensor]] = None
+        self.plain_peak: Optional[int] = None
+
+    def write(self, point: str, **fields: Any) -> dict[str, Any]:
+        row = {"model": self.entry.name, "family": self.entry.family, "point": point, **fields}
+        with open(self.out, "a") as f:
+            f.write(json.dumps(_jsonable(row)) + "\n")
+        return row
+
+    def _grad_error(self, record: dict[str, Any]) -> dict[str, Any]:
+        errors = [max_relative_grad_error(record[k], self.reference) for k in ("grads_first", "grads_later")]
+        worst = max(errors, key=lambda e: (e[0] != e[0], e[0]))   # NaN counts as the worst
+        return {"grad_rel_err": worst[0], "grad_worst_param": worst[1]}
+
+    def measure(self, point: str, backend: Any, budget_bytes: Optional[int], **kwargs: Any) -> dict[str, Any]:
+        start = time.perf_counter()
+        try:
+            record = run_variant(self.entry, backend, **kwargs)
+        except remat.BudgetInfeasibleError as error:
+            return self.write(point, budget_bytes=budget_bytes, error=f"infeasible: {str(error)[:600]}",
+                              min_budget_bytes=getattr(error, "min_budget_bytes", None),
+                              min_feasible_bytes=error.min_feasible_bytes)
+        except Exception as error:  # noqa: BLE001 - a failing point is recorded, the others go on
+            return self.write(point, budget_bytes=budget_bytes, error=f"failed: {type(error).__name__}: {str(error)[:600]}",
+                              traceback=traceback.format_exc()[-2000:])
+        if self.reference is None:      # the first point measured is plain Inductor's: the reference
+            self.reference = record["grads_first"]
+        fields = {k: v for k, v in record.items() if not k.startswith("grads_")}
+        fields.update(self._grad_error(record))
+        if isinstance(backend, remat.RematBackend):
+            events = list(getattr(backend, "feedback_events", []) or [])
+            fields.update(plans_final=_plans_summary(backend), feedback_events=events, loop_events=len(events))
+        return self.write(point, budget_bytes=budget_bytes, seconds=round(time.perf_counter() - start, 1), **fields)
+
+    def probe_floor(self) -> Optional[int]:
+        """The smallest budget remat accepts, from the error a 1 kB budget raises (None if it did not raise)."""
+        torch._dynamo.reset()
+        built = self.entry.build()
+        compiled = torch.compile(built.model, backend=remat.backend(PROBE_BUDGET_GB))
+        try:
+            built.loss(compiled).backward()
+        except remat.BudgetInfeasibleError as error:
+            named = getattr(error, "min_budget_bytes", None)
+            floor = int(named if named is not None else error.min_feasible_bytes)
+            self.write("probe", floor_bytes=floor, min_budget_bytes=named, min_feasible_bytes=error.min_feasible_bytes,
+                       reasons=list(error.reasons))
+            return floor
+        except Exception as error:  # noqa: BLE001
+            self.write("probe", error=f"failed: {type(error).__name__}: {str(error)[:600]}")
+            return None
+        self.write("probe", error="a 1 kB budget was accepted")
+        return None
+
+    def run(self, fractions: tuple[float, ...], floor_point: bool) -> None:
+        loop = loop_supported()
+        plain = self.measure("plain", "inductor", None)
+        if plain.get("error"):
+            self.write("done", error="plain Inductor failed")
+            return
+        self.plain_peak = plain["measured_later_bytes"]
+        floor = self.probe_floor()
+        self.measure("none", make_backend(None), None, measure_first=not loop)
+        for fraction in fractions:
+            budget = int(fraction * self.plain_peak)
+            if floor is not None and budget < floor:
+                self.write(f"{fraction:g}", budget_bytes=budget, error="infeasible: below the probe's floor", floor_bytes=floor)
+                continue
+            self.measure(f"{fraction:g}", make_backend(budget / 1e9), budget, measure_first=not loop)
+        if floor_point and floor is not None:
+            self.measure("floor", make_backend(floor / 1e9), floor, measure_first=not loop)
+        if self.entry.has_repeated_blocks:
+            self.measure("checkpoint", "inductor", None, checkpoint_blocks=True)
+        self.write("done", plain_peak_bytes=self.plain_peak, floor_bytes=floor, loop_supported=loop,
+                   description=self.entry.description, seed=self.entry.seed)
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``"1000-1031"`` or ``"3,5,9"`` (or both, comma separated) -> the seeds."""
+    seeds: list[int] = []
+    for part in filter(None, text.split(",")):
+        low, _, high = part.partition("-")
+        seeds += range(int(low), int(high or low) + 1)
+    return tuple(seeds)
+
+
+def done_models(out: Path) -> set[str]:
+    if not out.exists():
+        return set()
+    return {row["model"] for row in map(json.loads, out.read_text().splitlines()) if row["point"] == "done"}
+
+
+def drop_unfinished(out: Path, finished: set[str]) -> None:
+    """Remove the lines of models a killed run left half done (they are run again from the start)."""
+    if out.exists():
+        lines = [line for line in out.read_text().splitlines() if json.loads(line)["model"] in finished
+                 or json.loads(line)["model"] == "_run"]
+        out.write_text("".join(line + "\n" for line in lines))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=parse_seeds, default=corpus_mod.BENCHMARK_SEEDS, help="random-net seeds, e.g. 1000-1031")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these corpus names")
+    parser.add_argument("--limit", type=int, default=None, help="run at most this many models")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--md", type=Path, default=None, help="the table (default: the .jsonl's name with .md)")
+    parser.add_argument("--floor-point", action="store_true", help="also compile and measure at the floor itself")
+    parser.add_argument("--jobs", type=int, default=1, help="models run at once (each in its own worker process)")
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    entries = corpus_mod.entries(args.seeds)
+    md = args.md or args.out.with_suffix(".md")
+    if args.worker is not None:
+        entry = next(e for e in entries if e.name == args.worker)
+        ModelRun(entry, args.out).run(FRACTIONS, args.floor_point)
+        return 0
+    if not args.report_only:
+        run_all(args, entries)
+    from fidelity_report import write_report
+
+    write_report(args.out, md, {"seeds": list(args.seeds), "hf_skip_reason": corpus_mod.hf_skip_reason()})
+    print(f"wrote {md}")
+    return 0
+
+
+def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> None:
+    """Each model in its own worker process (``--jobs`` at a time); models finished in an earlier run are skipped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chosen = [e for e in entries if args.only is None or e.name in args.only][: args.limit]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    finished = done_models(args.out)
+    drop_unfinished(args.out, finished)
+    if "_run" not in finished:
+        _append(args.out, {"model": "_run", "family": "", "point": "done", "source": source_info(),
+                           "machine": machine_info(torch.device("cpu")), "loop_supported": loop_supported(),
+                           "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+    todo = interleave_families([e for e in chosen if e.name not in finished])
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        list(pool.map(lambda entry: _run_worker(args, entry), todo))
+
+
+def interleave_families(entries: list[corpus_mod.CorpusEntry]) -> list[corpus_mod.CorpusEntry]:
+    """Round robin over the families (random, cnn, hf), so a run cut short has some of each."""
+    by_family: dict[str, list[corpus_mod.CorpusEntry]] = {}
+    for entry in entries:
+        by_family.setdefault(entry.family, []).append(entry)
+    queues = list(by_family.values())
+    order: list[corpus_mod.CorpusEntry] = []
+    while any(queues):
+        order += [q.pop(0) for q in queues if q]
+    return order
+
+
+def _append(out: Path, row: dict[str, Any]) -> None:
+    with open(out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {entry.name}: {entry.description}", flush=True)
+    command = [sys.executable, __file__, "--worker", entry.name, "--out", str(args.out),
+               "--seeds", ",".join(map(str, args.seeds))] + (["--floor-point"] if args.floor_point else [])
+    try:
+        subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        _append(args.out, {"model": entry.name, "family": entry.family, "point": "done",
+                           "error": f"worker timed out after {WORKER_TIMEOUT_S} s"})
+    if entry.name not in done_models(args.out):   # the worker died without its done line
+        _append(args.out, {"model": entry.name, "family": entry.family, "point": "done",
+                           "error": "worker exited without finishing"})
+    print(f"[{time.strftime('%H:%M:%S')}] {entry.name} done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

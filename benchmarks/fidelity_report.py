@@ -1,0 +1,175 @@
+"""The tables of ``benchmarks/fidelity.py``: per-model points, floors, and the distribution.
+
+``write_report(jsonl, md, meta)`` reads the JSON lines the benchmark wrote and writes the markdown.
+Definitions used in the tables:
+
+- error = (predicted - measured) / measured, for the plans as finally compiled against step 3's
+  measured peak (negative: the simulator under-predicted);
+- over budget = step 3's measured peak above the budget (step 1's is counted separately: with the
+  closed loop it is the step that may discover an overshoot);
+- a gradient mismatch = the largest per-parameter relative error against plain Inductor > 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+GRAD_TOL = 1e-4
+BUDGET_POINTS = ("0.9", "0.7", "0.5", "floor")
+
+
+def _mb(value: Optional[float]) -> str:
+    return "" if value is None else f"{value / 1e6:.3f}"
+
+
+def _pct(value: Optional[float]) -> str:
+    return "" if value is None or value != value else f"{100 * value:+.1f}%"
+
+
+def load(jsonl: Path) -> tuple[dict[str, Any], dict[str, dict[str, dict[str, Any]]]]:
+    """The run's header row and, per model, its rows by point (the last row of a point wins)."""
+    header: dict[str, Any] = {}
+    models: dict[str, dict[str, dict[str, Any]]] = {}
+    for line in jsonl.read_text().splitlines():
+        row = json.loads(line)
+        if row["model"] == "_run":
+            header = row
+            continue
+        models.setdefault(row["model"], {})[row["point"]] = row
+    return header, models
+
+
+def error_of(row: dict[str, Any]) -> Optional[float]:
+    plans = row.get("plans_final") or {}
+    predicted, measured = plans.get("predicted_peak_bytes"), row.get("measured_later_bytes")
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _point_rows(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    lines = ["| model | point | budget MB | predicted MB | step 1 MB | step 3 MB | step 3 / budget | error | grad err | loop | note |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, points in models.items():
+        plain = points.get("plain", {})
+        lines.append(f"| {name} | plain | | | {_mb(plain.get('measured_first_bytes'))} | {_mb(plain.get('measured_later_bytes'))} "
+                     f"| | | | | {(plain.get('error') or '')[:80]} |")
+        for point in ("none",) + BUDGET_POINTS:
+            row = points.get(point)
+            if row is None:
+                continue
+            budget, later = row.get("budget_bytes"), row.get("measured_later_bytes")
+            ratio = f"{later / budget:.3f}" if budget and later else ""
+            grad = row.get("grad_rel_err")
+            note = (row.get("error") or "")[:90].replace("|", "/").replace("\n", " ")
+            lines.append(f"| {name} | {point} | {_mb(budget)} | {_mb((row.get('plans_final') or {}).get('predicted_peak_bytes'))} "
+                         f"| {_mb(row.get('measured_first_bytes'))} | {_mb(later)} | {ratio} | {_pct(error_of(row))} "
+                         f"| {'' if grad is None else f'{grad:.1e}'} | {row.get('loop_events', '')} | {note} |")
+    return lines
+
+
+def _floor_rows(models: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], dict[str, int]]:
+    lines = ["| model | plain MB | floor MB | floor / plain | checkpoint MB | floor / checkpoint | floor point: step 3 MB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    counts = {"models": 0, "floor_above_plain": 0, "with_checkpoint": 0, "floor_above_checkpoint": 0}
+    for name, points in models.items():
+        plain = (points.get("plain") or {}).get("measured_later_bytes")
+        floor = (points.get("probe") or {}).get("floor_bytes")
+        ckpt = (points.get("checkpoint") or {}).get("measured_later_bytes")
+        at_floor = (points.get("floor") or {}).get("measured_later_bytes")
+        if not plain or not floor:
+            continue
+        counts["models"] += 1
+        counts["floor_above_plain"] += floor > plain
+        if ckpt:
+            counts["with_checkpoint"] += 1
+            counts["floor_above_checkpoint"] += floor > ckpt
+        lines.append(f"| {name} | {_mb(plain)} | {_mb(floor)} | {floor / plain:.3f} | {_mb(ckpt)} "
+                     f"| {'' if not ckpt else f'{floor / ckpt:.3f}'} | {_mb(at_floor)} |")
+    return lines, counts
+
+
+def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The distribution over every compiled remat point (no budget, the fractions, the floor)."""
+    rows = [row for points in models.values() for p, row in points.items()
+            if p in ("none",) + BUDGET_POINTS and not row.get("error")]
+    errors = [e for e in map(error_of, rows) if e is not None]
+    budgeted = [r for r in rows if r.get("budget_bytes") and r.get("measured_later_bytes")]
+    over = [r for r in budgeted if r["measured_later_bytes"] > r["budget_bytes"]]
+    over_first = [r for r in budgeted if (r.get("measured_first_bytes") or 0) > r["budget_bytes"]]
+    grads = [r.get("grad_rel_err") for r in rows]
+    failed = [row for points in models.values() for p, row in points.items()
+              if p in ("plain", "none", "checkpoint") + BUDGET_POINTS and (row.get("error") or "").startswith("failed")]
+    return {
+        "points": len(rows), "budgeted": len(budgeted), "over_budget_step3": len(over), "over_budget_step1": len(over_first),
+        "worst_ratio": max((r["measured_later_bytes"] / r["budget_bytes"] for r in budgeted), default=None),
+        "needed_loop": sum(1 for r in rows if r.get("loop_events")),
+        "abs_error_median": statistics.median(map(abs, errors)) if errors else None,
+        "abs_error_p95": quantile([abs(e) for e in errors], 0.95) if errors else None,
+        "abs_error_max": max(map(abs, errors)) if errors else None,
+        "error_median": statistics.median(errors) if errors else None,
+        "under_predicted": sum(1 for e in errors if e < 0),
+        "grad_mismatch": sum(1 for g in grads if g is None or not g <= GRAD_TOL),
+        "failed_points": len(failed),
+    }
+
+
+def worst_cases(models: dict[str, dict[str, dict[str, Any]]], count: int = 5) -> list[tuple[str, str, dict[str, Any]]]:
+    """The ``count`` budgeted points with the largest step-3 measured / budget."""
+    rows = [(m, p, r) for m, points in models.items() for p, r in points.items()
+            if p in BUDGET_POINTS and r.get("budget_bytes") and r.get("measured_later_bytes")]
+    return sorted(rows, key=lambda t: -t[2]["measured_later_bytes"] / t[2]["budget_bytes"])[:count]
+
+
+def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
+    header, models = load(jsonl)
+    descriptions = {m: (p.get("done") or {}).get("description", "") for m, p in models.items()}
+    s = summary(models)
+    floor_lines, floors = _floor_rows(models)
+    source, machine = header.get("source", {}), header.get("machine", {})
+    lines = [
+        "# Fidelity on a corpus nobody tuned to (CPU)",
+        "",
+        f"Command: `{header.get('command', '?')}` (see `benchmarks/fidelity.py`). Commit {source.get('commit', '?')}"
+        f"{'; remat files modified from it: ' + ', '.join(source.get('remat_files_modified_from_commit', [])) if source.get('remat_files_modified_from_commit') else ''}. "
+        f"torch {machine.get('torch', '?')}, {machine.get('torch_threads', '?')} torch threads, {machine.get('cpu_count', '?')} CPUs. "
+        f"Closed loop (`verify_peak`) available: {header.get('loop_supported')}.",
+        "",
+        f"Models: {len(models)} ({sum(1 for m in models if m.startswith('rand-'))} random nets, seeds "
+        f"{', '.join(str(s_) for s_ in meta.get('seeds', []))}; CNNs; Hugging Face models"
+        f"{': left out, ' + meta['hf_skip_reason'] if meta.get('hf_skip_reason') else ''}).",
+        "Budgets are fractions of plain Inductor's step-3 measured peak; `floor` is the smallest budget remat accepts "
+        "(named by the infeasibility error of a 1 kB budget). MB = 1e6 bytes.",
+        "",
+        "## Distribution",
+        "",
+        f"- remat points compiled: {s['points']} ({s['budgeted']} with a budget); failed points (plain, remat or checkpoint): {s['failed_points']}",
+        f"- predicted vs measured (step 3), |error|: median {_pct(s['abs_error_median'])}, p95 {_pct(s['abs_error_p95'])}, "
+        f"max {_pct(s['abs_error_max'])}; signed median {_pct(s['error_median'])}; under-predicted on {s['under_predicted']} points",
+        f"- over budget at step 3: {s['over_budget_step3']} of {s['budgeted']} (worst measured / budget "
+        f"{'-' if s['worst_ratio'] is None else format(s['worst_ratio'], '.3f')}); "
+        f"over budget at step 1: {s['over_budget_step1']}; points where the closed loop acted: {s['needed_loop']}",
+        f"- gradient mismatch > {GRAD_TOL:g} vs plain Inductor: {s['grad_mismatch']} of {s['points']}",
+        f"- floor above plain Inductor's measured peak: {floors['floor_above_plain']} of {floors['models']} models; "
+        f"above full per-block checkpointing's: {floors['floor_above_checkpoint']} of {floors['with_checkpoint']}",
+        "",
+        "## Worst points (step 3 measured / budget)",
+        "",
+    ]
+    for model, point, row in worst_cases(models):
+        plans = row.get("plans_final") or {}
+        lines.append(f"- {model} at {point}: budget {_mb(row['budget_bytes'])} MB, predicted {_mb(plans.get('predicted_peak_bytes'))} MB "
+                     f"(peak step {', '.join(plans.get('peak_step') or [])}), measured {_mb(row['measured_later_bytes'])} MB "
+                     f"({row['measured_later_bytes'] / row['budget_bytes']:.3f}x). {descriptions.get(model, '')}")
+    lines += ["", "## Floors", ""] + floor_lines + ["", "## Every point", ""] + _point_rows(models)
+    lines += ["", "## Models", ""] + [f"- {m}: {d}" for m, d in descriptions.items()]
+    md.write_text("\n".join(lines) + "\n")

@@ -1,0 +1,143 @@
+"""A corpus of models nobody tuned remat to: random nets, CNNs, tiny Hugging Face models.
+
+    from remat.testing import corpus
+    for entry in corpus.entries(corpus.BENCHMARK_SEEDS):
+        built = entry.build()                       # on CPU, fixed by the entry's seed
+        loss = built.loss(torch.compile(built.model, backend=remat.backend(budget_gb=0.01)))
+
+Each ``CorpusEntry`` has a name, a family (``random`` / ``cnn`` / ``hf``), a description, the
+seed that fixes it, and ``build(checkpoint_blocks=False)`` returning a ``Built`` (the model in
+training mode, its inputs, and its loss function). ``has_repeated_blocks`` says whether the
+model runs a stack of blocks; ``build(checkpoint_blocks=True)`` then returns the same model
+(same parameters) with every block application under non-reentrant
+``torch.utils.checkpoint``: full per-block checkpointing, the baseline remat's floor is held
+against. ``checkpointing`` says how that is done for the entry.
+
+Seed ranges: the benchmark uses ``BENCHMARK_SEEDS``; tests draw from ``TEST_SEEDS`` (disjoint),
+so no test fixes the benchmark's nets.
+
+Losses: a model that computes its own loss (an LM with ``targets``, a Hugging Face model with
+``labels``) returns it; any other output ``out`` is reduced by ``dot(out, w)`` with fixed random
+weights ``w`` made once when the entry is built (a plain ``sum()`` sends the same gradient to every
+position, which makes BatchNorm's input gradients rounding noise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from . import cnns, hf_models, random_nets
+
+BENCHMARK_SEEDS = tuple(range(1000, 1028))
+TEST_SEEDS = tuple(range(0, 100))
+MODEL_SEED = 0            # the seed of the CNN family's and the Hugging Face models' parameters and inputs
+LOSS_SEED = 4321
+
+
+@dataclass(frozen=True)
+class Built:
+    """A corpus model on CPU, ready for a step: ``loss(module)`` runs ``module(*inputs, **kwargs)``
+    (``module`` is ``model`` or its compiled wrapper) and returns the scalar loss."""
+
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    loss_fn: Callable[[Any], torch.Tensor]
+    kwargs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def loss(self, module: Callable[..., Any]) -> torch.Tensor:
+        return self.loss_fn(module(*self.inputs, **self.kwargs))
+
+
+@dataclass(frozen=True)
+class CorpusEntry:
+    name: str
+    family: str                    # "random" | "cnn" | "hf"
+    description: str
+    seed: int
+    has_repeated_blocks: bool
+    checkpointing: str             # how build(checkpoint_blocks=True) checkpoints each block ("" if it cannot)
+    make: Callable[[bool], Built] = field(repr=False, compare=False)
+
+    def build(self, checkpoint_blocks: bool = False) -> Built:
+        """A fresh model and inputs; two calls give equal parameters and inputs."""
+        if checkpoint_blocks and not self.has_repeated_blocks:
+            raise ValueError(f"{self.name} has no repeated blocks to checkpoint (has_repeated_blocks=False)")
+        return self.make(checkpoint_blocks)
+
+
+def weighted_sum(shape: tuple[int, ...]) -> Callable[[Any], torch.Tensor]:
+    """``out -> dot(out, w)`` with ``w`` drawn once, now, from a generator seeded with ``LOSS_SEED``."""
+    weights = torch.randn(shape, generator=torch.Generator().manual_seed(LOSS_SEED)).reshape(-1)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        if tuple(out.shape) != tuple(shape):
+            raise ValueError(f"output shape {tuple(out.shape)} is not the {tuple(shape)} the loss weights were made for")
+        return torch.dot(out.float().reshape(-1), weights)
+    return loss
+
+
+def _own_loss(out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+def _hf_loss(out: Any) -> torch.Tensor:
+    return out.loss
+
+
+def output_shape(spec: random_nets.NetSpec) -> tuple[int, ...]:
+    """The shape of a random net's output (``()`` when it returns its loss)."""
+    if spec.kind == "conv":
+        return (spec.batch, 10)
+    if spec.kind == "lm":
+        return () if spec.loss_inside else (spec.batch, spec.seq_len, spec.vocab)
+    return (spec.batch, 8) if spec.final_reduce in ("mean", "amax") else (spec.batch, spec.seq_len, 8)
+
+
+def random_entry(seed: int) -> CorpusEntry:
+    spec = random_nets.net_spec(seed)
+
+    def make(checkpoint_blocks: bool) -> Built:
+        model, inputs = random_nets.build_net(spec, checkpoint_blocks)
+        shape = output_shape(spec)
+        return Built(model, inputs, weighted_sum(shape) if shape else _own_loss)
+
+    return CorpusEntry(f"rand-{seed}", "random", spec.describe(), seed, spec.has_repeated_blocks,
+                       "each application of model.blocks[i] under torch.utils.checkpoint(use_reentrant=False)", make)
+
+
+def cnn_entry(shape: cnns.CNNShape, seed: int = MODEL_SEED) -> CorpusEntry:
+    def make(checkpoint_blocks: bool) -> Built:
+        model, inputs = cnns.build_cnn(shape, seed, checkpoint_blocks)
+        return Built(model, inputs, weighted_sum((shape.batch, 10)))
+
+    return CorpusEntry(shape.name, "cnn", shape.describe(), seed, True,
+                       "each of model.blocks under torch.utils.checkpoint(use_reentrant=False)", make)
+
+
+def hf_entry(spec: hf_models.HFModelSpec, seed: int = MODEL_SEED) -> CorpusEntry:
+    def make(checkpoint_blocks: bool) -> Built:
+        model, kwargs = hf_models.build_hf(spec, seed, checkpoint_blocks)
+        return Built(model, (), _hf_loss, kwargs)
+
+    return CorpusEntry(spec.name, "hf", spec.description, seed, True,
+                       "model.gradient_checkpointing_enable(use_reentrant=False): every layer checkpointed", make)
+
+
+def hf_skip_reason() -> Optional[str]:
+    """Why the Hugging Face models are left out (None when they are in)."""
+    return hf_models.available()
+
+
+def entries(seeds: tuple[int, ...] = BENCHMARK_SEEDS, *, include_cnns: bool = True, include_hf: bool = True) -> list[CorpusEntry]:
+    """Random nets for ``seeds``, then the CNN shapes, then the Hugging Face models when
+    ``transformers`` is importable (``hf_skip_reason()`` says why not otherwise)."""
+    chosen = [random_entry(seed) for seed in seeds]
+    if include_cnns:
+        chosen += [cnn_entry(shape) for shape in cnns.SHAPES]
+    if include_hf and hf_skip_reason() is None:
+        chosen += [hf_entry(spec) for spec in hf_models.hf_specs()]
+    return chosen

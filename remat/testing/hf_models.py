@@ -1,0 +1,113 @@
+"""Tiny Hugging Face models built from configs (no downloads), each with a training loss.
+
+Needs ``transformers`` (the ``bench`` extra); ``available()`` says whether it is importable and,
+if not, why. Every model: 2-3 layers, hidden size 128-256, parameters from
+``torch.manual_seed(seed)``, inputs from a generator with the same seed, ``labels`` passed so
+the model computes its own loss (``output.loss``). ``checkpoint_blocks=True`` turns on the
+model's own per-layer checkpointing (``gradient_checkpointing_enable`` with
+``use_reentrant=False``), which is full per-block checkpointing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class HFModelSpec:
+    name: str
+    description: str
+    make: Callable[[], nn.Module]          # the model from its config (parameters drawn from the global RNG)
+    inputs: Callable[[torch.Generator], dict[str, torch.Tensor]]
+
+
+def available() -> Optional[str]:
+    """None when ``transformers`` can be imported, else the reason it cannot."""
+    try:
+        import transformers  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - any import failure means: skip these models
+        return f"transformers is not importable ({type(error).__name__}: {error}); pip install -e '.[bench]'"
+    return None
+
+
+def _tokens(vocab: int, batch: int, seq: int, causal_lm: bool) -> Callable[[torch.Generator], dict[str, torch.Tensor]]:
+    def make(gen: torch.Generator) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+        if causal_lm:
+            return {"input_ids": ids, "labels": ids.clone()}
+        labels = torch.where(torch.rand(batch, seq, generator=gen) < 0.15, ids, torch.full_like(ids, -100))
+        return {"input_ids": ids, "labels": labels}
+    return make
+
+
+def _seq2seq(vocab: int, batch: int, src: int, tgt: int) -> Callable[[torch.Generator], dict[str, torch.Tensor]]:
+    def make(gen: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.randint(0, vocab, (batch, src), generator=gen),
+                "labels": torch.randint(0, vocab, (batch, tgt), generator=gen)}
+    return make
+
+
+def _images(batch: int, side: int, classes: int) -> Callable[[torch.Generator], dict[str, torch.Tensor]]:
+    def make(gen: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"pixel_values": torch.randn(batch, 3, side, side, generator=gen),
+                "labels": torch.randint(0, classes, (batch,), generator=gen)}
+    return make
+
+
+def _decoder(cls_name: str, config_name: str, attn: str, **config: Any) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        import transformers
+
+        cfg = getattr(transformers, config_name)(**config)
+        cfg._attn_implementation = attn
+        return getattr(transformers, cls_name)(cfg)
+    return make
+
+
+def hf_specs() -> list[HFModelSpec]:
+    """The Hugging Face corpus (only call when ``available()`` is None)."""
+    llama_like = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    return [
+        HFModelSpec("hf-gpt2-eager", "GPT2LMHeadModel 3 layers d=128, 4 heads, eager attention, dropout 0.1, batch 4 x 128",
+                    _decoder("GPT2LMHeadModel", "GPT2Config", "eager", vocab_size=512, n_positions=256, n_embd=128,
+                             n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0, use_cache=False), _tokens(512, 4, 128, True)),
+        HFModelSpec("hf-gpt2-sdpa", "GPT2LMHeadModel 2 layers d=256, 4 heads, SDPA, dropout 0.1, batch 2 x 128",
+                    _decoder("GPT2LMHeadModel", "GPT2Config", "sdpa", vocab_size=512, n_positions=256, n_embd=256,
+                             n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0, use_cache=False), _tokens(512, 2, 128, True)),
+        HFModelSpec("hf-llama-sdpa", "LlamaForCausalLM 2 layers d=128, GQA 4/2 heads, SDPA, batch 4 x 128",
+                    _decoder("LlamaForCausalLM", "LlamaConfig", "sdpa", **llama_like), _tokens(512, 4, 128, True)),
+        HFModelSpec("hf-llama-eager", "LlamaForCausalLM 3 layers d=128, tied embeddings, eager attention, batch 2 x 128",
+                    _decoder("LlamaForCausalLM", "LlamaConfig", "eager", **{**llama_like, "num_hidden_layers": 3},
+                             tie_word_embeddings=True), _tokens(512, 2, 128, True)),
+        HFModelSpec("hf-mistral-sdpa", "MistralForCausalLM 2 layers d=128, GQA 4/2 heads, SDPA, batch 4 x 64",
+                    _decoder("MistralForCausalLM", "MistralConfig", "sdpa", **llama_like), _tokens(512, 4, 64, True)),
+        HFModelSpec("hf-qwen2-eager", "Qwen2ForCausalLM 2 layers d=128, GQA 4/2 heads, eager attention, batch 4 x 128",
+                    _decoder("Qwen2ForCausalLM", "Qwen2Config", "eager", **llama_like), _tokens(512, 4, 128, True)),
+        HFModelSpec("hf-bert-mlm", "BertForMaskedLM 2 layers d=128, 4 heads, eager attention, dropout 0.1, batch 4 x 128",
+                    _decoder("BertForMaskedLM", "BertConfig", "eager", vocab_size=512, hidden_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, intermediate_size=512, max_position_embeddings=256),
+                    _tokens(512, 4, 128, False)),
+        HFModelSpec("hf-t5", "T5ForConditionalGeneration 2+2 layers d=128, 4 heads, dropout 0.1, batch 4, 64 -> 32 tokens",
+                    _decoder("T5ForConditionalGeneration", "T5Config", "eager", vocab_size=512, d_model=128, d_kv=32,
+                             d_ff=256, num_layers=2, num_decoder_layers=2, num_heads=4,
+                             decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False), _seq2seq(512, 4, 64, 32)),
+        HFModelSpec("hf-vit", "ViTForImageClassification 2 layers d=128, 4 heads, 32x32 images, patch 4, batch 8",
+                    _decoder("ViTForImageClassification", "ViTConfig", "eager", image_size=32, patch_size=4, hidden_size=128,
+                             num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, num_labels=10),
+                    _images(8, 32, 10)),
+    ]
+
+
+def build_hf(spec: HFModelSpec, seed: int, checkpoint_blocks: bool = False) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The model in training mode and its keyword inputs (``labels`` included), both fixed by ``seed``."""
+    torch.manual_seed(seed)
+    model = spec.make()
+    if checkpoint_blocks:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train(), spec.inputs(torch.Generator().manual_seed(seed))
