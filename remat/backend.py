@@ -22,6 +22,7 @@ Private APIs used, all here (verified on torch 2.13.0; see README "Torch version
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import logging
@@ -41,6 +42,8 @@ from .cost_model.hardware import get_profile
 from .distributed import DistributedGraphRecord, StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
 from .errors import BudgetInfeasibleError
+from .feedback import FeedbackEvent, VerifiedGraph
+from .feedback_store import Correction, graph_key, read_correction, write_correction
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
 from .passes.plan import Plan, make_plan
@@ -70,6 +73,10 @@ class CompiledGraph:
     regions: tuple[RegionSummary, ...]
     dump_path: Optional[str]
     distributed: Optional[DistributedGraphRecord] = None  # set under torch.distributed (remat/distributed.py)
+    graph_key: str = ""                      # the feedback store's key for this graph (remat/feedback_store.py)
+    base_target_bytes: Optional[int] = None  # the planning target before any correction
+    correction: Optional[Correction] = None  # the feedback loop's correction the plan was made with
+
 
 
 def _passthrough_error_class(cls: type) -> type:
@@ -207,6 +214,31 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
     return captured
 
 
+def _has_symbolic_shapes(example_inputs: Sequence[Any]) -> bool:
+    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and
+                                              any(isinstance(d, torch.SymInt) for d in v.shape))
+               for v in example_inputs)
+
+
+def _watch_backward(outputs: Any, at_end: Callable[[], None]) -> bool:
+    """Run ``at_end`` right after the compiled backward of the graph whose outputs these are
+    (a post-hook on AOTAutograd's ``CompiledFunctionBackward`` node, reached from an output's
+    ``grad_fn``, through the view nodes of aliased outputs); False if no output leads to one."""
+    roots = [o.grad_fn for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
+             if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    seen, node = set(), None
+    for _ in range(4):      # aliased outputs reach the node through a few view nodes at most
+        node = next((n for n in roots if "CompiledFunctionBackward" in n.name()), None)
+        if node is not None:
+            break
+        seen.update(roots)
+        roots = [nxt for n in roots for nxt, _ in n.next_functions if nxt is not None and nxt not in seen]
+    if node is None:
+        return False
+    node.register_hook(lambda *_: at_end())
+    return True
+
+
 class _PartitionerCacheKey:
     """What a pickled partitioner becomes: Inductor pickles its config, this
     partitioner included, into the compile-cache key; the key is our uuid."""
@@ -245,6 +277,11 @@ class RematBackend:
         self._lock = threading.Lock()
         self._step_ledger = StepLedger()  # what earlier DDP pieces of a step keep for their backward
         self.partitioner = _make_partitioner(self)
+        self.feedback_events: list[FeedbackEvent] = []     # what the feedback loop did (remat/feedback.py)
+        self.verified_graphs: list[VerifiedGraph] = []     # the wrappers the loop runs, in compile order
+        self._corrections: dict[str, Correction] = {}      # by graph key: this backend's, stored or not
+        self._replan = threading.local()                   # the correction a re-plan on this thread applies
+
 
     def cache_key(self) -> str:
         """Changes whenever the budget, options, hardware profile or planner source change."""
@@ -256,26 +293,80 @@ class RematBackend:
         from torch._functorch import config as functorch_config
         from torch._inductor.compile_fx import compile_fx
 
-        # AOTAutograd's cache would skip the partitioner on a hit, and with it the
-        # plan record and the dump; Inductor's own per-graph code cache stays on.
-        with functorch_config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner})
+        verify = self.options.verify_peak > 0
+        pristine = copy.deepcopy(gm) if verify else None   # compile_fx's pre-grad passes rewrite gm in place
+        before = len(self.compiled_graphs)
+        # AOTAutograd's cache would skip the partitioner on a hit, and with it the plan record and the
+        # dump; Inductor's own per-graph code cache stays on. The backward is compiled now, not at its
+        # first call, so a measured step's window holds no compilation.
+        with functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=verify):
+            fn = compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner})
+        records = self.compiled_graphs[before:]
+        if not verify or len(records) != 1:
+            return fn       # the loop off, or an inference graph (no plan)
+        in_place = not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
+
+        def recompile(args: list, correction: Correction) -> tuple[Callable[..., Any], CompiledGraph]:
+            return self._recompile(pristine, args, correction, wrapper.record.graph_key)
+
+        wrapper = VerifiedGraph(fn, records[0], device=_device_of(example_inputs), verify_peak=self.options.verify_peak,
+                                events=self.feedback_events, recompile=recompile if in_place else None,
+                                watch_backward=_watch_backward, store=self._remember)
+        self.verified_graphs.append(wrapper)
+        return wrapper
+
+    def _remember(self, key: str, correction: Correction) -> Optional[str]:
+        self._corrections[key] = correction
+        path = write_correction(key, correction)
+        return None if path is None else str(path)
+
+    def _recompile(self, gm: fx.GraphModule, args: list, correction: Correction,
+                   key: str) -> tuple[Callable[..., Any], CompiledGraph]:
+        """Compile a copy of Dynamo's graph ``gm`` for the real inputs ``args`` (static shapes, as it
+        was traced), planning at the target ``correction`` gives; returns the callable and its record,
+        which keeps the store ``key`` of the graph as Dynamo compiled it (the next process's key)."""
+        from torch._functorch import config as functorch_config
+        from torch._inductor.compile_fx import compile_fx
+
+        self._replan.correction, self._replan.key = correction, key
+        try:
+            with functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True):
+                fn = compile_fx(copy.deepcopy(gm), args, config_patches={"custom_partitioner_fn": self.partitioner})
+        finally:
+            self._replan.correction = None
+        return fn, self.compiled_graphs[-1]
+
+    def _correction_for_code(self, code: str, joint_inputs: Sequence[object]) -> tuple[str, str, Optional[Correction]]:
+        """The graph id, feedback-store key and correction of a joint graph (its ``code``) about to be
+        planned: a re-plan's (``VerifiedGraph``; the id is the first plan's with ``_r1``, ``_r2``, ...),
+        else one this backend or an earlier process measured (``feedback_store``)."""
+        correction = getattr(self._replan, "correction", None)
+        key = self._replan.key if correction is not None else graph_key(code, joint_inputs, self.options)
+        with self._lock:
+            if correction is None:
+                graph_id = f"graph_{next(self._counter):03d}"
+                return graph_id, key, self._corrections.get(key) or read_correction(key)
+            first = correction.graph_id.split("_r")[0]
+            rounds = sum(g.graph_id.startswith(first + "_r") for g in self.compiled_graphs)
+        return f"{first}_r{rounds + 1}", key, correction
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         from torch._functorch.partitioners import default_partition
 
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
+        key_code = joint.code        # before read_facts edits the graph: the key the next process computes
         facts, profile = read_facts(joint, joint_inputs, num_fwd_outputs, self.options.hardware, self.options.estimator)
         if not any(n.role == "backward" for n in facts.nodes.values()):
             return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                      static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
-        with self._lock:
-            graph_id = f"graph_{next(self._counter):03d}"
+        graph_id, key, correction = self._correction_for_code(key_code, joint_inputs)
         # Under DDP / FSDP2 the per-rank budget is split across the step's graphs (remat/distributed.py).
         static_indices = kwargs.get("static_lifetime_input_indices")
         device_type = _device_of(joint_inputs).type
         modeled = _simulator_models(facts, device_type)
-        target_bytes = self.options.planning_target_bytes(device_type, modeled)
+        base_target_bytes = self.options.planning_target_bytes(device_type, modeled)
+        target_bytes = base_target_bytes if correction is None or base_target_bytes is None else \
+            correction.corrected_target(base_target_bytes)
         share = share_for_graph(self._step_ledger, target_bytes, joint, num_fwd_outputs, static_indices)
 
         def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None) -> Plan:
@@ -297,6 +388,11 @@ class RematBackend:
                                        plan_at, self.options.budget_bytes, self.options.headroom_for(device_type, modeled),
                                        plan_capped=plan_at)
         except BudgetInfeasibleError as error:
+            if correction is not None:
+                error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
+                              f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
+                              f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "
+                              f"{correction.factor:.3f}x ({correction.source}).",) + error.args[1:]
             raise _passthrough_error_class(BudgetInfeasibleError)(error) from None
         if not plan.fits_budget:
             warnings.warn(
@@ -311,10 +407,11 @@ class RematBackend:
             from .dump import write_dump
 
             dump_path = write_dump(Path(self.options.dump_dir) / graph_id, graph_id, plan, regions, fw, bw, facts, profile,
-                                   pareto_points=self.options.pareto_points)
+                                   pareto_points=self.options.pareto_points, correction=correction)
         distributed = record_graph(self._step_ledger, share, joint, plan.saved_bytes, plan.saved_primals, fw, bw,
                                    num_fwd_outputs, static_indices, dump_path)
-        record = CompiledGraph(graph_id, _current_compile_id(), plan, regions, dump_path, distributed)
+        record = CompiledGraph(graph_id, _current_compile_id(), plan, regions, dump_path, distributed, key,
+                               base_target_bytes, correction)
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw
@@ -345,6 +442,7 @@ def backend(
     headroom_fraction: Optional[float] = None,
     pareto_points: int = 0,
     estimator: str = "roofline",
+    verify_peak: int = 1,
 ) -> RematBackend:
     """A torch.compile backend that fits each compiled forward+backward under ``budget_gb``.
 
@@ -360,6 +458,8 @@ def backend(
     ``pareto_points > 0`` adds each graph's Pareto curve (that many budgets) to its dump.
     ``hardware`` picks the cost profile ("auto", "cpu", "cuda", "a100", "h100", "h200");
     ``estimator="profile"`` times each graph's real kernels once instead of the roofline.
+    ``verify_peak``: the steps measured after each compile; a graph measured over its budget is
+    re-planned with the simulator's error it now knows (remat/feedback.py); 0 turns that off.
     ``solver``: "greedy" (default, fast) or "milp" (exact, small graphs only: larger ones raise
     ValueError at compile time; it keeps its best verified plan after ``milp_time_limit_s`` seconds
     and falls back to "greedy" on failure, and ``Plan.solver`` says which answered and why).
@@ -369,6 +469,7 @@ def backend(
         budget_gb, dump_dir=dump_dir, hardware=hardware, solver=solver, milp_time_limit_s=milp_time_limit_s,
         best_effort=best_effort,
         headroom_fraction=headroom_fraction, pareto_points=pareto_points, estimator=estimator, free_bytes_for_auto=_free_device_bytes() if needs_free else None,
+        verify_peak=verify_peak,
     )
     return RematBackend(options)
 

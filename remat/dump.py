@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from torch import fx
 
 from .cost_model.hardware import HardwareProfile
+from .feedback_store import Correction
 from .passes.joint_graph import JointGraphFacts
 from .passes.plan import Plan
 from .passes.rewrite import REMAT_KEY, RecomputeTag, RegionSummary, describe_region
@@ -52,7 +54,9 @@ def write_dump(
     facts: JointGraphFacts,
     profile: HardwareProfile,
     pareto_points: int = 0,
+    correction: Optional[Correction] = None,
 ) -> str:
+    """Write the dump; ``correction``: the feedback loop's correction the plan was made with."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "forward.py").write_text(
         f"# remat {graph_id}: forward graph after the rewrite. It returns its outputs, then the saved values.\n"
@@ -62,8 +66,8 @@ def write_dump(
         f"# remat {graph_id}: backward graph after the rewrite; recompute regions are fenced below.\n"
         + annotated_code(bw, regions)
     )
-    (directory / "plan.json").write_text(dumps_plan(plan_to_json(plan, graph_id, regions, profile)))
-    report = render_report(plan, graph_id, regions, profile)
+    (directory / "plan.json").write_text(dumps_plan(plan_to_json(plan, graph_id, regions, profile, correction)))
+    report = render_report(plan, graph_id, regions, profile, correction)
     report += render_symbolic_sizes(plan, facts, (fw.graph, bw.graph))
     if pareto_points > 0:
         from .pareto import curve_for_graph, plot_curve, render_table

@@ -14,13 +14,24 @@ a step that frees 40 MB of old gradients before allocating 100 MB would read
 60 MB. The bytes of such frees are reported separately (``foreign_freed_bytes``).
 A garbage collection is run before the window and the collector is off inside
 it, so the window does not see a collection of unrelated cycles.
+
+``StepWindow`` measures the same peak over a window that opens in one call (a compiled
+forward's entry) and whose end is marked in another (a hook on that graph's backward node,
+inside the autograd engine): the feedback loop's measurement (``remat/feedback.py``). On
+CUDA the end mark reads the allocator's peak and the window is done. On CPU the profiler
+cannot be stopped inside the autograd engine (the engine restores the thread's profiler
+state after every node and final callback, so a stop there leaves a dead profiler that
+refuses the next ``torch.profiler.profile()``): the end is a marker event, and the
+profiler is stopped later, outside the engine (``close_open_window``), keeping only the
+allocations before the marker.
 """
 
 from __future__ import annotations
 
 import gc
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -62,23 +73,29 @@ def window_peak(events: Iterable[tuple[int, int, int]]) -> WindowPeak:
     return WindowPeak(peak, foreign)
 
 
-def cpu_allocation_events(prof: Any) -> list[tuple[int, int, int]]:
+def cpu_allocation_events(prof: Any, end_marker: Optional[str] = None) -> list[tuple[int, int, int]]:
     """``(time_ns, size_bytes, address)`` of the CPU allocation events a finished
-    ``torch.profiler.profile(profile_memory=True)`` recorded."""
+    ``torch.profiler.profile(profile_memory=True)`` recorded; with ``end_marker``, only those
+    before the first ``record_function(end_marker)`` event (none if it never ran)."""
     from torch._C._profiler import _EventType
 
-    events = []
+    events, markers = [], []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
         stack.extend(event.children)
+        if end_marker is not None and event.name == end_marker:
+            markers.append(event.start_time_ns)
         if event.tag != _EventType.Allocation:
             continue
         extra = event.extra_fields
         if extra.device.type != "cpu":
             continue
         events.append((event.start_time_ns, extra.alloc_size, extra.ptr))
-    return events
+    if end_marker is None:
+        return events
+    end_ns = min(markers, default=None)
+    return [] if end_ns is None else [e for e in events if e[0] <= end_ns]
 
 
 def _cpu_peak(fn: Callable[[], Any]) -> tuple[WindowPeak, Any]:
@@ -103,6 +120,7 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu"
     on CUDA it is the allocator's peak over ``fn`` minus the bytes allocated when it began.
     """
     device = torch.device(device)
+    close_open_window()     # a feedback window's profiler (StepWindow) would refuse ours
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)
@@ -112,3 +130,103 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu"
         return PeakMeasurement(torch.cuda.max_memory_allocated(device) - start, str(device), "cuda-allocator", result)
     window, result = _cpu_peak(fn)
     return PeakMeasurement(window.peak_bytes, "cpu", "cpu-profiler", result, window.foreign_freed_bytes)
+
+
+WINDOW_END_MARKER = "remat::measured_window_end"
+_OPEN = threading.local()     # the StepWindow whose CPU profiler runs on this thread, if any
+
+
+def profiler_running() -> bool:
+    """Whether a torch profiler is recording on this thread (then no window can open here)."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+class StepWindow:
+    """The peak allocated above the baseline between ``open()`` and ``mark_end()``.
+
+    ``open()`` (outside the autograd engine) starts the window: CUDA: the bytes allocated
+    now and a reset of the allocator's peak; CPU: a ``torch.profiler`` session on this thread.
+    ``mark_end()`` may run inside the autograd engine (a backward node's hook): CUDA: reads the
+    allocator's peak, and the window is done; CPU: a marker event. ``close()`` (outside the
+    engine) stops the CPU profiler; ``on_close(peak_bytes, why_not)`` is then called once, with
+    the peak of the allocations made between the opening and the marker (``window_peak``'s
+    rule), or with None and the reason: the end was never marked (no backward ran) or the
+    window was ``spoil``-ed (something else ran inside it). At most one CPU window is open per
+    thread (``open_window()``); while it is open no other ``torch.profiler`` session can start
+    on this thread, so it is closed from wherever the program next leaves the engine: the next
+    compiled call, ``optimizer.step()`` (a global step pre-hook, removed at close),
+    ``measure_peak_bytes`` (``close_open_window``).
+    """
+
+    def __init__(self, device: torch.device, on_close: Callable[[Optional[int], str], None], owner: Any = None) -> None:
+        self.device = torch.device(device)
+        self.owner = owner
+        self._on_close = on_close
+        self._prof: Any = None
+        self._hook: Any = None
+        self._start_bytes = 0
+        self._peak: Optional[int] = None
+        self.marked = False
+        self.spoiled_by = ""
+        self.closed = False
+
+    def open(self) -> bool:
+        """Start measuring; False (nothing started) if a profiler already runs on this CPU thread."""
+        if self.device.type == "cuda":
+            self._start_bytes = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return True
+        if profiler_running():
+            return False
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        _OPEN.window = self
+        self._hook = register_optimizer_step_pre_hook(lambda *_: close_open_window())
+        return True
+
+    def spoil(self, why: str) -> None:
+        """Discard this window's measurement (e.g. another compiled graph ran inside it)."""
+        self.spoiled_by = self.spoiled_by or why
+
+    def mark_end(self) -> None:
+        """Mark the window's end (safe inside the autograd engine); CUDA: the window is done."""
+        if self.marked or self.closed:
+            return
+        self.marked = True
+        if self.device.type == "cuda":
+            self._peak = torch.cuda.max_memory_allocated(self.device) - self._start_bytes
+            self.close()
+        else:
+            with torch.autograd.profiler.record_function(WINDOW_END_MARKER):
+                pass
+
+    def close(self) -> None:
+        """Stop measuring (outside the autograd engine) and report (see the class docstring)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._prof is not None:
+            if getattr(_OPEN, "window", None) is self:
+                _OPEN.window = None
+            self._hook.remove()
+            self._prof.__exit__(None, None, None)
+            if self.marked:
+                self._peak = window_peak(cpu_allocation_events(self._prof, WINDOW_END_MARKER)).peak_bytes
+            self._prof = None
+        why_not = self.spoiled_by or ("" if self.marked else "no backward ran before the window closed")
+        self._on_close(None if why_not else self._peak, why_not)
+
+
+def open_window() -> Optional[StepWindow]:
+    """The CPU ``StepWindow`` open on this thread, if any."""
+    return getattr(_OPEN, "window", None)
+
+
+def close_open_window() -> None:
+    """Close the CPU ``StepWindow`` open on this thread, if any (call outside the autograd engine)."""
+    window = open_window()
+    if window is not None:
+        window.close()

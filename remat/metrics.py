@@ -30,6 +30,12 @@ log a warning on the ``remat.metrics`` logger, naming the graph and the numbers:
   cheap ops out of the forward into the backward (the forward gets faster by as much):
   compare ``forward_s`` and ``step_s`` with the baseline's before blaming the backward.
 
+What the feedback loop did (``remat/feedback.py``: the first steps after each compile are
+measured and a graph over its budget is re-planned) is in each record's ``feedback``: the
+``FeedbackEvent``s of that step (the monitor closes the loop's CPU measuring window at the
+end of each step, so a step's own verdict lands in its own record). A step whose peak the
+monitor measures is not measured by the loop (one profiler at a time on CPU).
+
 Steps in which remat compiled a graph are recorded (``compiled=True``) but not checked:
 their times include compilation (with ``backend=None`` compiles are not detected: run a
 warm-up step before recording). Units: seconds and bytes; 1 GB = 1e9 bytes.
@@ -46,7 +52,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .measure import measure_peak_bytes
+from .measure import close_open_window, measure_peak_bytes
 from .passes.plan import Plan
 
 log = logging.getLogger("remat.metrics")
@@ -103,6 +109,7 @@ class StepMetrics:
     predicted_extra_s: Optional[float]       # the plans' estimated recompute time
     baseline_backward_s: Optional[float]
     warnings: tuple[str, ...] = ()
+    feedback: tuple[Any, ...] = ()           # the feedback loop's FeedbackEvents of this step (remat/feedback.py)
 
     @property
     def backward_inflation_s(self) -> Optional[float]:
@@ -231,6 +238,7 @@ class StepMonitor:
         ``measure_peak`` overrides ``options.measure_peak_every`` for this step.
         """
         index = len(self.history)
+        events_before = len(self._events())
         every = self.options.measure_peak_every
         measure = measure_peak if measure_peak is not None else (every > 0 and index % every == 0)
         if measure:
@@ -241,6 +249,7 @@ class StepMonitor:
         else:
             out, forward_s, backward_s, step_s = timed_step(forward, backward, self.device)
             peak, profiled = None, False
+        close_open_window()     # the loop's CPU window of this step: its verdict belongs to this step
         graphs = self._graphs()
         compiled = len(graphs) != self._seen
         if compiled:
@@ -259,8 +268,11 @@ class StepMonitor:
         messages = check_step(record, self.options)
         for message in messages:
             log.warning(message)
-        self.history.append(replace(record, warnings=messages))
+        self.history.append(replace(record, warnings=messages, feedback=tuple(self._events()[events_before:])))
         return out
+
+    def _events(self) -> list[Any]:
+        return list(getattr(self.backend, "feedback_events", ())) if self.backend is not None else []
 
     def median_s(self, field: str, *, include_compiling: bool = False) -> float:
         """Median of ``forward_s``, ``backward_s`` or ``step_s`` over the recorded steps whose times are

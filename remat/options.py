@@ -27,6 +27,7 @@ ESTIMATORS = ("roofline", "profile")
 # (benchmarks/results/e2e-cuda.md) and the caching allocator rounds blocks.
 DEFAULT_HEADROOM_BY_DEVICE = {"cpu": 0.05}
 DEFAULT_HEADROOM_FRACTION = 0.15
+DEFAULT_VERIFY_PEAK = 1   # feedback loop: steps measured after each compile (remat/feedback.py)
 
 BudgetSpec = Union[None, float, int, str]
 
@@ -51,6 +52,8 @@ class RematOptions:
     headroom_fraction: Optional[float] = None
     pareto_points: int = 0          # > 0: the dump adds a Pareto curve of this many budgets per graph
     estimator: str = "roofline"     # "profile": time each graph's real kernels once (cached) instead
+    # Steps measured after each compile by the feedback loop (remat/feedback.py); 0 turns it off.
+    verify_peak: int = DEFAULT_VERIFY_PEAK
 
     def headroom_for(self, device_type: str, modeled: bool = True) -> float:
         """The headroom a graph running on ``device_type`` ("cpu", "cuda", ...) is planned with:
@@ -75,7 +78,7 @@ class RematOptions:
         return (
             f"budget={self.budget_bytes};hw={self.hardware};solver={self.solver};milp_s={self.milp_time_limit_s};"
             f"best_effort={self.best_effort};headroom={'by-device' if self.headroom_fraction is None else self.headroom_fraction};"
-            f"estimator={self.estimator}"
+            f"estimator={self.estimator};verify_peak={self.verify_peak}"
         )
 
 
@@ -140,6 +143,7 @@ def make_options(
     pareto_points: int = 0,
     estimator: str = "roofline",
     free_bytes_for_auto: Optional[int] = None,
+    verify_peak: int = DEFAULT_VERIFY_PEAK,
 ) -> RematOptions:
     """Validate every user-facing argument and build the frozen options record."""
     budget = validate_budget_gb(budget_gb)
@@ -165,6 +169,10 @@ def make_options(
                          f"device's default ({DEFAULT_HEADROOM_BY_DEVICE}, {DEFAULT_HEADROOM_FRACTION} elsewhere).")
     if isinstance(pareto_points, bool) or not isinstance(pareto_points, int) or pareto_points < 0:
         raise ValueError(f"pareto_points={pareto_points!r} must be a non-negative int (0 turns the curve off).")
+    if isinstance(verify_peak, bool) or not isinstance(verify_peak, int) or verify_peak < 0:
+        raise ValueError(f"verify_peak={verify_peak!r} must be an int >= 0: the steps measured after each compile "
+                         f"to check the peak against the budget and re-plan a graph over it (default "
+                         f"{DEFAULT_VERIFY_PEAK}; 0 turns the feedback loop off).")
     budget_bytes: Optional[int]
     if budget == "auto":
         if free_bytes_for_auto is None:
@@ -185,4 +193,5 @@ def make_options(
         headroom_fraction=None if headroom_fraction is None else float(headroom_fraction),
         pareto_points=pareto_points,
         estimator=estimator,
+        verify_peak=verify_peak,
     )

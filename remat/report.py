@@ -13,6 +13,7 @@ from torch import fx
 from .cost_model.hardware import HardwareProfile
 from .cost_model.symbolic import evaluate as evaluate_expr
 from .cost_model.symbolic import format_expr, shape_hints, symbol_sources, to_sympy
+from .feedback_store import Correction
 from .passes.joint_graph import JointGraphFacts
 from .passes.evaluate import evaluate
 from .passes.plan import Plan
@@ -20,9 +21,12 @@ from .passes.rewrite import RegionSummary, describe_region
 from .units import format_bytes, format_seconds
 
 
-def plan_to_json(plan: Plan, graph_id: str, regions: tuple[RegionSummary, ...], profile: HardwareProfile) -> dict[str, Any]:
-    """The plan.json payload: every field of the plan, regions, and the hardware profile used."""
+def plan_to_json(plan: Plan, graph_id: str, regions: tuple[RegionSummary, ...], profile: HardwareProfile,
+                 correction: Optional[Correction] = None) -> dict[str, Any]:
+    """The plan.json payload: every field of the plan, regions, the hardware profile used, and
+    ``feedback``: the feedback loop's correction the target was made with (null: none)."""
     payload = asdict(plan)
+    payload["feedback"] = None if correction is None else asdict(correction)
     payload["graph_id"] = graph_id
     payload["nodes"] = payload.pop("decisions")
     payload["forced"] = [{"name": n, "reason": r} for n, r in plan.forced]
@@ -43,7 +47,17 @@ def summary_line(plan: Plan) -> str:
     )
 
 
-def render_report(plan: Plan, graph_id: str, regions: tuple[RegionSummary, ...], profile: HardwareProfile) -> str:
+def correction_line(correction: Optional[Correction]) -> str:
+    """The report's sentence on the feedback loop's correction of the planning target."""
+    if correction is None:
+        return "- feedback correction: none (the target is the budget less headroom)"
+    return (f"- feedback correction: target divided by {correction.factor:.3f}, the measured / predicted peak of "
+            f"`{correction.graph_id}` ({format_bytes(correction.measured_peak_bytes)} measured, "
+            f"{format_bytes(correction.predicted_peak_bytes)} predicted; {correction.source})")
+
+
+def render_report(plan: Plan, graph_id: str, regions: tuple[RegionSummary, ...], profile: HardwareProfile,
+                  correction: Optional[Correction] = None) -> str:
     lines = [
         f"# remat report: {graph_id}",
         "",
@@ -60,6 +74,7 @@ def render_report(plan: Plan, graph_id: str, regions: tuple[RegionSummary, ...],
         + ("" if plan.target_bytes is None or not plan.budget_bytes else
            f"(the budget less {1 - plan.target_bytes / plan.budget_bytes:.0%} headroom, kept for what the memory "
            "simulator may miss in Inductor's code: `headroom_fraction`, by default 5% on CPU and 15% elsewhere)"),
+        correction_line(correction),
         f"- fits the budget: {'yes' if plan.fits_budget else 'NO (best effort)'}",
         f"- solver: {plan.solver}",
         "",

@@ -131,6 +131,21 @@ def test_the_compiling_step_is_flagged_and_names_its_graph(tiny):
     assert first.peak_bytes is None and first.warnings == ()
 
 
+def test_the_feedback_loop_verdict_is_in_the_compiling_step(tiny):
+    """The loop measures the first step after the compile (verify_peak=1) from the compiled
+    forward's entry to the end of its backward: here, all of the step that allocates, so it
+    measures what remat.measure_peak_bytes measures around the whole step. Later steps: none."""
+    graph_id = tiny["backend"].compiled_graphs[0].graph_id
+    (event,) = tiny["first"].feedback
+    assert (event.graph_id, event.step, event.action, event.budget_bytes) == (graph_id, 0, "within budget", 50_000_000)
+    monitor = StepMonitor(tiny["backend"])
+    step(tiny, monitor)
+    assert monitor.last.feedback == ()
+    tiny["model"].zero_grad(set_to_none=True)
+    direct = remat.measure_peak_bytes(lambda: tiny["forward"]().backward()).peak_bytes
+    assert event.measured_peak_bytes == direct
+
+
 def test_times_are_separate_and_predictions_come_from_the_plan(tiny):
     plan = tiny["backend"].compiled_graphs[0].plan
     monitor = StepMonitor(tiny["backend"])

@@ -1,0 +1,240 @@
+"""The feedback loop: the measured peak, not the simulator, has the last word on a plan.
+
+How it works. ``RematBackend`` hands Dynamo a ``VerifiedGraph`` around each training graph
+it compiled (inference graphs are not wrapped). For the first ``verify_peak`` steps after each
+compile (default 1; ``remat.backend(verify_peak=0)`` turns the loop off), the wrapper
+measures one window, ``measure.StepWindow``: from the compiled forward's entry to the end of
+this graph's compiled backward (a post-hook on AOTAutograd's backward node). Everything
+allocated in between counts (the eager loss too), above what was resident at the forward's
+entry, as ``remat.measure_peak_bytes`` counts it. On CUDA that is the allocator's statistics (bytes
+allocated at entry, a reset of the peak, the peak at the end: no synchronisation, nothing
+measurable per step); on CPU a ``torch.profiler`` session, stopped outside the autograd
+engine: at the next call of a remat graph, ``optimizer.step()``, ``remat.measure_peak_bytes``
+or the end of a ``StepMonitor`` step, whichever comes first. A step is not measured (the next
+is) when its backward never ran, when another profiler already ran on the thread, or when
+another remat graph ran inside the window (a graph break: the window's peak is then not this
+graph's); after ``MAX_UNMEASURED`` such steps in a row the graph stops trying ("not measured").
+
+Then ``judge`` compares the measured peak with the plan's budget:
+
+- at or under it: "within budget";
+- over it: the simulator's error on this plan is ``factor = measured / predicted``. The graph is
+  re-planned at ``base target / factor`` (the target without correction, i.e. the budget less
+  its headroom), which is always below the target the plan was made at (the plan's predicted
+  peak was at most that target and its measured peak over the budget), and recompiled from a
+  copy of Dynamo's graph at its next call ("re-planned"). A warning gives the budget, the
+  predicted and measured peaks, the factor and the new target. The new plan is measured again
+  on its next step, for up to ``MAX_REPLANS`` re-plans ("over budget after N re-plans" then).
+  If no plan meets the corrected target, that next call raises ``BudgetInfeasibleError`` naming
+  the budget that would pass under the correction, or with ``best_effort=True`` warns and runs
+  the smallest-peak plan;
+- over it with a best-effort plan (already the smallest peak found): nothing smaller to try;
+- over it on a graph with dynamic shapes, or one planned under DDP/FSDP2's step ledger: the
+  correction is stored and applies from the next compile of that graph ("stored for the next
+  compile"), since recompiling in place would bypass Dynamo's guards or the step's ledger.
+
+Every factor is stored on disk (``feedback_store``): the next process, and any later compile of
+the same graph under the same plan options in this one, plans at the corrected target first.
+
+What it guarantees, and when a step may still run over the budget: with the loop on, a graph
+whose plan measures over budget runs over on exactly one step, the measured one (the first
+after its compile: it is how the error is found), plus one step per further re-plan whose new
+plan still measures over (at most ``MAX_REPLANS``); in a later process a stored correction makes
+the first step plan right. With CPU measurement skipped (another profiler running, no
+backward) the discovery moves to the next step measured. Dynamic-shape and DDP/FSDP2 graphs
+keep running over until they are next compiled. With ``verify_peak=0`` nothing is measured
+and only corrections already stored apply.
+
+Reusing it: ``VerifiedGraph.request_replan(correction)`` re-plans that graph at its next call
+at ``correction.corrected_target(base target)``; a step-wide budget across graph breaks can
+judge a whole step and call it on the graphs it chooses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from .errors import BudgetInfeasibleError
+from .feedback_store import Correction, write_correction
+from .measure import StepWindow, open_window
+
+log = logging.getLogger("remat")
+
+MAX_REPLANS = 3     # re-plans of one graph by the loop before it gives up and warns
+MAX_UNMEASURED = 3  # windows in a row that measured nothing (see the module docstring) before it stops trying
+
+
+@dataclass(frozen=True)
+class FeedbackEvent:
+    """What the loop concluded from one measured step of one graph (bytes; 1 GB = 1e9 bytes).
+
+    ``step`` counts the calls of this compiled graph from 0 (re-plans included). ``action``:
+    "within budget", "re-planned", "infeasible", "over budget: best-effort plan",
+    "over budget after N re-plans", "stored for the next compile", "not measured: <why>"
+    (``measured_peak_bytes`` None). ``factor`` is
+    ``measured / predicted`` when over budget; ``new_target_bytes`` the target it re-plans at.
+    """
+
+    graph_id: str
+    step: int
+    budget_bytes: Optional[int]
+    predicted_peak_bytes: int
+    measured_peak_bytes: Optional[int]
+    factor: Optional[float]
+    action: str
+    new_target_bytes: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str
+    factor: Optional[float] = None
+    new_target_bytes: Optional[int] = None
+
+
+def judge(budget_bytes: Optional[int], base_target_bytes: Optional[int], predicted_peak_bytes: int,
+          measured_peak_bytes: int, fits_budget: bool, replans_done: int, can_recompile: bool) -> Verdict:
+    """The loop's decision on one measured step (pure: numbers in, a verdict out).
+
+    Over budget, ``factor = measured / predicted`` and the new target is ``base_target / factor``;
+    it is below any target a plan that met its target and measured over the budget was made at."""
+    if budget_bytes is None or measured_peak_bytes <= budget_bytes:
+        return Verdict("within budget")
+    factor = measured_peak_bytes / max(predicted_peak_bytes, 1)
+    assert base_target_bytes is not None
+    new_target = min(base_target_bytes, int(base_target_bytes / factor))
+    if not fits_budget:
+        return Verdict("over budget: best-effort plan", factor)
+    if not can_recompile:
+        return Verdict("stored for the next compile", factor, new_target)
+    if replans_done >= MAX_REPLANS:
+        return Verdict(f"over budget after {replans_done} re-plans", factor)
+    return Verdict("re-planned", factor, new_target)
+
+
+Recompile = Callable[[list, Correction], tuple[Callable[..., Any], Any]]
+
+
+class VerifiedGraph:
+    """The callable Dynamo runs for one compiled training graph: the compiled code, measured
+    on the first ``verify_peak`` steps after each compile and re-planned when over budget.
+
+    ``record`` is the ``CompiledGraph`` now running. ``recompile(args, correction)`` (None
+    where the graph cannot be recompiled in place) compiles a fresh copy of Dynamo's graph for
+    ``args`` with the correction applied and returns ``(callable, record)``.
+    ``watch_backward(outputs, at_end)`` arranges ``at_end()`` at the end of the backward pass
+    that runs this call's backward and returns False if no output leads to one.
+    ``store(graph_key, correction)`` keeps a correction (default: the on-disk store) and
+    returns where, or None.
+    """
+
+    def __init__(self, fn: Callable[..., Any], record: Any, *, device: torch.device, verify_peak: int,
+                 events: list[FeedbackEvent], recompile: Optional[Recompile],
+                 watch_backward: Callable[[Any, Callable[[], None]], bool],
+                 store: Callable[[str, Correction], Optional[str]] = write_correction) -> None:
+        self._fn = fn
+        self.record = record
+        self.device = device
+        self._verify_peak = self._verify_left = verify_peak
+        self._events = events
+        self._recompile = recompile
+        self._watch_backward = watch_backward
+        self._store = store
+        self._calls = itertools.count()
+        self._pending: Optional[Correction] = None
+        self._replans = 0
+        self._unmeasured = 0
+        self._lock = threading.Lock()
+
+    def request_replan(self, correction: Correction) -> None:
+        """Re-plan this graph at ``correction.corrected_target(base target)`` on its next call."""
+        with self._lock:
+            self._pending = correction
+
+    def __call__(self, *args: Any) -> Any:
+        self._settle_open_window()
+        step = next(self._calls)
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self._replan(list(args), pending, step)
+        window = self._open_window(step) if self._verify_left > 0 else None
+        out = self._fn(*args)
+        if window is not None and not self._watch_backward(out, window.mark_end):
+            window.close()      # no backward to wait for: nothing measured
+        return out
+
+    def _settle_open_window(self) -> None:
+        """The CPU window open on this thread, if any: a finished one, or this graph's own from an
+        earlier step, is closed now (its result may ask for a re-plan before this call runs);
+        another graph's unfinished one now holds this graph's run too, so it is spoiled."""
+        window = open_window()
+        if window is None:
+            return
+        if window.marked or window.owner is self:
+            window.close()
+        else:
+            window.spoil(f"{self.record.graph_id} ran inside the window (a graph break: its peak is not one graph's)")
+
+    def _open_window(self, step: int) -> Optional[StepWindow]:
+        record = self.record
+        window = StepWindow(self.device, lambda peak, why_not: self._on_measured(record, step, peak, why_not),
+                            owner=self)
+        return window if window.open() else None
+
+    def _replan(self, args: list, correction: Correction, step: int) -> None:
+        assert self._recompile is not None
+        try:
+            self._fn, self.record = self._recompile(args, correction)
+        except BudgetInfeasibleError:
+            self._events.append(FeedbackEvent(correction.graph_id, step, correction.budget_bytes,
+                                              correction.predicted_peak_bytes, correction.measured_peak_bytes,
+                                              correction.factor, "infeasible"))
+            raise
+        self._replans += 1
+        self._verify_left = self._verify_peak
+
+    def _on_measured(self, record: Any, step: int, peak_bytes: Optional[int], why_not: str) -> None:
+        """A window closed: judge it, record the event, warn and re-plan when over budget."""
+        if record is not self.record:
+            return      # a window of a plan already replaced
+        plan = record.plan
+        if peak_bytes is None:
+            self._unmeasured += 1
+            if self._unmeasured >= MAX_UNMEASURED:
+                self._verify_left = 0
+                self._events.append(FeedbackEvent(record.graph_id, step, plan.budget_bytes, plan.predicted_peak_bytes,
+                                                  None, None, f"not measured: {why_not}"))
+            return
+        self._unmeasured = 0
+        self._verify_left -= 1
+        verdict = judge(plan.budget_bytes, record.base_target_bytes, plan.predicted_peak_bytes, peak_bytes,
+                        plan.fits_budget, self._replans, self._recompile is not None)
+        self._events.append(FeedbackEvent(record.graph_id, step, plan.budget_bytes, plan.predicted_peak_bytes,
+                                          peak_bytes, verdict.factor, verdict.action, verdict.new_target_bytes))
+        if verdict.action == "within budget":
+            return
+        self._verify_left = 0
+        message = (f"remat {record.graph_id}: step {step} measured a peak of {peak_bytes / 1e9:.6f} GB, over the "
+                   f"budget {plan.budget_bytes / 1e9:.6f} GB; the plan predicted {plan.predicted_peak_bytes / 1e9:.6f} "
+                   f"GB (measured / predicted = {verdict.factor:.3f}; 1 GB = 1e9 bytes)")
+        if verdict.new_target_bytes is None:
+            warnings.warn(f"{message}: {verdict.action}, the graph keeps its plan.", stacklevel=2)
+            return
+        correction = Correction(verdict.factor, plan.budget_bytes, plan.predicted_peak_bytes, peak_bytes,
+                                record.graph_id, f"measured in this process: {record.graph_id} step {step}")
+        path = self._store(record.graph_key, correction)
+        stored = f"stored in {path}" if path else "not stored (the feedback store is not writable)"
+        if verdict.action == "re-planned":
+            self.request_replan(correction)
+            what = f"re-planning it at a target of {verdict.new_target_bytes / 1e9:.6f} GB from its next call"
+        else:
+            what = f"its next compile plans at {verdict.new_target_bytes / 1e9:.6f} GB"
+        warnings.warn(f"{message}: {what}; correction {stored}.", stacklevel=2)

@@ -1,0 +1,294 @@
+"""The feedback loop (remat/feedback.py): a plan measured over its budget is re-planned.
+
+The decision and the store as tables on plain numbers; then one small MLP whose simulated
+peaks are made 30% too low on purpose (``scaled_simulator``), so its first plan measures over
+the budget: the loop re-plans it and the next step fits, with gradients equal to plain
+Inductor's throughout; a fresh backend reads the stored correction and fits at once;
+``verify_peak=0`` turns the loop off.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import remat
+from remat import feedback_store
+from remat.feedback import MAX_REPLANS, judge
+from remat.feedback_store import Correction, clear_corrections, read_correction, write_correction
+from remat.measure import close_open_window
+from remat.passes import schedule
+from conftest import assert_grads_close, grads_of, run_step
+from models import MLP
+
+SIM_SCALE = 0.7             # the wrong simulator's peaks are 70% of the real simulator's
+BUDGET_FRACTION = 0.8       # of plain Inductor's measured peak: the min-cut plan (~plain's) is over it
+
+
+# ---- judge and the store, on plain numbers ---------------------------------------------------
+
+JUDGE_TABLE = [
+    # (budget, base target, predicted, measured, fits, re-plans done, can recompile) -> action, new target
+    ((1000, 950, 900, 1000, True, 0, True), "within budget", None),
+    ((1000, 950, 900, 1200, True, 0, True), "re-planned", int(950 / (1200 / 900))),
+    ((1000, 950, 900, 1200, True, 0, False), "stored for the next compile", int(950 / (1200 / 900))),
+    ((1000, 950, 900, 1200, True, MAX_REPLANS, True), f"over budget after {MAX_REPLANS} re-plans", None),
+    ((1000, 950, 1100, 1200, False, 0, True), "over budget: best-effort plan", None),
+    ((None, None, 900, 5000, True, 0, True), "within budget", None),
+]
+
+
+@pytest.mark.parametrize(("args", "action", "new_target"), JUDGE_TABLE)
+def test_judge_table(args, action, new_target):
+    verdict = judge(*args)
+    assert (verdict.action, verdict.new_target_bytes) == (action, new_target)
+    if action != "within budget":
+        assert verdict.factor == pytest.approx(args[3] / args[2])
+
+
+def test_a_new_target_is_below_the_target_the_over_budget_plan_met():
+    """A plan that met its target (predicted <= target) and measured over the budget gives a
+    factor above the correction it was planned with, so each re-plan lowers the target."""
+    budget, base = 1000, 950
+    for old_factor in (1.0, 1.2, 1.5):
+        target = int(base / old_factor)
+        for predicted in (target, target // 2):
+            verdict = judge(budget, base, predicted, budget + 1, True, 0, True)
+            assert verdict.factor > old_factor and verdict.new_target_bytes < target
+
+
+def test_store_round_trip_and_clear(tmp_path, monkeypatch):
+    monkeypatch.setenv(feedback_store.FEEDBACK_DIR_ENV_VAR, str(tmp_path / "store"))
+    correction = Correction(1.25, 1000, 800, 1000, "graph_000", "measured in this process: graph_000 step 0")
+    path = write_correction("abc", correction)
+    assert path == tmp_path / "store" / "abc.json"
+    back = read_correction("abc")
+    assert back == dataclasses.replace(correction, source=f"stored: {path}")
+    assert back.corrected_target(950) == 760
+    path.write_text("{not json")
+    assert read_correction("abc") is None
+    path.write_text(json.dumps({"schema": 1, "factor": 0.5}))
+    assert read_correction("abc") is None
+    write_correction("abc", correction)
+    assert clear_corrections() == 1 and read_correction("abc") is None and clear_corrections() == 0
+
+
+def test_graph_key_ignores_the_budget_but_not_the_solver():
+    inputs = [torch.empty(4, 8)]
+    key = feedback_store.graph_key("code", inputs, remat.backend(0.5).options)
+    assert key == feedback_store.graph_key("code", inputs, remat.backend(0.25, verify_peak=0).options)
+    assert key != feedback_store.graph_key("code", inputs, remat.backend(0.5, solver="milp").options)
+    assert key != feedback_store.graph_key("code", [torch.empty(4, 9)], remat.backend(0.5).options)
+    assert key != feedback_store.graph_key("code2", inputs, remat.backend(0.5).options)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "1", None])
+def test_bad_verify_peak_fails_with_the_value(value):
+    with pytest.raises(ValueError, match=f"verify_peak={value!r}"):
+        remat.backend(0.5, verify_peak=value)
+
+
+def test_verify_peak_is_in_the_cache_key():
+    assert remat.backend(0.5).cache_key() != remat.backend(0.5, verify_peak=0).cache_key()
+
+
+# ---- a small MLP planned by a simulator that is wrong on purpose ------------------------------
+
+
+@pytest.fixture
+def scaled_simulator(monkeypatch):
+    """Every simulated peak and timeline scaled by SIM_SCALE: the planner believes plans use 30%
+    less memory than its own simulator (and Inductor) say, as on a model it mis-models."""
+    real = schedule.simulate_partition
+
+    def scaled(facts, partition):
+        run = real(facts, partition)
+        sim = run.simulation
+        wrong = dataclasses.replace(sim, peak_bytes=int(sim.peak_bytes * SIM_SCALE),
+                                    timeline_bytes=tuple(int(b * SIM_SCALE) for b in sim.timeline_bytes))
+        return dataclasses.replace(run, simulation=wrong)
+
+    monkeypatch.setattr(schedule, "simulate_partition", scaled)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """The feedback store of this module's tests: a fresh directory, never the user's cache."""
+    old = os.environ.get(feedback_store.FEEDBACK_DIR_ENV_VAR)
+    os.environ[feedback_store.FEEDBACK_DIR_ENV_VAR] = str(tmp_path_factory.mktemp("feedback"))
+    yield feedback_store.store_dir()
+    if old is None:
+        del os.environ[feedback_store.FEEDBACK_DIR_ENV_VAR]
+    else:
+        os.environ[feedback_store.FEEDBACK_DIR_ENV_VAR] = old
+
+
+def make_mlp():
+    torch.manual_seed(0)
+    return MLP(d_in=64, d_hidden=256, n_layers=4), (torch.randn(512, 64),)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """Plain Inductor on the MLP: its gradients and its measured peak."""
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    compiled = torch.compile(model, backend="inductor")
+    with torch._inductor.config.patch(fallback_random=True):
+        run_step(compiled, model, inputs)
+        grads = grads_of(model)
+        model.zero_grad(set_to_none=True)
+        peak = remat.measure_peak_bytes(lambda: run_step(compiled, model, inputs)).peak_bytes
+    torch._dynamo.reset()
+    return dict(grads=grads, peak_bytes=peak, budget_gb=BUDGET_FRACTION * peak / 1e9)
+
+
+def remat_steps(budget_gb, n_steps, **options):
+    """Compile a fresh MLP with remat and run ``n_steps`` steps; per step the gradients, and
+    the backend. Each step's feedback window is closed at the step's end, as a loop that steps
+    an optimizer would."""
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    backend = remat.backend(budget_gb, **options)
+    compiled = torch.compile(model, backend=backend)
+    grads = []
+    with torch._inductor.config.patch(fallback_random=True):
+        for _ in range(n_steps):
+            run_step(compiled, model, inputs)
+            close_open_window()
+            grads.append(grads_of(model))
+        model.zero_grad(set_to_none=True)
+        peak = remat.measure_peak_bytes(lambda: run_step(compiled, model, inputs)).peak_bytes
+    return backend, grads, peak
+
+
+def test_a_plan_measured_over_budget_is_replanned_and_the_next_step_fits(plain, store, scaled_simulator, tmp_path):
+    budget_bytes = remat.backend(plain["budget_gb"]).options.budget_bytes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend, grads, last_peak = remat_steps(plain["budget_gb"], 2, dump_dir=str(tmp_path / "dump"))
+    first, second = backend.feedback_events
+    assert first.action == "re-planned" and first.step == 0 and first.budget_bytes == budget_bytes
+    assert first.measured_peak_bytes > budget_bytes, "the wrong simulator's plan should measure over the budget"
+    assert first.factor == pytest.approx(first.measured_peak_bytes / first.predicted_peak_bytes)
+    assert second.graph_id == "graph_000_r1" and second.step == 1 and second.action == "within budget"
+    assert second.measured_peak_bytes <= budget_bytes and last_peak <= budget_bytes
+    replanned = backend.compiled_graphs[-1]
+    assert [g.graph_id for g in backend.compiled_graphs] == ["graph_000", "graph_000_r1"]
+    assert replanned.plan.target_bytes == first.new_target_bytes < replanned.base_target_bytes
+    assert replanned.correction.factor == first.factor
+    over = [str(w.message) for w in caught if "over the budget" in str(w.message)]
+    assert len(over) == 1 and f"{first.measured_peak_bytes / 1e9:.6f} GB" in over[0], over
+    assert f"re-planning it at a target of {first.new_target_bytes / 1e9:.6f} GB" in over[0]
+    for step_grads in grads:
+        assert_grads_close(step_grads, plain["grads"])
+    stored = read_correction(backend.compiled_graphs[0].graph_key)
+    assert stored is not None and stored.factor == first.factor
+    report = (tmp_path / "dump" / "graph_000_r1" / "report.md").read_text()
+    assert f"feedback correction: target divided by {first.factor:.3f}" in report
+    plan_json = json.loads((tmp_path / "dump" / "graph_000_r1" / "plan.json").read_text())
+    assert plan_json["feedback"]["factor"] == first.factor
+
+
+def test_a_fresh_backend_reads_the_correction_and_fits_first_time(plain, store, scaled_simulator):
+    """Runs after the test above, which stored the correction (same process, Dynamo reset)."""
+    assert list(store.glob("*.json")), "the previous test should have stored a correction"
+    budget_bytes = remat.backend(plain["budget_gb"]).options.budget_bytes
+    backend, grads, last_peak = remat_steps(plain["budget_gb"], 1)
+    (graph,) = backend.compiled_graphs
+    assert graph.correction is not None and graph.correction.source.startswith("stored: ")
+    assert graph.plan.target_bytes == graph.correction.corrected_target(graph.base_target_bytes)
+    (event,) = backend.feedback_events
+    assert event.action == "within budget" and event.measured_peak_bytes <= budget_bytes
+    assert last_peak <= budget_bytes
+    assert_grads_close(grads[0], plain["grads"])
+
+
+def test_verify_peak_0_turns_the_loop_off(plain, store, scaled_simulator, tmp_path, monkeypatch):
+    monkeypatch.setenv(feedback_store.FEEDBACK_DIR_ENV_VAR, str(tmp_path / "empty_store"))
+    budget_bytes = remat.backend(plain["budget_gb"]).options.budget_bytes
+    backend, grads, last_peak = remat_steps(plain["budget_gb"], 2, verify_peak=0)
+    assert backend.feedback_events == [] and backend.verified_graphs == []
+    assert len(backend.compiled_graphs) == 1 and backend.compiled_graphs[0].correction is None
+    assert last_peak > budget_bytes, "without the loop the wrong simulator's plan stays over the budget"
+    assert not (tmp_path / "empty_store").exists()
+    assert_grads_close(grads[-1], plain["grads"])
+
+
+# ---- the measuring window on eager ops, and graph breaks --------------------------------------
+
+
+def test_a_window_measures_what_measure_peak_bytes_measures_and_leaves_no_profiler():
+    """Opened before a forward, ended by a hook on a backward node (inside the autograd engine),
+    closed outside it: the same peak as measure_peak_bytes around the same code, and the thread
+    can start a profiler again afterwards."""
+    from remat.measure import StepWindow, profiler_running
+
+    x = torch.ones(512, 512, requires_grad=True)       # 512 x 512 fp32 = 1 MiB, resident
+
+    def forward_backward(at_end=None):
+        h = x * 2.0
+        if at_end is not None:      # after the last backward node: the one that makes x's gradient
+            h.grad_fn.register_hook(lambda *_: at_end())
+        h.relu().sum().backward()
+
+    got = []
+    window = StepWindow(torch.device("cpu"), lambda peak, why_not: got.append((peak, why_not)))
+    assert window.open() and profiler_running()
+    x.grad = None
+    forward_backward(window.mark_end)
+    window.close()
+    x.grad = None
+    direct = remat.measure_peak_bytes(forward_backward).peak_bytes
+    assert got == [(direct, "")] and direct >= 2 * (1 << 20)
+    assert not profiler_running()
+    with torch.profiler.profile():
+        pass
+
+    unmarked = StepWindow(torch.device("cpu"), lambda peak, why_not: got.append((peak, why_not)))
+    assert unmarked.open()
+    unmarked.close()
+    spoiled = StepWindow(torch.device("cpu"), lambda peak, why_not: got.append((peak, why_not)))
+    assert spoiled.open()
+    forward_backward(spoiled.mark_end)
+    spoiled.spoil("something ran inside")
+    spoiled.close()
+    assert got[1:] == [(None, "no backward ran before the window closed"), (None, "something ran inside")]
+
+
+class TwoGraphs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_a_graph_break_measures_the_inner_graph_and_gives_up_on_the_outer(store):
+    """The outer graph's window holds the inner graph's run, so it is spoiled (its peak is not
+    one graph's): after MAX_UNMEASURED tries the outer graph stops; then the inner graph, which
+    could not open a window while the outer one's profiler ran, is measured."""
+    from remat.feedback import MAX_UNMEASURED
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = TwoGraphs(), torch.randn(64, 32)
+    backend = remat.backend(0.05)
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(MAX_UNMEASURED + 1):
+        run_step(compiled, model, (x,))
+        close_open_window()
+    outer, inner = (g.graph_id for g in backend.compiled_graphs)
+    assert [(e.graph_id, e.action) for e in backend.feedback_events] == [
+        (outer, f"not measured: {inner} ran inside the window (a graph break: its peak is not one graph's)"),
+        (inner, "within budget")]
+    assert backend.feedback_events[0].step == MAX_UNMEASURED - 1
