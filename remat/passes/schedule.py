@@ -20,6 +20,7 @@ from typing import AbstractSet, Any, Callable, Iterable, Mapping
 from ..cost_model.memory import MemorySimulation, Step, simulate_memory
 from .joint_graph import JointGraphFacts
 from ..cost_model.kernel_schedule import EXTERN, SCATTER
+from .shared_storage import one_value_per_storage, shared_storage_groups
 from .kernel_steps import RECOMPUTE_SUFFIX, forward_steps, kernel_kinds, kernel_steps
 
 # The simulator no longer reads these: it follows Inductor's realization rules
@@ -149,7 +150,22 @@ def partition_nodes(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> P
     be recomputed (random,
     mutation, collective, symbolic size) is saved and recorded in ``forced``
     (in joint-graph order: the result does not depend on set iteration order).
+    No two saved values share a storage (``shared_storage.one_value_per_storage``).
     """
+    partition = _close(facts, chosen_saved)
+    # Two saved values sharing a storage would both be donated to the backward (shared_storage.py):
+    # save the storage's owner once and rebuild the other values as views of it.
+    for _ in range(4):
+        canonical = one_value_per_storage(facts, partition.saved)
+        if canonical is None:
+            return partition
+        partition = _close(facts, canonical)
+    raise RuntimeError("remat: saving each storage once did not converge in 4 rounds; "
+                       f"values sharing a storage: {shared_storage_groups(facts, partition.saved)}")
+
+
+def _close(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Partition:
+    """``partition_nodes``'s closure of ``chosen_saved``, before the one-value-per-storage rule."""
     bans, position = _per_graph(facts)
     nodes = facts.nodes
     saved = _instead_of_register_only(facts, chosen_saved)

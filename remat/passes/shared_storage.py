@@ -1,0 +1,67 @@
+"""At most one saved value per storage: the rule that keeps donated buffers safe.
+
+AOTAutograd *donates* to the backward every saved tensor that does not alias a forward
+input or output (``torch/_functorch/_aot_autograd/graph_compile.py``,
+``collect_fw_donated_buffer_idxs``, checked on torch 2.13): Inductor may then write a
+backward result into that tensor's buffer once the tensor's last reader has run. Its alias
+check does not look at the saved tensors among themselves. So when two saved values share
+one storage (``relu`` and ``relu.view(-1, d)``), Inductor sees two unrelated donated
+inputs, may reuse one's buffer in place (``buf41 = relu; del relu  # reuse``) and
+schedule that write before a kernel that reads the other: the backward then reads
+overwritten data, and a gradient is silently wrong (issue 15: a weight's gradient off by
+100% while the loss is equal).
+
+The rule: when several saved values share a storage, the plan saves the value that owns the
+storage (the node that allocates it) and rebuilds the others in the backward as views of it,
+which costs no memory and no compute. A storage owned by a primal is resident: its views are
+rebuilt from the primal. One saved value per storage cannot race with itself.
+"""
+
+from __future__ import annotations
+
+from typing import AbstractSet, Optional
+
+from .joint_graph import JointGraphFacts
+
+
+def _storage_owner(facts: JointGraphFacts, storage: str) -> Optional[str]:
+    """The node whose value *is* ``storage`` (not a view of it): the node that allocates it, or
+    for one output of a multi-output op, the getitem that selects that output."""
+    for name in facts.order:
+        node = facts.nodes[name]
+        if node.is_view:
+            continue
+        if node.is_getitem and node.value_storages == (storage,):
+            return name
+        if not node.is_multi_output and any(sid == storage for sid, _ in node.allocs):
+            return name
+    return None
+
+
+def shared_storage_groups(facts: JointGraphFacts, saved: AbstractSet[str]) -> dict[str, list[str]]:
+    """The storages that two or more of ``saved`` refer to, each with those values (sorted)."""
+    by_storage: dict[str, list[str]] = {}
+    for name in saved:
+        for storage in facts.nodes[name].value_storages:
+            by_storage.setdefault(storage, []).append(name)
+    return {storage: sorted(names) for storage, names in sorted(by_storage.items()) if len(names) > 1}
+
+
+def one_value_per_storage(facts: JointGraphFacts, saved: AbstractSet[str]) -> Optional[set[str]]:
+    """``saved`` with every group of values sharing a storage replaced by the storage's owner
+    (dropped only, where the owner is a primal: resident, never saved), or None when no two
+    values of ``saved`` share a storage. The dropped values are views of the owner, so the
+    caller's closure rebuilds them in the backward from it."""
+    groups = shared_storage_groups(facts, saved)
+    if not groups:
+        return None
+    result = set(saved)
+    for storage, names in groups.items():
+        owner = _storage_owner(facts, storage)
+        if owner is None:   # every storage a value refers to is allocated by some node
+            raise RuntimeError(f"remat: no node of the joint graph allocates storage {storage!r}, which the saved "
+                               f"values {names} share; cannot make the plan save it once.")
+        result.difference_update(names)
+        if facts.nodes[owner].role == "forward":
+            result.add(owner)
+    return result
