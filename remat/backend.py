@@ -252,7 +252,9 @@ def _make_partitioner(backend: "RematBackend") -> Any:
 
     class RematPartitioner(CustomPartitionerFn):
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-            return backend.partition(gm, joint_inputs, **kwargs)
+            from .dynamic import partition_at_planned_sizes   # dynamic shapes: sizes planned at, no guards
+
+            return partition_at_planned_sizes(backend, gm, joint_inputs, kwargs)
 
         def uuid(self) -> Any:
             return backend.cache_key()

@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 def _value_bytes(value: object) -> int:
     import torch
 
+    from .cost_model.tensors import concrete_int
+
     if not isinstance(value, torch.Tensor):
         return 0
-    try:
-        return int(value.numel()) * value.element_size()
+    try:   # concrete_int, not int(): int() on a SymInt adds a guard that specialises a dynamic graph
+        return concrete_int(value.numel()) * value.element_size()
     except (TypeError, RuntimeError):  # an unbacked symbolic size
         return 0
 

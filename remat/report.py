@@ -13,6 +13,7 @@ from torch import fx
 from .cost_model.hardware import HardwareProfile
 from .cost_model.symbolic import evaluate as evaluate_expr
 from .cost_model.symbolic import format_expr, shape_hints, symbol_sources, to_sympy
+from .dynamic import size_environment
 from .feedback_store import Correction
 from .passes.joint_graph import JointGraphFacts
 from .passes.evaluate import evaluate
@@ -132,19 +133,24 @@ def _formula(sids_and_bytes: Sequence[tuple[str, int]], graphs: Sequence[fx.Grap
 def render_symbolic_sizes(plan: Plan, facts: JointGraphFacts, graphs: Sequence[fx.Graph]) -> str:
     """A report section with the saved bytes and the peak as formulas in the shape symbols.
 
-    Empty when the graphs have no symbolic sizes. Each formula is shown with its value
-    at the traced sizes, which equals the plan's number (the section says so if not).
+    Empty when the graphs have no symbolic sizes. Each formula is shown with its value at the
+    sizes the plan was made at (the traced sizes, or a symbol's upper bound: ``remat.dynamic``),
+    which equals the plan's number (the section says so if not).
     """
-    hints: dict[sympy.Symbol, int] = {}
+    traced: dict[sympy.Symbol, int] = {}
     sources: dict[str, str] = {}
     for graph in graphs:
-        hints.update(shape_hints(graph))
+        traced.update(shape_hints(graph))
         sources.update(symbol_sources(graph))
-    if not hints:
+    if not traced:
         return ""
+    planned = size_environment(graphs).values   # the sizes the plan was made at (remat/dynamic.py)
+    hints = {sym: planned.get(str(sym), value) for sym, value in traced.items()}
+    at = "at the traced sizes" if hints == traced else "at the planned sizes"
     lines = ["", "## Sizes as formulas (dynamic shapes)", ""]
     lines += [f"- `{sym}` = `{sources.get(str(sym), '?')}`, traced at {value}"
-              for sym, value in sorted(hints.items(), key=str)]
+              + (f", planned at {hints[sym]} (its upper bound)" if hints[sym] != value else "")
+              for sym, value in sorted(traced.items(), key=str)]
     lines.append("")
     saved = [(sid, bytes_) for name in plan.saved for sid, bytes_ in _saved_storages(facts, name)]
     rows = [("saved activations", saved, plan.saved_bytes)]
@@ -158,7 +164,7 @@ def render_symbolic_sizes(plan: Plan, facts: JointGraphFacts, graphs: Sequence[f
         note = "" if at_hint == expected else f" (the plan counts {format_bytes(expected)})"
         if missing:
             note += f" ({missing} storages without a formula counted at their traced size)"
-        lines.append(f"- {label} = {format_expr(expr, 'bytes')} = {format_bytes(at_hint)} at the traced sizes{note}")
+        lines.append(f"- {label} = {format_expr(expr, 'bytes')} = {format_bytes(at_hint)} {at}{note}")
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,7 @@ import sympy
 import torch
 from torch import fx
 
+from .. import _torch_shapes
 from .flops import node_flops_value
 from .tensors import is_free_op, iter_tensors, node_val, touched_numel
 
@@ -73,31 +74,15 @@ def node_cost_exprs(node: fx.Node) -> SymbolicCost:
 
 
 def shape_hints(graph: fx.Graph) -> dict[sympy.Symbol, int]:
-    """Each shape symbol of the graph and the value it was traced with."""
-    for node in graph.nodes:
-        for tensor in iter_tensors(node_val(node)):
-            for size in tensor.shape:
-                if isinstance(size, torch.SymInt):
-                    env = size.node.shape_env
-                    values = getattr(env, "backed_var_to_val", None) or env.var_to_val
-                    return {sym: int(val) for sym, val in values.items()}
-    return {}
+    """Each shape symbol of the graph and the value it was traced with (read without a guard)."""
+    shape_env = _torch_shapes.shape_env_of(graph)
+    return _torch_shapes.traced_values(shape_env) if shape_env is not None else {}
 
 
 def symbol_sources(graph: fx.Graph) -> dict[str, str]:
     """Each shape symbol and where it came from ("s0" -> "L['x'].size()[0]")."""
-    for node in graph.nodes:
-        for tensor in iter_tensors(node_val(node)):
-            for size in tensor.shape:
-                if isinstance(size, torch.SymInt):
-                    env = size.node.shape_env
-                    return {str(sym): _source_name(sources[0]) for sym, sources in env.var_to_sources.items() if sources}
-    return {}
-
-
-def _source_name(source: Any) -> str:
-    name = source.name
-    return name() if callable(name) else str(name)
+    shape_env = _torch_shapes.shape_env_of(graph)
+    return _torch_shapes.source_names(shape_env) if shape_env is not None else {}
 
 
 def evaluate(expr: Number, hints: Mapping[sympy.Symbol, int]) -> int:

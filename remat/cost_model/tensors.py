@@ -4,7 +4,10 @@ Sizes may be symbolic (``torch.SymInt``); every function here evaluates them at
 their hint (the example value the graph was traced with), or, inside
 ``sizes_evaluated_at(values)``, at the values given for the shape symbols: the
 whole cost model and the facts the planner reads then describe the graph at
-that size (``remat.sizing`` searches sizes this way).
+that size (``remat.sizing`` searches sizes this way; ``remat.dynamic`` plans a
+dynamic graph at its largest sizes). None of them adds a guard to the ShapeEnv:
+sizes are read as numbers (``concrete_int``), never compared as SymInts, so
+planning never specialises a dynamic graph.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from typing import Any, Iterator, Mapping, Optional
 import sympy
 import torch
 from torch import fx
+
+from .._torch_shapes import hint_of
+
 try:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 except ImportError:  # torch < 2.13 names it hint_int (static shapes never reach it)
@@ -37,10 +43,8 @@ class _SizePoint:
         expr = sympy.sympify(value.node.expr)
         if expr not in self.cache:
             result = expr.xreplace({s: self.values[s.name] for s in expr.free_symbols if s.name in self.values})
-            if result.free_symbols:  # a symbol the caller gave no value for: its hint
-                env = value.node.shape_env
-                hints = getattr(env, "backed_var_to_val", None) or env.var_to_val   # torch < 2.13: var_to_val
-                result = result.xreplace({s: sympy.Integer(int(hints[s])) for s in result.free_symbols})
+            if result.free_symbols:  # a symbol the caller gave no value for: its hint, read without a guard
+                result = hint_of(value.node.shape_env, result)
             self.cache[expr] = int(result)
         return self.cache[expr]
 
@@ -93,7 +97,7 @@ def touched_numel(tensor: torch.Tensor) -> Any:
     An ``expand``-ed bias of shape (B, S, D) with strides (0, 0, 1) touches D
     elements, not B·S·D. An int, or a SymInt under dynamic shapes.
     """
-    if tensor.numel() == 0:
+    if concrete_int(tensor.numel()) == 0:   # not ``numel() == 0`` on a SymInt: that would add a guard
         return 0
     count: Any = 1
     for size, stride in zip(tensor.shape, tensor.stride()):
