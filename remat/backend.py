@@ -220,6 +220,13 @@ def _has_symbolic_shapes(example_inputs: Sequence[Any]) -> bool:
                for v in example_inputs)
 
 
+def _copy_or_none(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
+    try:
+        return copy.deepcopy(gm)
+    except Exception:     # an attribute that cannot be copied: the loop then cannot recompile in place
+        return None
+
+
 def _watch_backward(outputs: Any, at_end: Callable[[], None]) -> bool:
     """Run ``at_end`` right after the compiled backward of the graph whose outputs these are
     (a post-hook on AOTAutograd's ``CompiledFunctionBackward`` node, reached from an output's
@@ -296,7 +303,7 @@ class RematBackend:
         from torch._inductor.compile_fx import compile_fx
 
         verify = self.options.verify_peak > 0
-        pristine = copy.deepcopy(gm) if verify else None   # compile_fx's pre-grad passes rewrite gm in place
+        pristine = _copy_or_none(gm) if verify else None    # compile_fx's pre-grad passes rewrite gm in place
         before = len(self.compiled_graphs)
         # AOTAutograd's cache would skip the partitioner on a hit, and with it the plan record and the
         # dump; Inductor's own per-graph code cache stays on. The backward is compiled now, not at its
@@ -306,7 +313,7 @@ class RematBackend:
         records = self.compiled_graphs[before:]
         if not verify or len(records) != 1:
             return fn       # the loop off, or an inference graph (no plan)
-        in_place = not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
+        in_place = pristine is not None and not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
 
         def recompile(args: list, correction: Correction) -> tuple[Callable[..., Any], CompiledGraph]:
             return self._recompile(pristine, args, correction, wrapper.record.graph_key)
