@@ -182,7 +182,7 @@ def worker_main(argv: list[str]) -> None:
                 try:
                     ours = _train(args.mode, backend, args.timeline)
                 except remat.BudgetInfeasibleError as error:
-                    named.append(all_max(error.min_feasible_bytes) / 1e9)
+                    named.append(all_max(error.min_budget_bytes) / 1e9)
                     budget = named[-1]
                     row["last_error"] = str(error)[:600]
                     continue

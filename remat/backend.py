@@ -78,7 +78,6 @@ class CompiledGraph:
     correction: Optional[Correction] = None  # the feedback loop's correction the plan was made with
 
 
-
 def _passthrough_error_class(cls: type) -> type:
     """A subclass of ``cls`` that Dynamo re-raises as is instead of wrapping it in
     ``BackendCompilerFailed`` (it does so for ``ShortenTraceback``), so users can
@@ -220,6 +219,13 @@ def _has_symbolic_shapes(example_inputs: Sequence[Any]) -> bool:
                for v in example_inputs)
 
 
+def _copy_or_none(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
+    try:
+        return copy.deepcopy(gm)
+    except Exception:     # an attribute that cannot be copied: the loop then cannot recompile in place
+        return None
+
+
 def _watch_backward(outputs: Any, at_end: Callable[[], None]) -> bool:
     """Run ``at_end`` right after the compiled backward of the graph whose outputs these are
     (a post-hook on AOTAutograd's ``CompiledFunctionBackward`` node, reached from an output's
@@ -284,7 +290,6 @@ class RematBackend:
         self._corrections: dict[str, Correction] = {}      # by graph key: this backend's, stored or not
         self._replan = threading.local()                   # the correction a re-plan on this thread applies
 
-
     def cache_key(self) -> str:
         """Changes whenever the budget, options, hardware profile or planner source change."""
         profile = get_profile(self.options.hardware) if self.options.hardware != "auto" else None
@@ -296,7 +301,7 @@ class RematBackend:
         from torch._inductor.compile_fx import compile_fx
 
         verify = self.options.verify_peak > 0
-        pristine = copy.deepcopy(gm) if verify else None   # compile_fx's pre-grad passes rewrite gm in place
+        pristine = _copy_or_none(gm) if verify else None    # compile_fx's pre-grad passes rewrite gm in place
         before = len(self.compiled_graphs)
         # AOTAutograd's cache would skip the partitioner on a hit, and with it the plan record and the
         # dump; Inductor's own per-graph code cache stays on. The backward is compiled now, not at its
@@ -306,7 +311,7 @@ class RematBackend:
         records = self.compiled_graphs[before:]
         if not verify or len(records) != 1:
             return fn       # the loop off, or an inference graph (no plan)
-        in_place = not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
+        in_place = pristine is not None and not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
 
         def recompile(args: list, correction: Correction) -> tuple[Callable[..., Any], CompiledGraph]:
             return self._recompile(pristine, args, correction, wrapper.record.graph_key)
@@ -371,6 +376,10 @@ class RematBackend:
             correction.corrected_target(base_target_bytes)
         share = share_for_graph(self._step_ledger, target_bytes, joint, num_fwd_outputs, static_indices)
 
+        def step_target_for(budget_bytes: int) -> int:  # the rule behind target_bytes: errors name budgets by it
+            target = self.options.planning_target_for(budget_bytes, device_type, modeled)
+            return target if correction is None else correction.corrected_target(target)
+
         def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None) -> Plan:
             return make_plan(
                 facts,
@@ -380,6 +389,7 @@ class RematBackend:
                 solver=self.options.solver,
                 milp_time_limit_s=self.options.milp_time_limit_s,
                 saved_cap_bytes=saved_cap_bytes,
+                target_for_budget=step_target_for,
             )
 
         try:
@@ -387,8 +397,7 @@ class RematBackend:
                 plan = plan_at(target_bytes)
             else:  # the largest target the step's ledger admits (remat/distributed.py)
                 plan, share = fit_plan(share, lambda p: held_bytes_of(joint, static_indices, p.saved_bytes, p.saved_primals),
-                                       plan_at, self.options.budget_bytes, self.options.headroom_for(device_type, modeled),
-                                       plan_capped=plan_at)
+                                       plan_at, self.options.budget_bytes, step_target_for, plan_capped=plan_at)
         except BudgetInfeasibleError as error:
             if correction is not None:
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
@@ -457,6 +466,8 @@ def backend(
     The plan keeps its simulated peak ``headroom_fraction`` under the budget (None: 5% for graphs on
     the CPU, where the simulator is checked within 5% of the measured peak, 15% on other devices;
     ``RematOptions.headroom_for``).
+    ``dump_dir`` is created and checked writable here, before any tracing (ValueError naming it
+    and why: an existing file, a path under /proc, no permission).
     ``pareto_points > 0`` adds each graph's Pareto curve (that many budgets) to its dump.
     ``hardware`` picks the cost profile ("auto", "cpu", "cuda", "a100", "h100", "h200");
     ``estimator="profile"`` times each graph's real kernels once instead of the roofline.
@@ -476,11 +487,45 @@ def backend(
     return RematBackend(options)
 
 
+class _EnvBackends:
+    """The backends ``backend="remat"`` made, one per configuration (the values of
+    ``REMAT_BUDGET_GB`` and ``REMAT_DUMP_DIR``): while the environment is unchanged every graph
+    goes to the same ``RematBackend``, so its dump numbers graphs across the whole run
+    (``graph_000``, ``graph_001``, ...) and its step ledger (DDP pieces) is kept. Per
+    configuration, not per graph: one small entry per distinct environment the process used."""
+
+    def __init__(self) -> None:
+        self._by_config: dict[tuple[str, str], RematBackend] = {}
+        self._lock = threading.Lock()
+
+    def for_environment(self, environ: Optional[dict[str, str]] = None) -> RematBackend:
+        """The backend for the environment's current configuration, made on first use.
+        Raises ValueError naming the variable and its value for a bad one."""
+        from .options import BUDGET_ENV_VAR, DUMP_DIR_ENV_VAR, dump_dir_from_env
+
+        env = os.environ if environ is None else environ
+        config = (env.get(BUDGET_ENV_VAR, "").strip(), env.get(DUMP_DIR_ENV_VAR, ""))
+        with self._lock:
+            found = self._by_config.get(config)
+            if found is None:
+                found = self._by_config[config] = backend(budget_from_env(env), dump_dir=dump_dir_from_env(env))
+            return found
+
+
+_ENV_BACKENDS = _EnvBackends()
+
+
 def remat_backend_from_env(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """The backend behind ``torch.compile(backend="remat")``: budget from ``REMAT_BUDGET_GB``."""
-    budget = budget_from_env()
-    dump_dir = os.environ.get("REMAT_DUMP_DIR") or None
-    return backend(budget, dump_dir=dump_dir)(gm, example_inputs)
+    """The backend behind ``torch.compile(backend="remat")``: budget from ``REMAT_BUDGET_GB``, dump
+    directory from ``REMAT_DUMP_DIR``, read on every call; the same ``RematBackend`` serves every
+    graph while they are unchanged (``_EnvBackends``). A bad value raises ``ValueError`` naming the
+    variable, and it reaches the caller of the compiled function as a ``ValueError`` (Dynamo does
+    not wrap it in ``BackendCompilerFailed``)."""
+    try:
+        compiler = _ENV_BACKENDS.for_environment()
+    except ValueError as error:
+        raise _passthrough_error_class(ValueError)(error) from None
+    return compiler(gm, example_inputs)
 
 
 def register() -> None:

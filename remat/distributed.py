@@ -81,13 +81,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
     from torch import fx
 
-from .errors import BudgetInfeasibleError
-from .units import format_bytes
+from .errors import BudgetInfeasibleError, raise_budget_hint
+from .options import smallest_budget_bytes
+from .units import format_bytes, format_gb_up
 
 
 # An eager loss on the step's outputs (cross-entropy on logits: measured on the zoo GPT under
@@ -391,40 +392,34 @@ def collectives_of(fw: "fx.GraphModule", bw: "fx.GraphModule") -> tuple[tuple[st
     return found, recomputed
 
 
-def budget_for_step_target(step_target_bytes: int, headroom_fraction: float) -> int:
-    """The smallest budget (bytes) whose planning target, ``int(budget * (1 - headroom))`` as
-    ``RematOptions`` computes it, is at least ``step_target_bytes`` (float rounding included)."""
-    import math
-
-    keep = 1.0 - headroom_fraction
-    budget = max(math.ceil(step_target_bytes / keep), 0)
-    while int(budget * keep) < step_target_bytes:
-        budget += 1
-    return budget
+def budget_for_step_target(step_target_bytes: int, target_for_budget: Callable[[int], int]) -> int:
+    """The smallest budget (bytes) whose step target by ``target_for_budget`` (the backend's rule:
+    ``RematOptions.planning_target_for``, the budget less its headroom) is at least
+    ``step_target_bytes``: the budget a user passes to get that step target."""
+    return smallest_budget_bytes(lambda b: target_for_budget(b) >= step_target_bytes, start_bytes=step_target_bytes)
 
 
 def restate_infeasible(error: BudgetInfeasibleError, share: Optional[GraphShare], budget_bytes: Optional[int],
-                       headroom_fraction: float, loose: bool = False) -> BudgetInfeasibleError:
+                       target_for_budget: Callable[[int], int], loose: bool = False) -> BudgetInfeasibleError:
     """The planner's infeasibility error for a graph planned under a share, restated for the
     whole step: the smallest per-rank budget whose share for this graph holds the smallest
     peak the planner reached (``error`` itself if the graph had no share).
 
-    The planner names ``peak * budget / target`` (its target is a fixed fraction of the
-    budget for one graph); a share is an affine function of the budget, so that is solved here.
-    Later pieces may need more: a budget this error names can still fail at a later piece.
+    A share is an affine function of the step target, which ``target_for_budget`` makes of a
+    budget, so both are solved here (bisections). Later pieces may need more: a budget this
+    error names can still fail at a later piece.
     """
     if share is None or budget_bytes is None or share.target_bytes <= 0:
         return error
-    failed_target = share.loose_target_bytes if loose else share.target_bytes
-    peak = error.min_feasible_bytes * max(failed_target, 1) // budget_bytes
+    peak = error.min_feasible_bytes
     step_target = share.smallest_step_target_bytes(peak, loose=loose)
-    minimum = budget_for_step_target(step_target, headroom_fraction)
+    minimum = budget_for_step_target(step_target, target_for_budget)
     message = (
-        f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_bytes(minimum)} "
+        f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_gb_up(minimum)} GB "
         f"for this graph ({share.explain().split('. ')[0]}): "
-        f"its smallest simulated peak is about {format_bytes(peak)}, "
+        f"its smallest simulated peak is {format_bytes(peak)}, "
         f"and its share of a budget grows as {format_bytes(share.target_bytes)} does at {format_bytes(budget_bytes)}. "
-        "Inside that peak: " + "; ".join(error.reasons)
-        + f". Raise the budget to at least {minimum / 1e9:.4f} GB (1 GB = 1e9 bytes), or pass best_effort=True."
+        "Inside that peak: " + "; ".join(error.reasons) + ". " + raise_budget_hint(minimum)
     )
-    return BudgetInfeasibleError(message, budget_bytes=budget_bytes, min_feasible_bytes=minimum, reasons=error.reasons)
+    return BudgetInfeasibleError(message, budget_bytes=budget_bytes, min_feasible_bytes=peak, min_budget_bytes=minimum,
+                                 reasons=error.reasons)

@@ -15,8 +15,8 @@ from .distributed import (
     LOSS_OUTPUT_COPIES, DistributedGraphRecord, GraphShare, LedgerEntry, StepLedger, budget_for_step_target,
     collectives_of, piece_target, restate_infeasible, write_share_to_dump,
 )
-from .errors import BudgetInfeasibleError
-from .units import format_bytes
+from .errors import BudgetInfeasibleError, raise_budget_hint
+from .units import format_bytes, format_gb_up
 
 if TYPE_CHECKING:
     from torch import fx
@@ -176,7 +176,7 @@ def _admitted(share: GraphShare, plan: Any, target: int, held_of: "Callable[[Any
 
 
 def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Callable[[int], Any]",
-             budget_bytes: int, headroom_fraction: float, calibrate: bool = True,
+             budget_bytes: int, target_for_budget: "Callable[[int], int]", calibrate: bool = True,
              plan_capped: "Optional[Callable[[int, int], Any]]" = None) -> tuple[Any, GraphShare]:
     """The plan for a graph under its share: the largest planning target whose plan the share
     admits (``GraphShare.admits`` on what the plan really holds and its predicted peak).
@@ -188,7 +188,8 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     the safe one (``share.target_bytes``: the room less the later pieces' reserve, which any
     plan meeting it is admitted at, since what a plan holds is live at its peak). Returns the
     plan and the share with ``target_bytes`` set to the target it was made for. Raises
-    ``BudgetInfeasibleError`` naming the smallest per-rank budget (``restate_infeasible``).
+    ``BudgetInfeasibleError`` naming the smallest per-rank budget whose step target
+    (``target_for_budget``: the backend's rule, the budget less its headroom) admits a plan.
     """
     from dataclasses import replace
 
@@ -198,8 +199,8 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     try:
         plan = plan_at(max(high, 1))
     except BudgetInfeasibleError as error:  # infeasible here: infeasible at every lower target
-        candidates = _holding_least(_near_smallest(error, high, plan_at, budget_bytes), plan_capped)
-        raise _infeasible(error, share, candidates, held_of, budget_bytes, headroom_fraction, loose=True) from None
+        candidates = _holding_least(_near_smallest(error, plan_at), plan_capped)
+        raise _infeasible(error, share, candidates, held_of, budget_bytes, target_for_budget, loose=True) from None
     admitted = _admitted(share, plan, high, held_of, plan_capped)
     if admitted is not None:
         return admitted, replace(share, target_bytes=high)
@@ -212,7 +213,7 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
             trial = plan_at(max(middle, 1))
         except BudgetInfeasibleError as error:
             # No plan peaks this low; the planner names the smallest peak it reaches.
-            low = max(middle, _named_peak(error, middle, budget_bytes) - 1)
+            low = max(middle, _named_peak(error) - 1)
             continue
         admitted = _admitted(share, trial, middle, held_of, plan_capped)
         if admitted is not None:
@@ -226,12 +227,12 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     except BudgetInfeasibleError as error:
         # Last, the plans just above the smallest peak the planner names: the admitted
         # targets can be a window the bisection stepped over.
-        candidates = _holding_least(_near_smallest(error, share.target_bytes, plan_at, budget_bytes), plan_capped)
+        candidates = _holding_least(_near_smallest(error, plan_at), plan_capped)
         admitted = [(t, c) for t, c in candidates if share.admits(held_of(c), c.predicted_peak_bytes)]
         if admitted:
             target, plan = max(admitted, key=lambda tc: tc[0])
             return plan, replace(share, target_bytes=target)
-        raise _infeasible(error, share, candidates, held_of, budget_bytes, headroom_fraction) from None
+        raise _infeasible(error, share, candidates, held_of, budget_bytes, target_for_budget) from None
 
 
 # Targets tried just above the smallest peak the planner names, as multiples of it: a plan
@@ -240,12 +241,11 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
 NEAR_SMALLEST_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.35)
 
 
-def _near_smallest(error: BudgetInfeasibleError, target_bytes: int, plan_at: "Callable[[int], Any]",
-                   budget_bytes: int) -> list[tuple[int, Any]]:
+def _near_smallest(error: BudgetInfeasibleError, plan_at: "Callable[[int], Any]") -> list[tuple[int, Any]]:
     """(target, plan) for the targets ``NEAR_SMALLEST_FACTORS`` times the smallest peak the
-    planner named when it refused ``target_bytes``; the ones it plans (the first always
-    does: the planner's named budget is feasible when planned at)."""
-    named = _named_peak(error, target_bytes, budget_bytes)
+    planner named when it refused a target; the ones it plans (the first always does: a
+    target at the smallest peak gets that plan)."""
+    named = _named_peak(error)
     found = []
     for factor in NEAR_SMALLEST_FACTORS:
         target = max(int(named * factor), 1)
@@ -272,27 +272,28 @@ def _holding_least(candidates: "list[tuple[int, Any]]", plan_capped: "Optional[C
 
 
 def _infeasible(error: BudgetInfeasibleError, share: GraphShare, candidates: "list[tuple[int, Any]]",
-                held_of: "Callable[[Any], int]", budget_bytes: int, headroom_fraction: float,
+                held_of: "Callable[[Any], int]", budget_bytes: int, target_for_budget: "Callable[[int], int]",
                 loose: bool = False) -> BudgetInfeasibleError:
     """The error for a graph no plan fits under this budget: the smallest per-rank budget at
     which one of ``candidates`` (plans near the smallest peak) is admitted, counting what it
     holds as well as its peak (a budget named from the peak alone is too small when the graph
     runs several times per step, or when what it holds squeezes the later pieces)."""
     if not candidates:  # nothing planned near the named peak: name it from the peak alone
-        return restate_infeasible(error, share, budget_bytes, headroom_fraction, loose=loose)
+        return restate_infeasible(error, share, budget_bytes, target_for_budget, loose=loose)
     needs = [(_step_target_admitting(share, held_of(c), c.predicted_peak_bytes), held_of(c), c.predicted_peak_bytes)
              for _, c in candidates]
     step, held, peak = min(needs)
-    minimum = budget_for_step_target(step, headroom_fraction)
+    minimum = budget_for_step_target(step, target_for_budget)
     message = (
-        f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_bytes(minimum)} "
+        f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_gb_up(minimum)} GB "
         f"for this graph ({share.explain().split('. ')[0]}): "
         f"of the plans near its smallest peak, the one that needs the least peaks at {format_bytes(peak)} and holds "
         f"{format_bytes(held)} for its backward, which with what the rest of the step needs fits a step target of "
         f"{format_bytes(step)}. Inside the smallest peak: " + "; ".join(error.reasons)
-        + f". Raise the budget to at least {minimum / 1e9:.4f} GB (1 GB = 1e9 bytes), or pass best_effort=True."
+        + ". " + raise_budget_hint(minimum)
     )
-    return BudgetInfeasibleError(message, budget_bytes=budget_bytes, min_feasible_bytes=minimum, reasons=error.reasons)
+    return BudgetInfeasibleError(message, budget_bytes=budget_bytes, min_feasible_bytes=peak, min_budget_bytes=minimum,
+                                 reasons=error.reasons)
 
 
 def _step_target_admitting(share: GraphShare, held: int, peak: int) -> int:
@@ -331,7 +332,7 @@ def calibrate_reserve(share: GraphShare, plan_at: "Callable[[int], Any]", budget
         plan_at(1)
         return share  # a 1-byte target met: nothing to calibrate against
     except BudgetInfeasibleError as error:
-        smallest_peak = _named_peak(error, 1, budget_bytes)
+        smallest_peak = _named_peak(error)
     need = share.needs[share.index]
     peak_ratio = (smallest_peak + share.input_activation_bytes) / need
     held_ratio = peak_ratio
@@ -350,7 +351,6 @@ def calibrate_reserve(share: GraphShare, plan_at: "Callable[[int], Any]", budget
                    own_floor_bytes=smallest_peak + share.input_activation_bytes).at(share.step_target_bytes)
 
 
-def _named_peak(error: BudgetInfeasibleError, target_bytes: int, budget_bytes: int) -> int:
-    """The smallest simulated peak the planner reached, from the budget its error names
-    (make_plan names ``ceil(peak * budget / target)``)."""
-    return error.min_feasible_bytes * max(target_bytes, 1) // max(budget_bytes, 1)
+def _named_peak(error: BudgetInfeasibleError) -> int:
+    """The smallest simulated peak the planner reached (its error's ``min_feasible_bytes``)."""
+    return error.min_feasible_bytes

@@ -77,7 +77,7 @@ class FeedbackEvent:
 
     ``step`` counts the calls of this compiled graph from 0 (re-plans included). ``action``:
     "within budget", "re-planned", "infeasible", "over budget: best-effort plan",
-    "over budget after N re-plans", "stored for the next compile", "not measured: <why>"
+    "over budget after N re-plans", "stored for the next compile", "re-plan failed", "not measured: <why>"
     (``measured_peak_bytes`` None). ``factor`` is
     ``measured / predicted`` when over budget; ``new_target_bytes`` the target it re-plans at.
     """
@@ -194,12 +194,21 @@ class VerifiedGraph:
         try:
             self._fn, self.record = self._recompile(args, correction)
         except BudgetInfeasibleError:
-            self._events.append(FeedbackEvent(correction.graph_id, step, correction.budget_bytes,
-                                              correction.predicted_peak_bytes, correction.measured_peak_bytes,
-                                              correction.factor, "infeasible"))
+            self._event_for(correction, step, "infeasible")
             raise
+        except Exception as error:    # e.g. a graph compile_fx cannot take back outside Dynamo: keep running
+            self._event_for(correction, step, "re-plan failed")
+            self._verify_left = 0
+            warnings.warn(f"remat {correction.graph_id}: re-planning it failed ({type(error).__name__}: {error}); "
+                          "it keeps its plan, and its next compile plans with the stored correction.", stacklevel=2)
+            return
         self._replans += 1
         self._verify_left = self._verify_peak
+
+    def _event_for(self, correction: Correction, step: int, action: str) -> None:
+        self._events.append(FeedbackEvent(correction.graph_id, step, correction.budget_bytes,
+                                          correction.predicted_peak_bytes, correction.measured_peak_bytes,
+                                          correction.factor, action))
 
     def _on_measured(self, record: Any, step: int, peak_bytes: Optional[int], why_not: str) -> None:
         """A window closed: judge it, record the event, warn and re-plan when over budget."""

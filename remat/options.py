@@ -9,11 +9,15 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional, Union
+from fractions import Fraction
+from typing import Callable, Optional, Union
 
 from .units import gb_to_bytes
 
 BUDGET_ENV_VAR = "REMAT_BUDGET_GB"
+DUMP_DIR_ENV_VAR = "REMAT_DUMP_DIR"
+# Writing a test file there may "succeed" on some kernels, or do harm; a dump never belongs there.
+KERNEL_FILE_SYSTEMS = ("/proc", "/sys", "/dev")
 SOLVERS = ("greedy", "milp", "save-all")
 DEFAULT_MILP_TIME_LIMIT_S = 30.0
 HARDWARE_NAMES = ("auto", "cpu", "cuda", "a100", "h100", "h200")
@@ -71,7 +75,13 @@ class RematOptions:
         peak meets the budget: the budget less ``headroom_for(device_type, modeled)``."""
         if self.budget_bytes is None:
             return None
-        return int(self.budget_bytes * (1.0 - self.headroom_for(device_type, modeled)))
+        return self.planning_target_for(self.budget_bytes, device_type, modeled)
+
+    def planning_target_for(self, budget_bytes: int, device_type: str, modeled: bool = True) -> int:
+        """The planning target these options give a budget of ``budget_bytes`` (the rule
+        ``planning_target_bytes`` applies to the budget asked; the budgets an infeasibility error
+        names are the smallest this rule accepts, ``smallest_budget_bytes``). Non-decreasing."""
+        return target_for_budget(budget_bytes, self.headroom_for(device_type, modeled))
 
     def cache_key(self) -> str:
         """A string that changes whenever an option that changes the plan changes."""
@@ -80,6 +90,33 @@ class RematOptions:
             f"best_effort={self.best_effort};headroom={'by-device' if self.headroom_fraction is None else self.headroom_fraction};"
             f"estimator={self.estimator};verify_peak={self.verify_peak}"
         )
+
+
+def target_for_budget(budget_bytes: int, headroom_fraction: float) -> int:
+    """The planning target of a budget: ``floor(budget_bytes * (1 - headroom_fraction))``, in exact
+    arithmetic on the headroom as written (``0.1`` is 1/10, not the float nearest it): no float
+    rounding and no overflow for any budget. Non-decreasing in the budget."""
+    return math.floor(budget_bytes * (1 - Fraction(repr(float(headroom_fraction)))))
+
+
+def smallest_budget_bytes(accepts: Callable[[int], bool], start_bytes: int = 1) -> int:
+    """The smallest budget ``b >= 1`` (bytes) with ``accepts(b)``, for an ``accepts`` that is
+    monotone (once true, true for every larger budget) and true for some budget.
+
+    ``start_bytes`` is a first guess (any positive int). Doubling from it, then bisecting: about
+    ``2 * log2`` of the answer calls. The budgets an infeasibility error names come from here,
+    with ``accepts`` the very rule that admits a plan, so retrying at the named budget is accepted.
+    """
+    low, high = 0, max(int(start_bytes), 1)       # accepts(low) is false or low is 0
+    while not accepts(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if accepts(middle):
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def validate_budget_gb(budget_gb: BudgetSpec) -> BudgetSpec:
@@ -114,21 +151,66 @@ def validate_budget_gb(budget_gb: BudgetSpec) -> BudgetSpec:
 
 
 def budget_from_env(environ: Optional[dict[str, str]] = None) -> BudgetSpec:
-    """Read ``REMAT_BUDGET_GB``: unset or empty means no budget; "auto" or a number of GB."""
+    """Read ``REMAT_BUDGET_GB``: unset or empty means no budget; "auto" or a positive finite
+    number of GB. Anything else raises ValueError naming the variable and its value."""
     env = os.environ if environ is None else environ
     raw = env.get(BUDGET_ENV_VAR, "").strip()
     if not raw:
         return None
     if raw.lower() == "auto":
         return "auto"
+    what_to_set = (f"set it to a positive number of decimal GB (1 GB = 1e9 bytes, e.g. {BUDGET_ENV_VAR}=8), "
+                   f"to 'auto' (the device's free memory), or leave it unset for no budget.")
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(
-            f"{BUDGET_ENV_VAR}={raw!r} is not a number; set it to a number of decimal GB "
-            f"(e.g. {BUDGET_ENV_VAR}=8), to 'auto', or leave it unset for no budget."
-        ) from None
-    return validate_budget_gb(value)
+        raise ValueError(f"{BUDGET_ENV_VAR}={raw!r} is not a number; {what_to_set}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{BUDGET_ENV_VAR}={raw} is not a finite number; {what_to_set}")
+    if value <= 0:
+        raise ValueError(f"{BUDGET_ENV_VAR}={raw} must be a positive number of GB: it bounds the memory one "
+                         f"training step allocates above what was resident at its start; {what_to_set}")
+    return value
+
+
+def dump_dir_from_env(environ: Optional[dict[str, str]] = None) -> Optional[str]:
+    """Read ``REMAT_DUMP_DIR``: unset or empty means no dump; else the directory, checked by
+    ``validate_dump_dir`` (ValueError naming the variable and the value)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(DUMP_DIR_ENV_VAR, "")
+    if not raw.strip():
+        return None
+    return validate_dump_dir(raw, name=DUMP_DIR_ENV_VAR)
+
+
+def validate_dump_dir(dump_dir: Union[str, os.PathLike], name: str = "dump_dir") -> str:
+    """Check that ``dump_dir`` can hold remat's dump, before anything is traced: it is a
+    directory or can be made one, and a file can be written in it. Creates the directory
+    (the dump would) and leaves nothing else behind.
+
+    Raises ValueError naming ``name``, the path and why (an existing file, under ``/proc`` or
+    ``/sys``, permission denied, ...); TypeError for something that is not a path.
+    """
+    import tempfile
+
+    if isinstance(dump_dir, bool) or not isinstance(dump_dir, (str, os.PathLike)):
+        raise TypeError(f"{name}={dump_dir!r} has type {type(dump_dir).__name__}; pass a directory path (str).")
+    path = os.path.abspath(os.fspath(dump_dir))
+    shown = f"{name}={os.fspath(dump_dir)!r}"
+    what_to_do = "pass a directory remat can create and write to (e.g. dump_dir='remat_dump')"
+    for root in KERNEL_FILE_SYSTEMS:
+        if path == root or path.startswith(root + os.sep):
+            raise ValueError(f"{shown} is under {root}, a kernel file system where remat cannot write its dump; "
+                             f"{what_to_do}.")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{shown} is an existing file, not a directory; {what_to_do}.")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ValueError(f"{shown} cannot hold the dump: {error.strerror or error} ({path}); {what_to_do}.") from None
+    return os.fspath(dump_dir)
 
 
 def make_options(
@@ -145,7 +227,8 @@ def make_options(
     free_bytes_for_auto: Optional[int] = None,
     verify_peak: int = DEFAULT_VERIFY_PEAK,
 ) -> RematOptions:
-    """Validate every user-facing argument and build the frozen options record."""
+    """Validate every user-facing argument and build the frozen options record (``dump_dir``
+    is created and checked writable here, before anything is traced)."""
     budget = validate_budget_gb(budget_gb)
     if hardware not in HARDWARE_NAMES:
         raise ValueError(f"hardware={hardware!r} is not one of {HARDWARE_NAMES}.")
@@ -185,7 +268,7 @@ def make_options(
     return RematOptions(
         budget_bytes=budget_bytes,
         budget_is_auto=budget == "auto",
-        dump_dir=os.fspath(dump_dir) if dump_dir is not None else None,
+        dump_dir=validate_dump_dir(dump_dir) if dump_dir is not None else None,
         hardware=hardware,
         solver=solver,
         milp_time_limit_s=float(milp_time_limit_s),

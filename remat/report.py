@@ -73,6 +73,7 @@ def render_report(plan: Plan, graph_id: str, regions: tuple[RegionSummary, ...],
         f"- peak of the free min-cut plan: {format_bytes(plan.mincut_peak_bytes)}",
         f"- planning target: {'none' if plan.target_bytes is None else format_bytes(plan.target_bytes)} "
         + ("" if plan.target_bytes is None or not plan.budget_bytes else
+           "(the budget less headroom, divided by the feedback correction below)" if correction is not None else
            f"(the budget less {1 - plan.target_bytes / plan.budget_bytes:.0%} headroom, kept for what the memory "
            "simulator may miss in Inductor's code: `headroom_fraction`, by default 5% on CPU and 15% elsewhere)"),
         correction_line(correction),

@@ -41,11 +41,11 @@ from .cost_model.hardware import HardwareProfile
 from .cost_model.symbolic import shape_hints, symbol_sources
 from .cost_model.tensors import iter_tensors, sizes_evaluated_at
 from .errors import BudgetInfeasibleError
-from .options import make_options
+from .options import make_options, smallest_budget_bytes, target_for_budget
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
 from .passes.evaluate import evaluate
 from .passes.plan import Plan, make_plan
-from .units import format_bytes
+from .units import format_bytes, format_gb_up
 
 
 @dataclass(frozen=True)
@@ -263,14 +263,15 @@ def max_size_that_fits(
     if size is None:
         smallest = -(-lowest // step) * step
         peak = fits_at(smallest)[1]
-        minimum = -(-peak * budget // max(target, 1))
+        headroom = options.headroom_for(device_type)
+        minimum = smallest_budget_bytes(lambda b: target_for_budget(b, headroom) >= peak, start_bytes=peak)
         raise BudgetInfeasibleError(
             f"even the smallest size {smallest} does not fit budget {format_bytes(budget)}: the smallest simulated "
             f"peak a plan reaches there is {format_bytes(peak)} against a target of {format_bytes(target)} (the budget "
             f"less {100 * options.headroom_for(device_type):.0f}% headroom). "
-            f"Raise the budget to at least {minimum / 1e9:.4f} GB"
+            f"Raise the budget to at least {format_gb_up(minimum)} GB"
             " (1 GB = 1e9 bytes) or lower `lowest`.",
-            budget_bytes=budget, min_feasible_bytes=minimum, reasons=(),
+            budget_bytes=budget, min_feasible_bytes=peak, min_budget_bytes=minimum, reasons=(),
         )
     next_size = size + step if size + step <= highest else None
     return SizeFit(

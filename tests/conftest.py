@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,6 +25,11 @@ import torch
 
 import remat
 from models import ZOO
+
+# The feedback loop's corrections (remat/feedback_store.py) go to a directory of this session's own:
+# a correction a developer's runs stored under ~/.cache/remat must not change the plans tests check,
+# and tests must not leave corrections behind for the next run.
+os.environ["REMAT_FEEDBACK_DIR"] = tempfile.mkdtemp(prefix="remat_test_feedback_")
 
 STEP_SEED = 1234          # torch.manual_seed before every step, so dropout draws the same masks
 GRAD_REL_TOL = 1e-4       # issue 2: gradients equal eager's within relative error 1e-4

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
+from remat.units import format_gb_up
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed_setup import CFG, STEPS, WORLD_SIZE, all_max, batches, run_ranks, worker_parser, wrap  # noqa: E402
@@ -127,7 +128,7 @@ def worker_main(argv: list[str]) -> None:
                 # A DDP piece names the budget its own share needs; a later piece can need more.
                 if attempt == MAX_ATTEMPTS - 1:
                     raise
-                smallest_gb = all_max(error.min_feasible_bytes) / 1e9
+                smallest_gb = float(format_gb_up(all_max(error.min_budget_bytes)))
                 budget_gb = smallest_gb
         times["remat_s"] = time.perf_counter() - start
         graphs = []
@@ -313,6 +314,11 @@ def test_no_collective_recomputed(mode: str, tmp_path_factory: pytest.TempPathFa
 MB = 1_000_000
 
 
+def _same(budget_bytes: int) -> int:
+    """The budget-to-step-target rule with no headroom: the step target is the budget."""
+    return budget_bytes
+
+
 def test_split_shares_are_proportional_and_never_exceed_the_room() -> None:
     from remat.distributed import split_shares
 
@@ -398,13 +404,13 @@ def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility()
 
     def planner(budget_bytes):
         def plan_at(target):  # a plan that peaks at its target and holds 60% of it, feasible from 2 MB
-            if target < 2 * MB:  # the planner names peak * budget / target, as make_plan does
-                raise remat.BudgetInfeasibleError("x", budget_bytes=budget_bytes,
-                                                  min_feasible_bytes=2 * MB * budget_bytes // target, reasons=("r",))
+            if target < 2 * MB:  # the planner names its smallest peak, as make_plan does
+                raise remat.BudgetInfeasibleError("x", budget_bytes=budget_bytes, min_feasible_bytes=2 * MB,
+                                                  min_budget_bytes=2 * MB * budget_bytes // target, reasons=("r",))
             return SimpleNamespace(predicted_peak_bytes=target, held=int(0.6 * target))
         return plan_at
 
-    plan, fitted = fit_plan(share, lambda p: p.held, planner(10 * MB), budget_bytes=10 * MB, headroom_fraction=0.0,
+    plan, fitted = fit_plan(share, lambda p: p.held, planner(10 * MB), budget_bytes=10 * MB, target_for_budget=_same,
                            calibrate=False)
     # Holding 60% of its peak, the first piece may peak up to 5 / 0.6 = 8.33 MB; FIT_ROUNDS halvings
     # of [5, 10] MB land within 5 MB / 2**FIT_ROUNDS below it.
@@ -413,25 +419,26 @@ def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility()
     tight = piece_target(step_target_bytes=MB, index=0, needs=(1, 1), held_before_bytes=0, input_activation_bytes=0,
                          total_grad_bytes=0, grads_so_far_bytes=0)
     with pytest.raises(remat.BudgetInfeasibleError) as info:
-        fit_plan(tight, lambda p: p.held, planner(MB), budget_bytes=MB, headroom_fraction=0.0, calibrate=False)
+        fit_plan(tight, lambda p: p.held, planner(MB), budget_bytes=MB, target_for_budget=_same, calibrate=False)
     # The smallest-peak plan (2 MB, holding 1.2 MB) fits its own peak from a 2 MB step, but what
     # it holds next to the later piece's half of the step needs 1.2 + T / 2 <= T: a 2.4 MB step.
-    assert abs(info.value.min_feasible_bytes - 2_400_000) <= 1 and "holds 1.20 MB" in str(info.value)
+    assert abs(info.value.min_budget_bytes - 2_400_000) <= 1 and "holds 1.20 MB" in str(info.value)
+    assert info.value.min_feasible_bytes == 2 * MB   # the smallest peak, next to the budget to pass
 
     def planner_from_3_5_mb(target):  # feasible from 3.5 MB only, holding 60% of its peak
         if target < 3_500_000:
-            raise remat.BudgetInfeasibleError("x", budget_bytes=4 * MB, min_feasible_bytes=3_500_000 * 4 * MB // target,
-                                              reasons=("r",))
+            raise remat.BudgetInfeasibleError("x", budget_bytes=4 * MB, min_feasible_bytes=3_500_000,
+                                              min_budget_bytes=3_500_000 * 4 * MB // target, reasons=("r",))
         return SimpleNamespace(predicted_peak_bytes=target, held=int(0.6 * target))
 
     def planner_from_8_3_mb(target):  # feasible from 8.3 MB only: admitted between 8.3 and 8.33 MB
         if target < 8_300_000:
-            raise remat.BudgetInfeasibleError("x", budget_bytes=10 * MB, min_feasible_bytes=8_300_000 * 10 * MB // target,
-                                              reasons=("r",))
+            raise remat.BudgetInfeasibleError("x", budget_bytes=10 * MB, min_feasible_bytes=8_300_000,
+                                              min_budget_bytes=8_300_000 * 10 * MB // target, reasons=("r",))
         return SimpleNamespace(predicted_peak_bytes=target, held=int(0.6 * target))
 
     # The bisection steps over that window; the smallest-peak plan is in it and is taken.
-    plan, fitted = fit_plan(share, lambda p: p.held, planner_from_8_3_mb, budget_bytes=10 * MB, headroom_fraction=0.0,
+    plan, fitted = fit_plan(share, lambda p: p.held, planner_from_8_3_mb, budget_bytes=10 * MB, target_for_budget=_same,
                             calibrate=False)
     assert 8_300_000 <= plan.predicted_peak_bytes <= 8_333_333 and share.admits(plan.held, plan.predicted_peak_bytes)
 
@@ -440,9 +447,9 @@ def test_fit_plan_takes_the_largest_admitted_target_and_restates_infeasibility()
     squeezed = piece_target(step_target_bytes=4 * MB, index=0, needs=(1, 1), held_before_bytes=0, input_activation_bytes=0,
                             total_grad_bytes=0, grads_so_far_bytes=0)
     with pytest.raises(remat.BudgetInfeasibleError) as info:
-        fit_plan(squeezed, lambda p: p.held, planner_from_3_5_mb, budget_bytes=4 * MB, headroom_fraction=0.0,
+        fit_plan(squeezed, lambda p: p.held, planner_from_3_5_mb, budget_bytes=4 * MB, target_for_budget=_same,
                  calibrate=False)
-    assert abs(info.value.min_feasible_bytes - 4_200_000) <= 1 and "holds 2.10 MB" in str(info.value)  # shares round down
+    assert abs(info.value.min_budget_bytes - 4_200_000) <= 1 and "holds 2.10 MB" in str(info.value)  # shares round down
 
 
 def test_fit_plan_asks_for_a_plan_holding_less_when_the_share_refuses_what_one_holds() -> None:
@@ -464,13 +471,13 @@ def test_fit_plan_asks_for_a_plan_holding_less_when_the_share_refuses_what_one_h
         return SimpleNamespace(predicted_peak_bytes=target, held=held, saved_bytes=held)
 
     loose = share.loose_target_bytes
-    plan, fitted = fit_plan(share, lambda p: p.held, plan_at, budget_bytes=10 * MB, headroom_fraction=0.0,
+    plan, fitted = fit_plan(share, lambda p: p.held, plan_at, budget_bytes=10 * MB, target_for_budget=_same,
                             calibrate=False, plan_capped=plan_at)
     # The loose target's plan holds 9 MB, refused; the same target capped at 5 MB is admitted.
     assert fitted.target_bytes == loose and plan.predicted_peak_bytes == loose
     assert asked == [None, share.largest_held_bytes(loose)] and share.admits(plan.held, plan.predicted_peak_bytes)
     # Without plan_capped the bisection has to lower the peak until 90% of it is under 5 MB.
-    plan, fitted = fit_plan(share, lambda p: p.held, plan_at, budget_bytes=10 * MB, headroom_fraction=0.0, calibrate=False)
+    plan, fitted = fit_plan(share, lambda p: p.held, plan_at, budget_bytes=10 * MB, target_for_budget=_same, calibrate=False)
     assert plan.predicted_peak_bytes <= 5 * MB / 0.9 + 1
 
 
@@ -484,7 +491,8 @@ def test_calibrate_reserve_scales_later_needs_by_this_pieces_smallest_peak() -> 
                          input_activation_bytes=0, total_grad_bytes=0, grads_so_far_bytes=0)
 
     def plan_at(target):
-        raise remat.BudgetInfeasibleError("x", budget_bytes=10 * MB, min_feasible_bytes=2 * MB * 10 * MB // target, reasons=())
+        raise remat.BudgetInfeasibleError("x", budget_bytes=10 * MB, min_feasible_bytes=2 * MB,
+                                          min_budget_bytes=2 * MB * 10 * MB // target, reasons=())
 
     assert share.reserved_later_bytes == 7_500_000
     calibrated = calibrate_reserve(share, plan_at, budget_bytes=10 * MB)
@@ -508,8 +516,8 @@ def test_calibrate_reserve_scales_later_needs_by_this_pieces_smallest_peak() -> 
 
     def plan_at_with_held(target):
         if target < 2 * MB:
-            raise remat.BudgetInfeasibleError("x", budget_bytes=8 * MB, min_feasible_bytes=2 * MB * 8 * MB // target,
-                                              reasons=())
+            raise remat.BudgetInfeasibleError("x", budget_bytes=8 * MB, min_feasible_bytes=2 * MB,
+                                              min_budget_bytes=2 * MB * 8 * MB // target, reasons=())
         return SimpleNamespace(predicted_peak_bytes=2 * MB, held=MB)
 
     assert three.reserved_later_bytes == 6 * MB

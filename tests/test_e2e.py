@@ -25,6 +25,7 @@ from conftest import (
     run_step, zero_grads,
 )
 from models import ZOO
+from remat.units import format_gb_up
 
 pytestmark = pytest.mark.e2e
 
@@ -70,7 +71,7 @@ def _run(baseline: BaselineCache, tmp_factory: pytest.TempPathFactory, name: str
                 dump_dir = str(tmp_factory.mktemp(f"dump_{name}_min"))
                 with pytest.raises(remat.BudgetInfeasibleError) as info:
                     compile_and_run(name, 1e-6, dump_dir, fallback_random=True)
-                smallest_gb = info.value.min_feasible_bytes / 1e9
+                smallest_gb = info.value.min_budget_gb
                 print(f"{name}: smallest feasible budget {smallest_gb:.6f} GB "
                       f"({smallest_gb * 1e9 / baseline.peak_bytes(name):.0%} of the measured no-remat peak)")
                 torch._dynamo.reset()
@@ -84,7 +85,7 @@ def _run(baseline: BaselineCache, tmp_factory: pytest.TempPathFactory, name: str
                     # Out of reach (benchmarks/results/min_feasible-cpu.md lists each model's
                     # smallest feasible target): test at the smallest budget the planner names
                     # instead, and record the gap.
-                    smallest_gb = error.min_feasible_bytes / 1e9
+                    smallest_gb = error.min_budget_gb
                     CLAMPED[key] = (budget_gb, smallest_gb)
                     print(f"{name} at {fraction:.0%}: {budget_gb:.6f} GB is infeasible; testing at the "
                           f"smallest feasible budget {smallest_gb:.6f} GB")
@@ -249,10 +250,10 @@ def gpt_infeasible() -> remat.BudgetInfeasibleError:
 def test_infeasible_budget_names_the_smallest_feasible_budget(gpt_infeasible):
     error = gpt_infeasible
     assert error.budget_bytes == 1_000
-    assert error.min_feasible_bytes > error.budget_bytes
+    assert error.min_budget_bytes > error.min_feasible_bytes > error.budget_bytes   # the budget adds the headroom
     message = str(error)
     assert message.startswith("budget 1.00 kB is below the smallest feasible budget ")
-    assert f"Raise the budget to at least {error.min_feasible_bytes / 1e9:.4f} GB (1 GB = 1e9 bytes)" in message
+    assert f"Raise the budget to at least {format_gb_up(error.min_budget_bytes)} GB (1 GB = 1e9 bytes" in message
     assert "best_effort=True" in message
     assert error.reasons and all(reason in message for reason in error.reasons)
 
@@ -261,7 +262,7 @@ def test_dropout_masks_survive_recomputation(gpt_infeasible, inductor_gpt_grads,
     """At the smallest feasible budget the planner recomputes gpt's dropout chain (an Inductor
     random op, seeded), and the gradients still equal plain Inductor's: the masks are identical.
     The budget named by the error must also be one that the measured peak meets."""
-    budget_gb = gpt_infeasible.min_feasible_bytes / 1e9
+    budget_gb = gpt_infeasible.min_budget_gb
     model, inputs = fresh_model("gpt")
     backend = remat.backend(budget_gb, dump_dir=tmp_path)
     compiled = torch.compile(model, backend=backend)

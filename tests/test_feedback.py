@@ -14,15 +14,16 @@ import dataclasses
 import json
 import os
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import remat
 from remat import feedback_store
-from remat.feedback import MAX_REPLANS, judge
+from remat.feedback import MAX_REPLANS, VerifiedGraph, judge
 from remat.feedback_store import Correction, clear_corrections, read_correction, write_correction
-from remat.measure import close_open_window
+from remat.measure import close_open_window, profiler_running
 from remat.passes import schedule
 from conftest import assert_grads_close, grads_of, run_step
 from models import MLP
@@ -96,6 +97,57 @@ def test_bad_verify_peak_fails_with_the_value(value):
 
 def test_verify_peak_is_in_the_cache_key():
     assert remat.backend(0.5).cache_key() != remat.backend(0.5, verify_peak=0).cache_key()
+
+
+# ---- the wrapper on eager code (no Inductor): a fake plan over its budget ---------------------
+
+
+def fake_record(graph_id, budget_bytes, predicted_peak_bytes):
+    plan = SimpleNamespace(budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes, fits_budget=True)
+    return SimpleNamespace(plan=plan, graph_id=graph_id, graph_key="key", base_target_bytes=budget_bytes * 95 // 100)
+
+
+@pytest.mark.parametrize("recompile_works", [True, False])
+def test_the_wrapper_replans_at_its_next_call(recompile_works):
+    """A 'graph' (x * 2 on a 1 MiB tensor) whose plan claims 900 bytes under a 1000-byte budget:
+    step 0 measures over it, the correction is stored, step 1 recompiles first; a recompile that
+    fails warns and keeps the old callable, and the loop stops measuring."""
+    x = torch.ones(512, 512, requires_grad=True)
+    events, stored, asked = [], {}, []
+
+    def watch(out, at_end):
+        out[0].grad_fn.register_hook(lambda *_: at_end())
+        return True
+
+    def recompile(args, correction):
+        asked.append(correction)
+        if not recompile_works:
+            raise RuntimeError("cannot take this graph back")
+        return (lambda a: [a * 3.0]), fake_record("g_r1", 1000, 900)
+
+    graph = VerifiedGraph(lambda a: [a * 2.0], fake_record("g", 1000, 900), device=torch.device("cpu"), verify_peak=1,
+                          events=events, recompile=recompile, watch_backward=watch,
+                          store=lambda key, c: stored.setdefault(key, c) and None)
+    with pytest.warns(UserWarning, match=r"over the budget 0.000001 GB.*re-planning it at a target of"):
+        graph(x)[0].sum().backward()
+        close_open_window()
+    (over,) = events
+    assert over.action == "re-planned" and over.measured_peak_bytes >= 1 << 20
+    assert stored["key"].factor == over.factor == over.measured_peak_bytes / 900
+    assert over.new_target_bytes == int(950 / over.factor)
+    if recompile_works:
+        out = graph(x)
+        assert torch.equal(out[0], x * 3.0) and graph.record.graph_id == "g_r1"
+        out[0].sum().backward()
+        close_open_window()
+        assert [e.action for e in events] == ["re-planned", "re-planned"] and events[1].graph_id == "g_r1"
+    else:
+        with pytest.warns(UserWarning, match="re-planning it failed"):
+            out = graph(x)
+        assert torch.equal(out[0], x * 2.0) and graph.record.graph_id == "g"
+        assert [e.action for e in events] == ["re-planned", "re-plan failed"]
+        assert not profiler_running()       # the loop stopped measuring
+    assert asked == [stored["key"]]
 
 
 # ---- a small MLP planned by a simulator that is wrong on purpose ------------------------------
@@ -192,6 +244,9 @@ def test_a_plan_measured_over_budget_is_replanned_and_the_next_step_fits(plain, 
     assert stored is not None and stored.factor == first.factor
     report = (tmp_path / "dump" / "graph_000_r1" / "report.md").read_text()
     assert f"feedback correction: target divided by {first.factor:.3f}" in report
+    assert "(the budget less headroom, divided by the feedback correction below)" in report
+    first_report = (tmp_path / "dump" / "graph_000" / "report.md").read_text()
+    assert "- feedback correction: none (the target is the budget less headroom)" in first_report
     plan_json = json.loads((tmp_path / "dump" / "graph_000_r1" / "plan.json").read_text())
     assert plan_json["feedback"]["factor"] == first.factor
 
@@ -292,3 +347,34 @@ def test_a_graph_break_measures_the_inner_graph_and_gives_up_on_the_outer(store)
         (outer, f"not measured: {inner} ran inside the window (a graph break: its peak is not one graph's)"),
         (inner, "within budget")]
     assert backend.feedback_events[0].step == MAX_UNMEASURED - 1
+
+
+def budget_to_pass_gb(error: remat.BudgetInfeasibleError) -> float:
+    """The budget an infeasibility error names, in GB: ``min_budget_gb`` (issue 11 item 6), or
+    before that lands, ``min_feasible_bytes``, which was then the budget, nudged up past rounding."""
+    named = getattr(error, "min_budget_gb", None)
+    return named if named is not None else error.min_feasible_bytes * (1 + 1e-9) / 1e9
+
+
+def test_an_infeasible_corrected_target_names_a_budget_that_then_fits(scaled_simulator, tmp_path, monkeypatch):
+    """At the smallest budget the wrong simulator accepts, its smallest-peak plan measures over the
+    budget and no plan meets the corrected target: the next call raises BudgetInfeasibleError
+    naming the budget that passes under the correction; a fresh backend at that budget reads the
+    stored correction and its first step fits."""
+    monkeypatch.setenv(feedback_store.FEEDBACK_DIR_ENV_VAR, str(tmp_path / "store"))
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    with pytest.raises(remat.BudgetInfeasibleError) as probe:
+        run_step(torch.compile(model, backend=remat.backend(1e-6, verify_peak=0)), model, inputs)
+    budget_gb = budget_to_pass_gb(probe.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(remat.BudgetInfeasibleError) as refused:
+            remat_steps(budget_gb, 2)
+    assert "includes the feedback loop's correction" in str(refused.value)
+    retry_gb = budget_to_pass_gb(refused.value)
+    assert retry_gb > budget_gb
+    backend, _, last_peak = remat_steps(retry_gb, 1)
+    (event,) = backend.feedback_events
+    assert backend.compiled_graphs[0].correction is not None
+    assert event.action == "within budget" and last_peak <= backend.options.budget_bytes

@@ -139,8 +139,10 @@ def test_env_budget_unset_means_no_budget():
 @pytest.mark.parametrize(
     ("raw", "shown"),
     [("8GB", "REMAT_BUDGET_GB='8GB' is not a number"), ("eight", "REMAT_BUDGET_GB='eight' is not a number"),
-     ("0", "budget_gb=0.0 must be positive"), ("-1", "budget_gb=-1.0 must be positive"),
-     ("nan", "budget_gb=nan is not a finite number"), ("inf", "budget_gb=inf is not a finite number")],
+     ("0", "REMAT_BUDGET_GB=0 must be a positive number of GB"), ("-1", "REMAT_BUDGET_GB=-1 must be a positive number of GB"),
+     ("-0.5", "REMAT_BUDGET_GB=-0.5 must be a positive number of GB"),
+     ("nan", "REMAT_BUDGET_GB=nan is not a finite number"), ("inf", "REMAT_BUDGET_GB=inf is not a finite number"),
+     ("-inf", "REMAT_BUDGET_GB=-inf is not a finite number")],
 )
 def test_env_budget_rejects_bad_values(raw, shown):
     with pytest.raises(ValueError) as info:

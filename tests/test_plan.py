@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from remat.errors import BudgetInfeasibleError
+from remat.units import format_gb_up
 from remat.passes.plan import make_plan
 from remat.passes.schedule import backward_order, partition_nodes
 
@@ -69,10 +70,11 @@ def test_infeasible_budget_names_the_smallest_feasible_one(mlp_facts):
         make_plan(mlp_facts, 1_000_000)
     error = excinfo.value
     assert error.min_feasible_bytes > 1_000_000
-    assert f"{error.min_feasible_bytes / 1e9:.4f} GB" in str(error)
+    assert f"at least {format_gb_up(error.min_budget_bytes)} GB" in str(error)
     assert "gradients" in str(error)
-    # The named minimum is feasible.
-    assert make_plan(mlp_facts, error.min_feasible_bytes).fits_budget
+    # The named minimum is feasible (with no headroom, the budget to pass is the smallest peak).
+    assert error.min_budget_bytes == error.min_feasible_bytes
+    assert make_plan(mlp_facts, error.min_budget_bytes).fits_budget
 
 
 def test_best_effort_returns_the_smallest_peak_plan(mlp_facts):

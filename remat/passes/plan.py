@@ -24,11 +24,11 @@ import contextlib
 import gc
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
-from ..errors import BudgetInfeasibleError
-from ..options import DEFAULT_MILP_TIME_LIMIT_S, SOLVERS
-from ..units import format_bytes, format_seconds
+from ..errors import BudgetInfeasibleError, raise_budget_hint
+from ..options import DEFAULT_MILP_TIME_LIMIT_S, SOLVERS, smallest_budget_bytes
+from ..units import format_bytes, format_gb_up, format_seconds
 from .evaluate import Evaluated, evaluate
 from .held_cap import reduce_saved_bytes
 from .joint_graph import JointGraphFacts
@@ -192,24 +192,27 @@ def _exact(facts: JointGraphFacts, target: int, solver: str, milp_time_limit_s: 
                              f"within {exact.est_extra_time_s - exact.lower_bound_s:.3g} s of optimal)")
 
 
-def _infeasible_error(facts: JointGraphFacts, budget_bytes: int, target: int,
-                      smallest: Evaluated) -> BudgetInfeasibleError:
+def _infeasible_error(facts: JointGraphFacts, budget_bytes: int, target: int, smallest: Evaluated,
+                      target_for_budget: Callable[[int], int]) -> BudgetInfeasibleError:
+    """The error naming the smallest budget whose planning target (``target_for_budget``, the
+    rule the caller planned with) meets ``smallest``'s peak: planning at it succeeds, since a
+    target that plan meets always gets a plan (``solve_greedy.smallest_peak`` is the same plan
+    whatever target is asked)."""
     reasons = _infeasible_reasons(facts, smallest)
     peak = smallest.peak_bytes
-    minimum = -(-peak * budget_bytes // max(target, 1))  # the budget whose target is this peak
+    minimum = smallest_budget_bytes(lambda b: target_for_budget(b) >= peak, start_bytes=peak)
     headroom = (
         "" if target == budget_bytes
-        else f" (the plan keeps its simulated peak {100 * (1 - target / budget_bytes):.0f}% under the budget "
-             "as headroom)"
+        else f" (the plan keeps its simulated peak under a target of {format_bytes(target)}, the budget less "
+             "headroom)"
     )
     return BudgetInfeasibleError(
         f"budget {format_bytes(budget_bytes)} is below the smallest feasible budget "
-        f"{format_bytes(minimum)}{headroom}: the smallest simulated peak the planner reaches is "
-        f"{format_bytes(peak)}, and " + "; ".join(reasons)
-        + f". Raise the budget to at least {minimum / 1e9:.4f} GB (1 GB = 1e9 bytes), "
-        "or pass best_effort=True to run the smallest-peak plan anyway.",
+        f"{format_gb_up(minimum)} GB{headroom}: the smallest simulated peak the planner reaches is "
+        f"{format_bytes(peak)} ({peak:,} bytes), and " + "; ".join(reasons) + ". " + raise_budget_hint(minimum),
         budget_bytes=budget_bytes,
-        min_feasible_bytes=minimum,
+        min_feasible_bytes=peak,
+        min_budget_bytes=minimum,
         reasons=reasons,
     )
 
@@ -223,6 +226,7 @@ def make_plan(
     solver: str = "greedy",
     milp_time_limit_s: float = DEFAULT_MILP_TIME_LIMIT_S,
     saved_cap_bytes: Optional[int] = None,
+    target_for_budget: Optional[Callable[[int], int]] = None,
 ) -> Plan:
     """Plan one joint graph.
 
@@ -231,10 +235,13 @@ def make_plan(
     Guarantees: with a budget, ``predicted_peak_bytes <= target_bytes``, unless
     ``best_effort`` is set, in which case the plan is the smallest-peak plan found
     and ``fits_budget`` says whether it fits. Otherwise raises ``BudgetInfeasibleError``
-    naming the smallest feasible budget: the budget whose target is the peak of
-    ``solve_greedy.smallest_peak``'s plan, a plan that was simulated, and that
-    ``make_plan`` falls back to for any target it meets, so planning at the named
-    budget succeeds. Values that may not be recomputed are never recomputed. The
+    naming the smallest feasible budget (``min_budget_bytes``): the smallest budget whose
+    target, by ``target_for_budget`` (the caller's rule: the backend's is the budget less its
+    headroom; default: the budget itself when ``target_bytes`` is not given, else the budget
+    scaled by ``target_bytes / budget_bytes``), meets the peak of
+    ``solve_greedy.smallest_peak``'s plan (``min_feasible_bytes``), a plan that was simulated,
+    that does not depend on the target asked, and that ``make_plan`` falls back to for any
+    target it meets, so planning at the named budget succeeds. Values that may not be recomputed are never recomputed. The
     plan depends only on the graph, the target and the solver (not on hash seeds).
     ``solver="milp"``: ValueError for graphs with more than MILP_MAX_CANDIDATES
     forward values; ``Plan.solver`` says whether the MILP answered or fell back, and why.
@@ -247,7 +254,15 @@ def make_plan(
     _check_solver(facts, solver, milp_time_limit_s)
     with _cyclic_gc_paused():
         return _make_plan(facts, budget_bytes, target_bytes, best_effort, solver, milp_time_limit_s, t0,
-                          saved_cap_bytes)
+                          saved_cap_bytes, target_for_budget)
+
+
+def _proportional_rule(budget_bytes: int, target_bytes: int) -> Callable[[int], int]:
+    """``make_plan``'s default budget-to-target rule: the target is the same fraction of every
+    budget as ``target_bytes`` is of ``budget_bytes`` (the budget itself when they are equal)."""
+    if target_bytes == budget_bytes or budget_bytes <= 0 or target_bytes <= 0:
+        return lambda b: b
+    return lambda b: b * target_bytes // budget_bytes
 
 
 @contextlib.contextmanager
@@ -270,7 +285,8 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 
 def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes: Optional[int], best_effort: bool,
-               solver: str, milp_time_limit_s: float, t0: float, saved_cap_bytes: Optional[int] = None) -> Plan:
+               solver: str, milp_time_limit_s: float, t0: float, saved_cap_bytes: Optional[int] = None,
+               target_for_budget: Optional[Callable[[int], int]] = None) -> Plan:
     """``make_plan``'s work, once the solver is checked (see there)."""
     target = budget_bytes if target_bytes is None else target_bytes
     no_remat = evaluate(facts, _save_all(facts))
@@ -299,7 +315,8 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
         if smallest is None:
             smallest, _ = smallest_peak_plan(facts, (mincut,))
         if not best_effort:
-            raise _infeasible_error(facts, budget_bytes, target, smallest)
+            raise _infeasible_error(facts, budget_bytes, target, smallest,
+                                    target_for_budget or _proportional_rule(budget_bytes, target))
         chosen, dropped = smallest, tuple(n for n in facts.order if n in _save_all(facts) - smallest.chosen)
     part = chosen.partition
     return Plan(
