@@ -11,9 +11,12 @@ allocated at entry, a reset of the peak, the peak at the end: no synchronisation
 measurable per step); on CPU a ``torch.profiler`` session, stopped outside the autograd
 engine: at the next call of a remat graph, ``optimizer.step()``, ``remat.measure_peak_bytes``
 or the end of a ``StepMonitor`` step, whichever comes first. A step is not measured (the next
-is) when its backward never ran, when another profiler already ran on the thread, or when
-another remat graph ran inside the window (a graph break: the window's peak is then not this
-graph's); after ``MAX_UNMEASURED`` such steps in a row the graph stops trying ("not measured").
+is) when its backward never ran, when another profiler already ran on the thread, when another
+remat graph ran inside the window (a graph break: the window's peak is then not this graph's),
+or when the graph is called again before its backward ran (a compiled block run several times
+per step, FSDP2's units: then the window of its last call in the step is the one measured);
+after ``MAX_UNMEASURED`` such steps in a row the graph stops trying ("not measured: <why>"), so
+such graphs cost the profiler on a few steps only.
 
 Then ``judge`` compares the measured peak with the plan's budget:
 
@@ -178,6 +181,9 @@ class VerifiedGraph:
         window = open_window()
         if window is None:
             return
+        if window.owner is self and not window.marked:
+            window.spoil("called again before its backward ran (a graph run several times per step: "
+                         "its peak is not one call's)")
         if window.marked or window.owner is self:
             window.close()
         else:

@@ -150,6 +150,25 @@ def test_the_wrapper_replans_at_its_next_call(recompile_works):
     assert asked == [stored["key"]]
 
 
+def test_a_graph_called_twice_per_step_measures_its_last_call():
+    """The first call's window is spoiled by the second call (its peak would not be one call's);
+    the second call's window, from its entry to the end of its own backward, is measured."""
+    x = torch.ones(512, 512, requires_grad=True)
+    events = []
+
+    def watch(out, at_end):
+        out[0].grad_fn.register_hook(lambda *_: at_end())
+        return True
+
+    graph = VerifiedGraph(lambda a: [a * 2.0], fake_record("g", 10**9, 900), device=torch.device("cpu"),
+                          verify_peak=1, events=events, recompile=None, watch_backward=watch)
+    outs = [graph(x) for _ in range(2)]
+    (outs[0][0].sum() + outs[1][0].sum()).backward()
+    close_open_window()
+    assert [(e.step, e.action) for e in events] == [(1, "within budget")]
+    assert events[0].measured_peak_bytes >= 1 << 20
+
+
 # ---- a small MLP planned by a simulator that is wrong on purpose ------------------------------
 
 
