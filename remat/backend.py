@@ -13,6 +13,9 @@ Private APIs used, all here (verified on torch 2.13.0; see README "Torch version
   keeps AOTAutograd's calling conventions: saved-tensor order, symbol bindings).
   ``default_partition`` handles joint graphs with no backward work.
 - ``torch._dynamo.register_backend`` and ``torch._guards.CompileContext``.
+- ``compile_fx(..., inner_compile=...)`` wrapping ``torch._inductor.compile_fx.compile_fx_inner``
+  (called with ``is_backward=True`` for the backward) and ``CompiledFxGraph.source_code``: the
+  generated wrapper of each graph, which ``remat.inductor_check`` reads to judge the plan.
 - For tracing without codegen (``trace_joint_facts``, used by ``remat.pareto``):
   ``torch._dynamo.backends.common.aot_autograd``, ``torch._inductor.compile_fx.partition_fn``
   (Inductor's joint-graph passes, then the configured partitioner),
@@ -23,6 +26,7 @@ Private APIs used, all here (verified on torch 2.13.0; see README "Torch version
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -44,6 +48,8 @@ from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_gr
 from .errors import BudgetInfeasibleError
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
+from .inductor_check import GraphCode, Judgement, activation_itemsize, annotate_dump, checked_peak_of, graph_code, \
+    judge_plan
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
 from .passes.plan import Plan, make_plan
@@ -76,6 +82,7 @@ class CompiledGraph:
     graph_key: str = ""                      # the feedback store's key for this graph (remat/feedback_store.py)
     base_target_bytes: Optional[int] = None  # the planning target before any correction
     correction: Optional[Correction] = None  # the feedback loop's correction the plan was made with
+    judgement: Optional[Judgement] = None    # Inductor's verdict on the plan (remat/inductor_check.py)
 
 
 def _passthrough_error_class(cls: type) -> type:
@@ -245,6 +252,28 @@ def _watch_backward(outputs: Any, at_end: Callable[[], None]) -> bool:
     return True
 
 
+MAX_JUDGED_REPLANS = 3   # re-plans Inductor's verdict may ask for per compile (remat/inductor_check.py)
+
+
+class _CodeCapture:
+    """An ``inner_compile`` for ``compile_fx``: compiles each graph as Inductor does and keeps its
+    generated wrapper with the FX names it was handed (one capture per ``compile_fx`` call)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[tuple[bool, GraphCode, int]] = []   # (is_backward, code, activation item size)
+
+    def inner_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        names, itemsize = graph_code(gm, ""), activation_itemsize(gm)   # before Inductor's post-grad passes
+        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        source = getattr(compiled, "source_code", None)
+        if isinstance(source, str):
+            self.graphs.append((bool(kwargs.get("is_backward", False)),
+                                GraphCode(source, names.input_names, names.output_names, names.input_bytes), itemsize))
+        return compiled
+
+
 class _PartitionerCacheKey:
     """What a pickled partitioner becomes: Inductor pickles its config, this
     partitioner included, into the compile-cache key; the key is our uuid."""
@@ -301,26 +330,78 @@ class RematBackend:
         from torch._inductor.compile_fx import compile_fx
 
         verify = self.options.verify_peak > 0
-        pristine = _copy_or_none(gm) if verify else None    # compile_fx's pre-grad passes rewrite gm in place
+        judge = self.options.inductor_check and self.options.budget_bytes is not None
+        pristine = copy.deepcopy(gm) if verify or judge else None   # compile_fx's pre-grad passes rewrite gm in place
         before = len(self.compiled_graphs)
+        capture = _CodeCapture()
         # AOTAutograd's cache would skip the partitioner on a hit, and with it the plan record and the
         # dump; Inductor's own per-graph code cache stays on. The backward is compiled now, not at its
-        # first call, so a measured step's window holds no compilation.
-        with functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=verify):
-            fn = compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner})
+        # first call, so a measured step's window holds no compilation and Inductor can judge the plan.
+        with functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=verify or judge):
+            fn = compile_fx(gm, example_inputs, inner_compile=capture.inner_compile,
+                            config_patches={"custom_partitioner_fn": self.partitioner})
         records = self.compiled_graphs[before:]
-        if not verify or len(records) != 1:
-            return fn       # the loop off, or an inference graph (no plan)
-        in_place = pristine is not None and not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
+        if len(records) != 1:
+            return fn       # an inference graph (no plan)
+        in_place = not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
+        if judge and in_place:
+            fn = self._judged(fn, capture, pristine, list(example_inputs))
+        if not verify:
+            return fn
 
         def recompile(args: list, correction: Correction) -> tuple[Callable[..., Any], CompiledGraph]:
-            return self._recompile(pristine, args, correction, wrapper.record.graph_key)
+            replanned = _CodeCapture()
+            fn = self._recompile(pristine, args, correction, wrapper.record.graph_key, replanned)[0]
+            if judge:
+                fn = self._judged(fn, replanned, pristine, args)
+            return fn, self.compiled_graphs[-1]
 
-        wrapper = VerifiedGraph(fn, records[0], device=_device_of(example_inputs), verify_peak=self.options.verify_peak,
-                                events=self.feedback_events, recompile=recompile if in_place else None,
-                                watch_backward=_watch_backward, store=self._remember)
+        wrapper = VerifiedGraph(fn, self.compiled_graphs[-1], device=_device_of(example_inputs),
+                                verify_peak=self.options.verify_peak, events=self.feedback_events,
+                                recompile=recompile if in_place else None, watch_backward=_watch_backward,
+                                store=self._remember)
         self.verified_graphs.append(wrapper)
         return wrapper
+
+    def _judged(self, fn: Callable[..., Any], capture: _CodeCapture, gm: fx.GraphModule,
+                args: list) -> Callable[..., Any]:
+        """Inductor judges the plan just compiled, before any step runs (remat/inductor_check.py):
+        its peak is read from the generated forward and backward; over the planning target (the budget
+        less headroom), the graph is planned again at ``target / (checked / simulated)`` (in the
+        simulator's units) and recompiled from ``gm`` (the feedback
+        loop's re-plan path), up to ``MAX_JUDGED_REPLANS`` times. Returns the callable accepted; its
+        record (last in ``compiled_graphs``) carries the verdict and its dump says which number the
+        plan was accepted on. A re-plan no plan can meet keeps the last plan if its checked peak is
+        within the budget, and raises ``BudgetInfeasibleError`` otherwise."""
+        for round_ in itertools.count():
+            record = self.compiled_graphs[-1]
+            checked = checked_peak_of(capture.graphs, _device_of(args).type)
+            verdict = judge_plan(record.plan.predicted_peak_bytes, None if checked is None else checked.peak_bytes,
+                                 record.base_target_bytes, record.plan.budget_bytes,
+                                 may_replan=record.plan.fits_budget and round_ < MAX_JUDGED_REPLANS)
+            self.compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
+            annotate_dump(record.dump_path, verdict)
+            log.info("remat %s: %s on Inductor's check, %s", record.graph_id, verdict.action, verdict)
+            if verdict.action != "re-plan":
+                return fn
+            assert verdict.new_target_bytes is not None and verdict.checked_peak_bytes is not None
+            assert record.base_target_bytes is not None
+            correction = Correction(record.base_target_bytes / max(verdict.new_target_bytes, 1), record.plan.budget_bytes,
+                                    record.plan.predicted_peak_bytes, verdict.checked_peak_bytes, record.graph_id,
+                                    f"Inductor-checked: {record.graph_id}'s generated code peaks at "
+                                    f"{verdict.checked_peak_bytes} bytes where its plan simulated "
+                                    f"{record.plan.predicted_peak_bytes} (target {verdict.target_bytes})")
+            capture = _CodeCapture()
+            try:
+                fn = self._recompile(gm, args, correction, record.graph_key, capture)[0]
+            except BudgetInfeasibleError:
+                if record.plan.budget_bytes is None or verdict.checked_peak_bytes > record.plan.budget_bytes:
+                    raise
+                kept = dataclasses.replace(verdict, action="accepted over target: no plan meets the corrected target")
+                self.compiled_graphs[-1] = dataclasses.replace(record, judgement=kept)
+                annotate_dump(record.dump_path, kept)
+                return fn
+        raise AssertionError("unreachable")
 
     def _remember(self, key: str, correction: Correction) -> Optional[str]:
         self._corrections[key] = correction
@@ -328,7 +409,7 @@ class RematBackend:
         return None if path is None else str(path)
 
     def _recompile(self, gm: fx.GraphModule, args: list, correction: Correction,
-                   key: str) -> tuple[Callable[..., Any], CompiledGraph]:
+                   key: str, capture: Optional[_CodeCapture] = None) -> tuple[Callable[..., Any], CompiledGraph]:
         """Compile a copy of Dynamo's graph ``gm`` for the real inputs ``args`` (static shapes, as it
         was traced), planning at the target ``correction`` gives; returns the callable and its record,
         which keeps the store ``key`` of the graph as Dynamo compiled it (the next process's key)."""
@@ -338,7 +419,8 @@ class RematBackend:
         self._replan.correction, self._replan.key = correction, key
         try:
             with functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True):
-                fn = compile_fx(copy.deepcopy(gm), args, config_patches={"custom_partitioner_fn": self.partitioner})
+                fn = compile_fx(copy.deepcopy(gm), args, inner_compile=(capture or _CodeCapture()).inner_compile,
+                                config_patches={"custom_partitioner_fn": self.partitioner})
         finally:
             self._replan.correction = None
         return fn, self.compiled_graphs[-1]
@@ -454,6 +536,7 @@ def backend(
     pareto_points: int = 0,
     estimator: str = "roofline",
     verify_peak: int = 1,
+    inductor_check: bool = True,
 ) -> RematBackend:
     """A torch.compile backend that fits each compiled forward+backward under ``budget_gb``.
 
@@ -473,6 +556,9 @@ def backend(
     ``estimator="profile"`` times each graph's real kernels once instead of the roofline.
     ``verify_peak``: the steps measured after each compile; a graph measured over its budget is
     re-planned with the simulator's error it now knows (remat/feedback.py); 0 turns that off.
+    ``inductor_check``: before its first step, each plan's peak is read from the code Inductor
+    generated for it and a plan over its target is re-planned (remat/inductor_check.py); the
+    plan is then accepted on that Inductor-checked peak. False: the simulated peak stands.
     ``solver``: "greedy" (default, fast) or "milp" (exact, small graphs only: larger ones raise
     ValueError at compile time; it keeps its best verified plan after ``milp_time_limit_s`` seconds
     and falls back to "greedy" on failure, and ``Plan.solver`` says which answered and why).
@@ -482,7 +568,7 @@ def backend(
         budget_gb, dump_dir=dump_dir, hardware=hardware, solver=solver, milp_time_limit_s=milp_time_limit_s,
         best_effort=best_effort,
         headroom_fraction=headroom_fraction, pareto_points=pareto_points, estimator=estimator, free_bytes_for_auto=_free_device_bytes() if needs_free else None,
-        verify_peak=verify_peak,
+        verify_peak=verify_peak, inductor_check=inductor_check,
     )
     return RematBackend(options)
 

@@ -58,6 +58,8 @@ class RematOptions:
     estimator: str = "roofline"     # "profile": time each graph's real kernels once (cached) instead
     # Steps measured after each compile by the feedback loop (remat/feedback.py); 0 turns it off.
     verify_peak: int = DEFAULT_VERIFY_PEAK
+    # Inductor judges each plan before its first step (remat/inductor_check.py); False: the simulated peak stands.
+    inductor_check: bool = True
 
     def headroom_for(self, device_type: str, modeled: bool = True) -> float:
         """The headroom a graph running on ``device_type`` ("cpu", "cuda", ...) is planned with:
@@ -88,7 +90,7 @@ class RematOptions:
         return (
             f"budget={self.budget_bytes};hw={self.hardware};solver={self.solver};milp_s={self.milp_time_limit_s};"
             f"best_effort={self.best_effort};headroom={'by-device' if self.headroom_fraction is None else self.headroom_fraction};"
-            f"estimator={self.estimator};verify_peak={self.verify_peak}"
+            f"estimator={self.estimator};verify_peak={self.verify_peak};inductor_check={self.inductor_check}"
         )
 
 
@@ -226,6 +228,7 @@ def make_options(
     estimator: str = "roofline",
     free_bytes_for_auto: Optional[int] = None,
     verify_peak: int = DEFAULT_VERIFY_PEAK,
+    inductor_check: bool = True,
 ) -> RematOptions:
     """Validate every user-facing argument and build the frozen options record (``dump_dir``
     is created and checked writable here, before anything is traced)."""
@@ -256,6 +259,8 @@ def make_options(
         raise ValueError(f"verify_peak={verify_peak!r} must be an int >= 0: the steps measured after each compile "
                          f"to check the peak against the budget and re-plan a graph over it (default "
                          f"{DEFAULT_VERIFY_PEAK}; 0 turns the feedback loop off).")
+    if not isinstance(inductor_check, bool):
+        raise TypeError(f"inductor_check={inductor_check!r} must be a bool.")
     budget_bytes: Optional[int]
     if budget == "auto":
         if free_bytes_for_auto is None:
@@ -277,4 +282,5 @@ def make_options(
         pareto_points=pareto_points,
         estimator=estimator,
         verify_peak=verify_peak,
+        inductor_check=inductor_check,
     )

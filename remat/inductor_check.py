@@ -1,0 +1,421 @@
+"""Inductor judges a plan: the step's peak read from the code Inductor generated for it.
+
+remat plans on its own simulator of Inductor's memory behaviour (``cost_model/memory.py``,
+``passes/kernel_steps.py``). Once a plan's forward and backward are compiled, the generated
+Python wrapper of each (``CompiledFxGraph.source_code``, the ``call`` function) *is* the
+program that allocates and frees the step's buffers: every ``empty_strided_*`` allocation,
+every ``del`` (where Python frees a buffer at its last reference), every buffer Inductor
+reuses (``bufB = bufA; del bufA  # reuse``: the memory stays held from ``bufA``'s last use to
+``bufB``'s allocation), every in-place write into an input, and the sizes of library calls'
+outputs (``assert_size_stride``). ``replay_wrapper`` walks that code and counts live bytes;
+``checked_step_peak`` composes the two graphs the way the budget counts a step (DESIGN.md):
+
+- the forward's own peak, above what was resident when it started (its inputs: parameters,
+  buffers and the batch are the resident baseline and cost nothing);
+- then the backward, starting from what the forward handed over: every storage the forward
+  returned (saved tensors and user outputs; a returned input or a view of one costs nothing),
+  plus the incoming gradients (tangents, made by the autograd engine before the backward
+  runs). Saved storages no user output shares are freed where the backward drops its last
+  reference (AOTAutograd donates them), as the generated code says; user outputs stay.
+
+What it does not see, and so may still differ from the measured peak by: memory a library
+call allocates inside itself (workspaces of matmul or convolution libraries), what the eager
+code between the forward and the backward allocates (the loss), and the autograd engine's
+own buffers. It does not model allocator rounding beyond CUDA's 512-byte blocks. A wrapper it
+cannot read (symbolic sizes, graph partitions) gives ``None``, and the plan keeps its
+simulated peak as the authority.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+CUDA_BLOCK_BYTES = 512       # the CUDA caching allocator rounds every block up to this
+
+_ALLOC = re.compile(r"^(\w+) = empty_strided_(\w+)\(\(([^)]*)\), \(([^)]*)\), torch\.(\w+)")
+_VIEW = re.compile(r"^(\w+) = (?:reinterpret_tensor\()?(\w+)(?:$|,|\))")
+_ASSIGN = re.compile(r"^(\w+) = (.+)$")
+_ASSERT = re.compile(r"^assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)")
+_DEL = re.compile(r"^del ([\w, ]+)$")
+
+
+@dataclass(frozen=True)
+class InputStorage:
+    """A graph input that occupies memory above the resident baseline (bytes; 1 GB = 1e9 bytes).
+
+    ``storage`` names the storage (inputs that share one share the name); ``freeable``: the
+    graph may free it when its last reference is dropped (a donated saved tensor)."""
+
+    storage: str
+    nbytes: int
+    freeable: bool
+
+
+@dataclass(frozen=True)
+class WrapperReplay:
+    """Live bytes along one generated ``call``: ``start_bytes`` held by its inputs at entry,
+    ``peak_bytes`` the most live at once (inputs included), ``end_bytes`` live at its return.
+
+    ``outputs`` gives, per returned value, the storage it lives in (None for ``None``, a
+    resident input or a view of one) and ``storage_bytes`` the size of each storage the graph
+    allocated. ``unsized`` lists values a library call returned whose size the code never
+    states (counted as 0 bytes)."""
+
+    start_bytes: int
+    peak_bytes: int
+    end_bytes: int
+    outputs: tuple[Optional[str], ...]
+    storage_bytes: Mapping[str, int]
+    unsized: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GraphCode:
+    """One graph as Inductor compiled it: its wrapper source, the FX names of its inputs and
+    outputs (in the wrapper's order; "" for an output that is not a node), and the storage
+    bytes of each input tensor (0 for non-tensors)."""
+
+    source_code: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    input_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CheckedPeak:
+    """The step's peak as Inductor's generated code allocates it (bytes above the step's start).
+
+    ``forward_peak_bytes``: the forward's; ``handed_bytes``: what the forward returned that
+    the backward starts with (plus its incoming gradients, ``tangent_bytes``);
+    ``backward_peak_bytes``: the backward's peak, those included. ``peak_bytes`` is the larger
+    of the two peaks. ``unsized`` counts library-call outputs of unknown size (0 bytes)."""
+
+    peak_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    handed_bytes: int
+    tangent_bytes: int
+    unsized: int
+
+
+def call_body(source_code: str) -> Optional[list[str]]:
+    """The statements of the wrapper's ``call`` (stripped, comments dropped, ``;`` split), or
+    None when the module has no single ``call`` whose allocations it holds itself (graph
+    partitions run their buffers in other functions)."""
+    lines = source_code.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"^\s*def call\((self, )?args\):", line)), None)
+    if start is None:
+        return None
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    body: list[str] = []
+    for line in lines[start + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        code = line.split("#", 1)[0].strip()
+        if "self.partitions[" in code or "partitions[" in code:
+            return None
+        body.extend(part.strip() for part in code.split(";") if part.strip())
+    return body
+
+
+def _ints(text: str) -> Optional[list[int]]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        return None     # a symbolic size
+
+
+def storage_nbytes(shape: Sequence[int], stride: Sequence[int], itemsize: int, device_type: str) -> int:
+    """The bytes an ``empty_strided`` of this shape and stride allocates on ``device_type``."""
+    if any(size == 0 for size in shape):
+        elements = 0
+    else:
+        elements = 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+    nbytes = elements * itemsize
+    if device_type == "cuda" and nbytes:
+        nbytes = -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return nbytes
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += char in "([" 
+        depth -= char in ")]"
+        if char == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += char
+    if current.strip():
+        parts.append(current.strip())
+    return parts
+
+
+def _returned(statement: str) -> list[str]:
+    inner = statement[len("return"):].strip()
+    if inner[:1] in "([" and inner[-1:] in ")]":
+        inner = inner[1:-1]
+    return _split_top_level(inner)
+
+
+class _Live:
+    """Reference counts of storages while one ``call`` is replayed (local to one replay)."""
+
+    def __init__(self, inputs: Mapping[str, InputStorage], tag: str) -> None:
+        self.tag, self.allocations = tag, 0      # storages this graph allocates: "<tag>:<name>:<n>"
+        self.root: dict[str, str] = {}          # bound name -> storage
+        self.refs: dict[str, int] = {}
+        self.nbytes: dict[str, int] = {}
+        self.counted: set[str] = set()          # storages whose bytes are live above the baseline
+        self.pinned: set[str] = set()           # held by someone else: never freed here
+        self.live = self.peak = 0
+        for name, storage in inputs.items():
+            self.bind(name, storage.storage)
+            if storage.storage not in self.counted:
+                self.nbytes[storage.storage] = storage.nbytes
+                self.counted.add(storage.storage)
+                self.live += storage.nbytes
+            if not storage.freeable:
+                self.pinned.add(storage.storage)
+        self.peak = self.live
+
+    def bind(self, name: str, storage: str) -> None:
+        self.unbind(name)
+        self.root[name] = storage
+        self.refs[storage] = self.refs.get(storage, 0) + 1
+
+    def allocate(self, name: str, nbytes: int) -> None:
+        storage = f"{self.tag}:{name}:{self.allocations}"
+        self.allocations += 1
+        self.bind(name, storage)
+        self.nbytes[storage] = nbytes
+        self.counted.add(storage)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def unbind(self, name: str) -> None:
+        storage = self.root.pop(name, None)
+        if storage is None:
+            return
+        self.refs[storage] -= 1
+        if self.refs[storage] == 0 and storage in self.counted and storage not in self.pinned:
+            self.counted.discard(storage)
+            self.live -= self.nbytes[storage]
+
+
+def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_type: str,
+                   fallback_itemsize: int = 4, tag: str = "graph") -> Optional[WrapperReplay]:
+    """Replay the allocations and frees of a generated wrapper's ``call``.
+
+    ``inputs`` maps the input names that hold memory above the baseline to their storages;
+    every other input is resident (costs nothing, never freed). A library call's output is
+    sized by the ``assert_size_stride`` that follows it, which states no dtype: its elements
+    count ``fallback_itemsize`` bytes (the graph's activation dtype). The storages it allocates
+    are named ``<tag>:<buffer>:<n>``. Returns None when the code
+    cannot be read exactly (no ``call``, graph partitions, a symbolic size)."""
+    body = call_body(source_code)
+    if body is None:
+        return None
+    state, pending, outputs = _Live(inputs, tag), set(), ()
+    start_bytes = state.live
+    for statement in body:
+        if (match := _ALLOC.match(statement)):
+            name, _, shape, stride, dtype = match.groups()
+            sizes, steps = _ints(shape), _ints(stride)
+            if sizes is None or steps is None or not hasattr(torch, dtype):
+                return None
+            state.allocate(name, storage_nbytes(sizes, steps, getattr(torch, dtype).itemsize, device_type))
+        elif (match := _ASSERT.match(statement)) and match.group(1) in pending:
+            name, sizes, steps = match.group(1), _ints(match.group(2)), _ints(match.group(3))
+            if sizes is None or steps is None:
+                return None
+            pending.discard(name)
+            state.allocate(name, storage_nbytes(sizes, steps, fallback_itemsize, device_type))
+        elif (match := _DEL.match(statement)):
+            for name in match.group(1).split(","):
+                state.unbind(name.strip())
+        elif statement.startswith("return"):
+            outputs = tuple(_output_storage(state, value) for value in _returned(statement))
+            break
+        elif (match := _VIEW.match(statement)) and match.group(2) in state.root:
+            state.bind(match.group(1), state.root[match.group(2)])
+        elif (match := _ASSIGN.match(statement)) and not match.group(2).startswith(("reinterpret_tensor(", "empty_strided")):
+            # a library call's result: sized by the assert_size_stride that follows it, if any
+            state.unbind(match.group(1))
+            pending.add(match.group(1))
+    # a pending name that is only indexed (``buf3[0]``) is a library call's tuple, not a tensor
+    unsized = sorted(name for name in pending if not any(f"= {name}[" in statement for statement in body))
+    return WrapperReplay(start_bytes, state.peak, state.live, outputs, dict(state.nbytes), tuple(unsized))
+
+
+def _output_storage(state: _Live, value: str) -> Optional[str]:
+    match = re.match(r"^(?:reinterpret_tensor\()?(\w+)", value)
+    if match is None or match.group(1) == "None":
+        return None
+    storage = state.root.get(match.group(1))
+    return storage if storage in state.counted else None
+
+
+def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
+                      fallback_itemsize: int = 4) -> Optional[CheckedPeak]:
+    """The step's peak above its start, composed from the generated forward and backward (see
+    the module docstring); None when either wrapper cannot be read exactly."""
+    fw = replay_wrapper(forward.source_code, {}, device_type, fallback_itemsize, "forward")
+    if fw is None or len(fw.outputs) != len(forward.output_names):
+        return None
+    saved_names = [n for n in backward.input_names if not n.startswith("tangents_")]
+    n_user = len(forward.output_names) - len(saved_names)
+    if n_user < 0:
+        return None
+    user_storages = {s for s in fw.outputs[:n_user] if s is not None}
+    by_name = {name: fw.outputs[i] for i, name in enumerate(forward.output_names) if i >= n_user and name}
+    inputs: dict[str, InputStorage] = {}
+    tangent_bytes = 0
+    for name, nbytes in zip(backward.input_names, backward.input_bytes):
+        if name.startswith("tangents_"):
+            inputs[name] = InputStorage(f"tangent:{name}", nbytes, True)
+            tangent_bytes += nbytes
+        elif (storage := by_name.get(name)) is not None:
+            inputs[name] = InputStorage(storage, fw.storage_bytes[storage], storage not in user_storages)
+    handed = {s for s in fw.outputs if s is not None}
+    for storage in handed - {s.storage for s in inputs.values()}:   # returned, not read by the backward
+        inputs[f"held:{storage}"] = InputStorage(storage, fw.storage_bytes[storage], False)
+    bw = replay_wrapper(backward.source_code, inputs, device_type, fallback_itemsize, "backward")
+    if bw is None:
+        return None
+    handed_bytes = sum(fw.storage_bytes[s] for s in handed)
+    return CheckedPeak(max(fw.peak_bytes, bw.peak_bytes), fw.peak_bytes, bw.peak_bytes, handed_bytes, tangent_bytes,
+                       len(fw.unsized) + len(bw.unsized))
+
+
+def _nbytes(value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size() if not _symbolic(value) else 0
+    return 0
+
+
+def _symbolic(value: torch.Tensor) -> bool:
+    return any(not isinstance(d, int) for d in value.shape)
+
+
+def activation_itemsize(gm: torch.fx.GraphModule) -> int:
+    """The item size of the graph's most common floating-point dtype among its values (4 if none)."""
+    counts: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
+            counts[value.element_size()] = counts.get(value.element_size(), 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else 4
+
+
+def graph_code(gm: torch.fx.GraphModule, source_code: str) -> GraphCode:
+    """``GraphCode`` of ``gm`` (as handed to Inductor, before its post-grad passes: the names the
+    partitioner gave) and the wrapper source Inductor generated for it."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    return GraphCode(source_code, tuple(n.name for n in placeholders),
+                     tuple(v.name if isinstance(v, torch.fx.Node) else "" for v in values),
+                     tuple(_nbytes(n.meta.get("val")) for n in placeholders))
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """Inductor's verdict on one compiled plan (bytes; 1 GB = 1e9 bytes).
+
+    ``action``: "accepted" (checked peak at or under the target), "re-plan" (over the target:
+    plan again at ``new_target_bytes``), "accepted over target" (over the target, within the
+    budget, and no further re-plan is allowed), "over budget" (over the budget and no further
+    re-plan is allowed) or "unchecked" (the code could not be read: the simulated peak stands).
+    ``factor`` = checked / simulated peak of this plan."""
+
+    action: str
+    simulated_peak_bytes: int
+    checked_peak_bytes: Optional[int]
+    target_bytes: Optional[int]
+    budget_bytes: Optional[int]
+    factor: Optional[float] = None
+    new_target_bytes: Optional[int] = None
+
+    @property
+    def accepted_on(self) -> str:
+        """Which number the plan stands on: "Inductor-checked peak" or "simulated peak"."""
+        return "simulated peak" if self.checked_peak_bytes is None else "Inductor-checked peak"
+
+
+def judge_plan(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], target_bytes: Optional[int],
+               budget_bytes: Optional[int], may_replan: bool) -> Judgement:
+    """The verdict on a plan (pure: numbers in, a verdict out). ``target_bytes`` is the planning
+    target in real bytes (the budget less its headroom, before any correction of the simulator):
+    the checked peak must be at or under it.
+
+    Over it, ``factor = checked / simulated`` and the new target, in the simulator's units, is
+    ``target / factor``: a plan simulated at that peak checks at about ``target`` if the simulator
+    errs by the same factor. It is below the simulated peak of the plan judged, so each re-plan
+    asks for less."""
+    record = (simulated_peak_bytes, checked_peak_bytes, target_bytes, budget_bytes)
+    if checked_peak_bytes is None:
+        return Judgement("unchecked", *record)
+    if target_bytes is None or checked_peak_bytes <= target_bytes:
+        return Judgement("accepted", *record)
+    factor = checked_peak_bytes / max(simulated_peak_bytes, 1)
+    new_target = int(target_bytes / factor)
+    if may_replan:
+        return Judgement("re-plan", *record, factor, new_target)
+    within = budget_bytes is not None and checked_peak_bytes <= budget_bytes
+    return Judgement("accepted over target" if within else "over budget", *record, factor)
+
+
+def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str) -> Optional[CheckedPeak]:
+    """The step's Inductor-checked peak from the graphs one compile produced, as
+    ``(is_backward, code, activation itemsize)``: None unless exactly one forward and one backward
+    were compiled and both can be read."""
+    forwards = [(code, size) for is_backward, code, size in graphs if not is_backward]
+    backwards = [code for is_backward, code, _ in graphs if is_backward]
+    if len(forwards) != 1 or len(backwards) != 1:
+        return None
+    return checked_step_peak(forwards[0][0], backwards[0], device_type, forwards[0][1])
+
+
+def annotate_dump(dump_path: Optional[str], judgement: Judgement) -> None:
+    """Write the verdict into a plan's dump: ``plan.json`` gets ``accepted_on`` and
+    ``inductor_check``; ``report.md`` a line after its summary saying which number the plan was
+    accepted on. Nothing without a dump."""
+    if dump_path is None:
+        return
+    directory = Path(dump_path)
+    plan_path, report_path = directory / "plan.json", directory / "report.md"
+    if plan_path.exists():
+        data = json.loads(plan_path.read_text())
+        data["accepted_on"] = judgement.accepted_on
+        data["inductor_check"] = {**asdict(judgement), "units": "bytes; factor = checked / simulated peak"}
+        plan_path.write_text(json.dumps(data, indent=1) + "\n")
+    if report_path.exists():
+        lines = report_path.read_text().splitlines()
+        if len(lines) > 2 and lines[2].startswith(("accepted on ", "rejected by ")):
+            lines[2] = judgement_line(judgement)       # a later verdict on the same plan
+        else:
+            lines[1:1] = ["", judgement_line(judgement)]
+        report_path.write_text("\n".join(lines) + "\n")
+
+
+def judgement_line(judgement: Judgement) -> str:
+    """The report's sentence on which number the plan was accepted on (or why it was replaced)."""
+    gb = 1e9
+    if judgement.checked_peak_bytes is None:
+        return (f"accepted on the simulated peak {judgement.simulated_peak_bytes / gb:.6f} GB: Inductor's generated "
+                f"code could not be read (1 GB = 1e9 bytes)")
+    read = (f"{judgement.checked_peak_bytes / gb:.6f} GB read from Inductor's generated forward and backward "
+            f"(simulated {judgement.simulated_peak_bytes / gb:.6f} GB")
+    if judgement.action == "re-plan":
+        assert judgement.target_bytes is not None and judgement.new_target_bytes is not None
+        return (f"rejected by Inductor's check: {read}), over the target {judgement.target_bytes / gb:.6f} GB; "
+                f"re-planned at a simulated target of {judgement.new_target_bytes / gb:.6f} GB (1 GB = 1e9 bytes)")
+    return f"accepted on the Inductor-checked peak: {read}); verdict: {judgement.action} (1 GB = 1e9 bytes)"
