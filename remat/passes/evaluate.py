@@ -16,6 +16,7 @@ from ..cost_model.memory import MemorySimulation, Step
 from . import schedule
 from .joint_graph import JointGraphFacts
 from .schedule import Partition
+from .shared_storage import one_value_per_storage
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,14 @@ class Evaluated:
 
 
 def evaluate(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Evaluated:
-    """Partition, steps, simulated peak and estimated recompute time of saving ``chosen_saved``."""
-    partition = schedule.partition_nodes(facts, chosen_saved)
+    """Partition, steps, simulated peak and estimated recompute time of saving ``chosen_saved``.
+
+    ``Evaluated.chosen`` is ``chosen_saved`` with values that share a storage replaced by the
+    storage's owner (``shared_storage.one_value_per_storage``, the rule ``partition_nodes``
+    applies): a solver that then stops saving the owner frees the storage, where dropping one
+    of two aliases would change nothing."""
+    chosen = frozenset(one_value_per_storage(facts, chosen_saved) or chosen_saved)
+    partition = schedule.partition_nodes(facts, chosen)
     run = schedule.simulate_partition(facts, partition)
     extra = schedule.recompute_time_of(facts, run.order)
-    return Evaluated(frozenset(chosen_saved), partition, run.simulation, extra, tuple(run.steps),
-                     frozenset(run.pinned))
+    return Evaluated(chosen, partition, run.simulation, extra, tuple(run.steps), frozenset(run.pinned))
