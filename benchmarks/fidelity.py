@@ -91,28 +91,54 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def predicted_step_peak(plans: list[Any]) -> Optional[int]:
-    """The step's predicted peak from its graphs' plans in compile (= forward) order: while graph i
-    runs, the graphs before it hold what they saved for their backward."""
+def predicted_step_peak(peaks_and_saved: list[tuple[int, int]]) -> Optional[int]:
+    """The step's predicted peak from its graphs' ``(peak, saved bytes)`` in compile (= forward) order:
+    while graph i runs, the graphs before it hold what they saved for their backward."""
     held, peak = 0, None
-    for plan in plans:
-        peak = max(peak or 0, held + plan.predicted_peak_bytes)
-        held += plan.saved_bytes
+    for graph_peak, saved in peaks_and_saved:
+        peak = max(peak or 0, held + graph_peak)
+        held += saved
     return peak
 
 
 def _plans_summary(backend: Any) -> dict[str, Any]:
-    records = list(getattr(backend, "compiled_graphs", []))
+    """The plans as accepted: the last record of each graph id (a re-plan replaces its graph's record),
+    in the order the graphs were first compiled. ``checked``: Inductor's check of the plan, when this
+    remat has one (``CompiledGraph.judgement``); ``accepted``: the checked peak where there is one,
+    else the simulated one."""
+    latest: dict[str, Any] = {}
+    for record in getattr(backend, "compiled_graphs", []):
+        latest[record.graph_id] = record
+    records = list(latest.values())
     plans = [g.plan for g in records]
+    judgements = [getattr(g, "judgement", None) for g in records]
+    checked = [getattr(j, "checked_peak_bytes", None) for j in judgements]
+    accepted = [c if c is not None else p.predicted_peak_bytes for c, p in zip(checked, plans)]
     return {
         "graphs": [g.graph_id for g in records],
-        "predicted_peak_bytes": predicted_step_peak(plans),
+        "records": len(getattr(backend, "compiled_graphs", [])),
+        "predicted_peak_bytes": predicted_step_peak([(p.predicted_peak_bytes, p.saved_bytes) for p in plans]),
+        "accepted_peak_bytes": predicted_step_peak([(a, p.saved_bytes) for a, p in zip(accepted, plans)]),
         "graph_predicted_peak_bytes": [p.predicted_peak_bytes for p in plans],
+        "graph_checked_peak_bytes": checked,
+        "judgement": [getattr(j, "action", None) for j in judgements],
         "graph_saved_bytes": [p.saved_bytes for p in plans],
         "no_remat_peak_bytes": [p.no_remat_peak_bytes for p in plans],
         "peak_step": [p.peak_step_name for p in plans],
         "fits_budget": [p.fits_budget for p in plans],
     }
+
+
+LOOP_ACTED = ("re-planned", "over budget", "stored for the next compile", "re-plan failed", "infeasible")
+
+
+def loop_summary(events: list[Any]) -> dict[str, Any]:
+    """What the closed loop measured and did: step 1's measured peak (the largest of the graphs'
+    first measured calls) and how many of its events acted on an overshoot."""
+    first = [e.measured_peak_bytes for e in events if getattr(e, "step", None) == 0 and e.measured_peak_bytes is not None]
+    acted = [e for e in events if str(getattr(e, "action", "")).startswith(LOOP_ACTED)]
+    return {"loop_first_step_bytes": max(first) if first else None, "loop_events": len(acted),
+            "feedback_events": events}
 
 
 def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_blocks: bool = False,
@@ -187,8 +213,9 @@ class ModelRun:
         fields = {k: v for k, v in record.items() if not k.startswith("grads_")}
         fields.update(self._grad_error(record))
         if isinstance(backend, remat.RematBackend):
-            events = list(getattr(backend, "feedback_events", []) or [])
-            fields.update(plans_final=_plans_summary(backend), feedback_events=events, loop_events=len(events))
+            fields.update(plans_final=_plans_summary(backend), **loop_summary(list(getattr(backend, "feedback_events", []) or [])))
+            if fields.get("measured_first_bytes") is None:
+                fields["measured_first_bytes"] = fields["loop_first_step_bytes"]
         return self.write(point, budget_bytes=budget_bytes, seconds=round(time.perf_counter() - start, 1), **fields)
 
     def probe_floor(self) -> Optional[int]:

@@ -43,9 +43,22 @@ def load(jsonl: Path) -> tuple[dict[str, Any], dict[str, dict[str, dict[str, Any
     return header, models
 
 
-def error_of(row: dict[str, Any]) -> Optional[float]:
+def _seed_ranges(seeds: list[int]) -> str:
+    """``[1000, 1001, 1002, 1005]`` -> ``"1000-1002, 1005"``."""
+    parts: list[str] = []
+    for seed in sorted(seeds):
+        if parts and parts[-1].split("-")[-1] == str(seed - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{seed}"
+        else:
+            parts.append(str(seed))
+    return ", ".join(parts) or "none"
+
+
+def error_of(row: dict[str, Any], key: str = "accepted_peak_bytes") -> Optional[float]:
+    """(predicted - measured) / measured for step 3; ``key``: the plans' accepted peak (Inductor-checked
+    where remat checked it) or ``predicted_peak_bytes`` (the simulator's)."""
     plans = row.get("plans_final") or {}
-    predicted, measured = plans.get("predicted_peak_bytes"), row.get("measured_later_bytes")
+    predicted, measured = plans.get(key, plans.get("predicted_peak_bytes")), row.get("measured_later_bytes")
     if predicted is None or not measured:
         return None
     return (predicted - measured) / measured
@@ -57,12 +70,13 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def _point_rows(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
-    lines = ["| model | point | budget MB | predicted MB | step 1 MB | step 3 MB | step 3 / budget | error | grad err | loop | note |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| model | point | budget MB | simulated MB | accepted MB | step 1 MB | step 3 MB | step 3 / budget | error (accepted) "
+             "| error (simulated) | grad err | loop | note |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, points in models.items():
         plain = points.get("plain", {})
-        lines.append(f"| {name} | plain | | | {_mb(plain.get('measured_first_bytes'))} | {_mb(plain.get('measured_later_bytes'))} "
-                     f"| | | | | {(plain.get('error') or '')[:80]} |")
+        lines.append(f"| {name} | plain | | | | {_mb(plain.get('measured_first_bytes'))} | {_mb(plain.get('measured_later_bytes'))} "
+                     f"| | | | | | | {(plain.get('error') or '')[:80]} |")
         for point in ("none",) + BUDGET_POINTS:
             row = points.get(point)
             if row is None:
@@ -71,8 +85,10 @@ def _point_rows(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
             ratio = f"{later / budget:.3f}" if budget and later else ""
             grad = row.get("grad_rel_err")
             note = (row.get("error") or "")[:90].replace("|", "/").replace("\n", " ")
-            lines.append(f"| {name} | {point} | {_mb(budget)} | {_mb((row.get('plans_final') or {}).get('predicted_peak_bytes'))} "
-                         f"| {_mb(row.get('measured_first_bytes'))} | {_mb(later)} | {ratio} | {_pct(error_of(row))} "
+            plans = row.get("plans_final") or {}
+            lines.append(f"| {name} | {point} | {_mb(budget)} | {_mb(plans.get('predicted_peak_bytes'))} "
+                         f"| {_mb(plans.get('accepted_peak_bytes'))} | {_mb(row.get('measured_first_bytes'))} | {_mb(later)} | {ratio} "
+                         f"| {_pct(error_of(row))} | {_pct(error_of(row, 'predicted_peak_bytes'))} "
                          f"| {'' if grad is None else f'{grad:.1e}'} | {row.get('loop_events', '')} | {note} |")
     return lines
 
@@ -103,6 +119,7 @@ def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     rows = [row for points in models.values() for p, row in points.items()
             if p in ("none",) + BUDGET_POINTS and not row.get("error")]
     errors = [e for e in map(error_of, rows) if e is not None]
+    simulated = [e for e in (error_of(r, "predicted_peak_bytes") for r in rows) if e is not None]
     budgeted = [r for r in rows if r.get("budget_bytes") and r.get("measured_later_bytes")]
     over = [r for r in budgeted if r["measured_later_bytes"] > r["budget_bytes"]]
     over_first = [r for r in budgeted if (r.get("measured_first_bytes") or 0) > r["budget_bytes"]]
@@ -117,6 +134,9 @@ def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         "abs_error_p95": quantile([abs(e) for e in errors], 0.95) if errors else None,
         "abs_error_max": max(map(abs, errors)) if errors else None,
         "error_median": statistics.median(errors) if errors else None,
+        "sim_abs_error_median": statistics.median(map(abs, simulated)) if simulated else None,
+        "sim_abs_error_p95": quantile([abs(e) for e in simulated], 0.95) if simulated else None,
+        "sim_abs_error_max": max(map(abs, simulated)) if simulated else None,
         "under_predicted": sum(1 for e in errors if e < 0),
         "grad_mismatch": sum(1 for g in grads if g is None or not g <= GRAD_TOL),
         "failed_points": len(failed),
@@ -133,6 +153,7 @@ def worst_cases(models: dict[str, dict[str, dict[str, Any]]], count: int = 5) ->
 def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
     header, models = load(jsonl)
     descriptions = {m: (p.get("done") or {}).get("description", "") for m, p in models.items()}
+    finished = [m for m, p in models.items() if "done" in p]
     s = summary(models)
     floor_lines, floors = _floor_rows(models)
     source, machine = header.get("source", {}), header.get("machine", {})
@@ -144,9 +165,11 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"torch {machine.get('torch', '?')}, {machine.get('torch_threads', '?')} torch threads, {machine.get('cpu_count', '?')} CPUs. "
         f"Closed loop (`verify_peak`) available: {header.get('loop_supported')}.",
         "",
-        f"Models: {len(models)} ({sum(1 for m in models if m.startswith('rand-'))} random nets, seeds "
-        f"{', '.join(str(s_) for s_ in meta.get('seeds', []))}; CNNs; Hugging Face models"
-        f"{': left out, ' + meta['hf_skip_reason'] if meta.get('hf_skip_reason') else ''}).",
+        f"Models finished: {len(finished)} of the {len(models)} started ({sum(1 for m in finished if m.startswith('rand-'))} random nets, "
+        f"{sum(1 for m in finished if m.startswith('cnn-'))} CNNs, {sum(1 for m in finished if m.startswith('hf-'))} Hugging Face models"
+        f"{': left out, ' + meta['hf_skip_reason'] if meta.get('hf_skip_reason') else ''}); random-net seeds of the corpus: "
+        f"{_seed_ranges(meta.get('seeds', []))}, of them run: {_seed_ranges(sorted(int(m[5:]) for m in finished if m.startswith('rand-')))}."
+        + (f" Not finished: {', '.join(m for m in models if m not in finished)}." if len(finished) < len(models) else ""),
         "Budgets are fractions of plain Inductor's step-3 measured peak; `floor` is the smallest budget remat accepts "
         "(named by the infeasibility error of a 1 kB budget). MB = 1e6 bytes.",
         "",
@@ -154,7 +177,10 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         "",
         f"- remat points compiled: {s['points']} ({s['budgeted']} with a budget); failed points (plain, remat or checkpoint): {s['failed_points']}",
         f"- predicted vs measured (step 3), |error|: median {_pct(s['abs_error_median'])}, p95 {_pct(s['abs_error_p95'])}, "
-        f"max {_pct(s['abs_error_max'])}; signed median {_pct(s['error_median'])}; under-predicted on {s['under_predicted']} points",
+        f"max {_pct(s['abs_error_max'])}; signed median {_pct(s['error_median'])}; under-predicted on {s['under_predicted']} points "
+        "(the peak the plan was accepted on: Inductor-checked where remat checked it, else simulated)",
+        f"- the simulator alone, |error|: median {_pct(s['sim_abs_error_median'])}, p95 {_pct(s['sim_abs_error_p95'])}, "
+        f"max {_pct(s['sim_abs_error_max'])}",
         f"- over budget at step 3: {s['over_budget_step3']} of {s['budgeted']} (worst measured / budget "
         f"{'-' if s['worst_ratio'] is None else format(s['worst_ratio'], '.3f')}); "
         f"over budget at step 1: {s['over_budget_step1']}; points where the closed loop acted: {s['needed_loop']}",
@@ -167,7 +193,8 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
     ]
     for model, point, row in worst_cases(models):
         plans = row.get("plans_final") or {}
-        lines.append(f"- {model} at {point}: budget {_mb(row['budget_bytes'])} MB, predicted {_mb(plans.get('predicted_peak_bytes'))} MB "
+        lines.append(f"- {model} at {point}: budget {_mb(row['budget_bytes'])} MB, simulated {_mb(plans.get('predicted_peak_bytes'))} MB, "
+                     f"accepted on {_mb(plans.get('accepted_peak_bytes'))} MB "
                      f"(peak step {', '.join(plans.get('peak_step') or [])}), measured {_mb(row['measured_later_bytes'])} MB "
                      f"({row['measured_later_bytes'] / row['budget_bytes']:.3f}x). {descriptions.get(model, '')}")
     lines += ["", "## Floors", ""] + floor_lines + ["", "## Every point", ""] + _point_rows(models)
