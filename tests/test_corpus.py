@@ -1,0 +1,112 @@
+"""The corpus (``remat.testing``): built deterministically from seeds, and remat's gradients on a
+small sample from the test seed range equal plain Inductor's (the benchmark runs the rest:
+``benchmarks/fidelity.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat
+from conftest import assert_grads_close, grads_of
+from remat.testing import BENCHMARK_SEEDS, TEST_SEEDS, corpus, hf_skip_reason
+from remat.testing.random_nets import net_spec
+
+STEP_SEED = 1234
+# From TEST_SEEDS: 24 = written-out attention applied twice (the same block), in-place residual,
+# dropout; 6 = conv net with BatchNorm, max and avg pooling, a residual and dropout.
+E2E_SEEDS = (24, 6)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_seed_ranges_are_disjoint() -> None:
+    assert not set(TEST_SEEDS) & set(BENCHMARK_SEEDS)
+    assert set(E2E_SEEDS) <= set(TEST_SEEDS)
+
+
+@pytest.mark.parametrize("seed", [TEST_SEEDS[0], TEST_SEEDS[1], E2E_SEEDS[1]])
+def test_random_net_is_fixed_by_its_seed(seed: int) -> None:
+    entry = corpus.random_entry(seed)
+    first, second = entry.build(), entry.build()
+    params_a, params_b = dict(first.model.named_parameters()), dict(second.model.named_parameters())
+    assert params_a.keys() == params_b.keys()
+    assert all(_same(params_a[k], params_b[k]) for k in params_a)
+    assert all(_same(a, b) for a, b in zip(first.inputs, second.inputs, strict=True))
+    assert net_spec(seed) == net_spec(seed) and entry.description == corpus.random_entry(seed).description
+    torch.manual_seed(STEP_SEED)
+    loss_a = first.loss(first.model)
+    torch.manual_seed(STEP_SEED)
+    assert torch.equal(loss_a, second.loss(second.model))
+
+
+def test_checkpointed_build_has_the_same_parameters() -> None:
+    entry = next(e for e in map(corpus.random_entry, TEST_SEEDS) if e.has_repeated_blocks)
+    plain, checkpointed = entry.build(), entry.build(checkpoint_blocks=True)
+    assert all(_same(a, b) for a, b in zip(plain.model.parameters(), checkpointed.model.parameters(), strict=True))
+
+
+def test_grammar_covers_its_layers() -> None:
+    """Over the test seeds every choice of the grammar occurs (a generator stuck on one branch fails)."""
+    specs = [net_spec(s) for s in TEST_SEEDS]
+    blocks = [b for s in specs if s.kind != "conv" for b in s.blocks]
+    assert {s.kind for s in specs} == {"lm", "seq", "conv"}
+    assert {b.mixer for b in blocks} == {"attention", "sdpa", "mlp", "gated-mlp"}
+    assert {b.norm for b in blocks} == {"layernorm", "rmsnorm", "none"}
+    assert {b.activation for b in blocks} == {"gelu", "silu", "relu", "relu_"}
+    assert {b.residual for b in blocks} == {"add", "add_", "none"}
+    assert any(b.no_grad_rescale for b in blocks) and any(b.dropout_p for b in blocks)
+    assert any(len(set(s.schedule)) < len(s.schedule) for s in specs)       # a block applied twice
+    assert {s.tied_head for s in specs if s.kind == "lm"} == {True, False}
+    conv_blocks = [b for s in specs if s.kind == "conv" for b in s.blocks]
+    assert {b.pool for b in conv_blocks} == {"max", "avg", "none"} and any(b.batchnorm for b in conv_blocks)
+
+
+def test_corpus_has_every_family() -> None:
+    entries = corpus.entries(BENCHMARK_SEEDS)
+    families = {e.family for e in entries}
+    assert {"random", "cnn"} <= families
+    assert len({e.name for e in entries}) == len(entries)
+    if hf_skip_reason() is None:
+        names = {e.name for e in entries if e.family == "hf"}
+        assert {"hf-gpt2-eager", "hf-llama-sdpa", "hf-bert-mlm", "hf-t5", "hf-vit"} <= names
+        assert any(n.startswith(("hf-mistral", "hf-qwen2")) for n in names)
+
+
+def test_hf_model_is_fixed_by_its_seed() -> None:
+    if hf_skip_reason() is not None:
+        pytest.skip(hf_skip_reason())
+    entry = next(e for e in corpus.entries((), include_cnns=False) if e.name == "hf-vit")
+    first, second = entry.build(), entry.build()
+    assert all(_same(a, b) for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True))
+    assert all(_same(first.kwargs[k], second.kwargs[k]) for k in first.kwargs)
+
+
+def _step(built: corpus.Built, module: object) -> None:
+    built.model.zero_grad(set_to_none=True)
+    torch.manual_seed(STEP_SEED)
+    built.loss(module).backward()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("seed", E2E_SEEDS)
+def test_remat_gradients_equal_plain_inductor(seed: int) -> None:
+    """At 80% of plain Inductor's measured peak (best effort if no plan meets it), the gradients equal
+    plain Inductor's, same seed, Inductor's own RNG in both."""
+    entry = corpus.random_entry(seed)
+    torch._dynamo.reset()
+    plain = entry.build()
+    compiled = torch.compile(plain.model, backend="inductor")
+    _step(plain, compiled)
+    expected = grads_of(plain.model)
+    plain.model.zero_grad(set_to_none=True)
+    peak = remat.measure_peak_bytes(lambda: _step(plain, compiled)).peak_bytes
+
+    torch._dynamo.reset()
+    built = entry.build()
+    backend = remat.backend(0.8 * peak / 1e9, best_effort=True)
+    _step(built, torch.compile(built.model, backend=backend))   # best effort may warn: only gradients are checked here
+    assert backend.compiled_graphs, "remat planned no graph"
+    assert_grads_close(grads_of(built.model), expected)
