@@ -318,6 +318,7 @@ class RematBackend:
         self.verified_graphs: list[VerifiedGraph] = []     # the wrappers the loop runs, in compile order
         self._corrections: dict[str, Correction] = {}      # by graph key: this backend's, stored or not
         self._replan = threading.local()                   # the correction a re-plan on this thread applies
+        self._replan_rounds: dict[str, int] = {}           # re-plans made so far, by first graph id (ids _r1, _r2, ...)
 
     def cache_key(self) -> str:
         """Changes whenever the budget, options, hardware profile or planner source change."""
@@ -371,14 +372,20 @@ class RematBackend:
         simulator's units) and recompiled from ``gm`` (the feedback
         loop's re-plan path), up to ``MAX_JUDGED_REPLANS`` times. Returns the callable accepted; its
         record (last in ``compiled_graphs``) carries the verdict and its dump says which number the
-        plan was accepted on. A re-plan no plan can meet keeps the last plan if its checked peak is
-        within the budget, and raises ``BudgetInfeasibleError`` otherwise."""
+        plan was accepted on; the plans it rejected leave ``compiled_graphs`` (their verdicts are in
+        ``judgement.rejected``, their dumps stay). A re-plan no plan can meet keeps the last plan if
+        its checked peak is within the budget, and raises ``BudgetInfeasibleError`` otherwise."""
+        rejected: tuple[Judgement, ...] = ()
         for round_ in itertools.count():
-            record = self.compiled_graphs[-1]
+            record = self.compiled_graphs.pop()
+            if rejected:
+                self.compiled_graphs.pop()      # the plan this one replaces
+            self.compiled_graphs.append(record)
             checked = checked_peak_of(capture.graphs, _device_of(args).type)
             verdict = judge_plan(record.plan.predicted_peak_bytes, None if checked is None else checked.peak_bytes,
                                  record.base_target_bytes, record.plan.budget_bytes,
-                                 may_replan=record.plan.fits_budget and round_ < MAX_JUDGED_REPLANS)
+                                 may_replan=record.plan.fits_budget and round_ < MAX_JUDGED_REPLANS,
+                                 graph_id=record.graph_id, rejected=rejected)
             self.compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
             annotate_dump(record.dump_path, verdict)
             log.info("remat %s: %s on Inductor's check, %s", record.graph_id, verdict.action, verdict)
@@ -391,6 +398,7 @@ class RematBackend:
                                     f"Inductor-checked: {record.graph_id}'s generated code peaks at "
                                     f"{verdict.checked_peak_bytes} bytes where its plan simulated "
                                     f"{record.plan.predicted_peak_bytes} (target {verdict.target_bytes})")
+            rejected += (verdict,)
             capture = _CodeCapture()
             try:
                 fn = self._recompile(gm, args, correction, record.graph_key, capture)[0]
@@ -436,8 +444,8 @@ class RematBackend:
                 graph_id = f"graph_{next(self._counter):03d}"
                 return graph_id, key, self._corrections.get(key) or read_correction(key)
             first = correction.graph_id.split("_r")[0]
-            rounds = sum(g.graph_id.startswith(first + "_r") for g in self.compiled_graphs)
-        return f"{first}_r{rounds + 1}", key, correction
+            self._replan_rounds[first] = rounds = self._replan_rounds.get(first, 0) + 1
+        return f"{first}_r{rounds}", key, correction
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         from torch._functorch.partitioners import default_partition

@@ -94,7 +94,10 @@ class CheckedPeak:
     ``forward_peak_bytes``: the forward's; ``handed_bytes``: what the forward returned that
     the backward starts with (plus its incoming gradients, ``tangent_bytes``);
     ``backward_peak_bytes``: the backward's peak, those included. ``peak_bytes`` is the larger
-    of the two peaks. ``unsized`` counts library-call outputs of unknown size (0 bytes)."""
+    of the two peaks. ``held_output_bytes``: the forward's user outputs the backward does not
+    read, counted live through the backward (as the simulator counts them; a caller that drops
+    them before its backward peaks up to that much lower). ``unsized`` counts library-call
+    outputs of unknown size (0 bytes)."""
 
     peak_bytes: int
     forward_peak_bytes: int
@@ -102,6 +105,7 @@ class CheckedPeak:
     handed_bytes: int
     tangent_bytes: int
     unsized: int
+    held_output_bytes: int = 0
 
 
 def call_body(source_code: str) -> Optional[list[str]]:
@@ -285,14 +289,15 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
         elif (storage := by_name.get(name)) is not None:
             inputs[name] = InputStorage(storage, fw.storage_bytes[storage], storage not in user_storages)
     handed = {s for s in fw.outputs if s is not None}
-    for storage in handed - {s.storage for s in inputs.values()}:   # returned, not read by the backward
+    held = handed - {s.storage for s in inputs.values()}        # returned, not read by the backward
+    for storage in held:
         inputs[f"held:{storage}"] = InputStorage(storage, fw.storage_bytes[storage], False)
     bw = replay_wrapper(backward.source_code, inputs, device_type, fallback_itemsize, "backward")
     if bw is None:
         return None
     handed_bytes = sum(fw.storage_bytes[s] for s in handed)
     return CheckedPeak(max(fw.peak_bytes, bw.peak_bytes), fw.peak_bytes, bw.peak_bytes, handed_bytes, tangent_bytes,
-                       len(fw.unsized) + len(bw.unsized))
+                       len(fw.unsized) + len(bw.unsized), sum(fw.storage_bytes[s] for s in held & user_storages))
 
 
 def _nbytes(value: object) -> int:
@@ -343,6 +348,8 @@ class Judgement:
     budget_bytes: Optional[int]
     factor: Optional[float] = None
     new_target_bytes: Optional[int] = None
+    graph_id: str = ""
+    rejected: tuple["Judgement", ...] = ()    # verdicts on the plans this one replaced, oldest first
 
     @property
     def accepted_on(self) -> str:
@@ -351,7 +358,8 @@ class Judgement:
 
 
 def judge_plan(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], target_bytes: Optional[int],
-               budget_bytes: Optional[int], may_replan: bool) -> Judgement:
+               budget_bytes: Optional[int], may_replan: bool, graph_id: str = "",
+               rejected: tuple[Judgement, ...] = ()) -> Judgement:
     """The verdict on a plan (pure: numbers in, a verdict out). ``target_bytes`` is the planning
     target in real bytes (the budget less its headroom, before any correction of the simulator):
     the checked peak must be at or under it.
@@ -361,16 +369,17 @@ def judge_plan(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], tar
     errs by the same factor. It is below the simulated peak of the plan judged, so each re-plan
     asks for less."""
     record = (simulated_peak_bytes, checked_peak_bytes, target_bytes, budget_bytes)
+    named = {"graph_id": graph_id, "rejected": rejected}
     if checked_peak_bytes is None:
-        return Judgement("unchecked", *record)
+        return Judgement("unchecked", *record, **named)
     if target_bytes is None or checked_peak_bytes <= target_bytes:
-        return Judgement("accepted", *record)
+        return Judgement("accepted", *record, **named)
     factor = checked_peak_bytes / max(simulated_peak_bytes, 1)
     new_target = int(target_bytes / factor)
     if may_replan:
-        return Judgement("re-plan", *record, factor, new_target)
+        return Judgement("re-plan", *record, factor, new_target, **named)
     within = budget_bytes is not None and checked_peak_bytes <= budget_bytes
-    return Judgement("accepted over target" if within else "over budget", *record, factor)
+    return Judgement("accepted over target" if within else "over budget", *record, factor, **named)
 
 
 def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str) -> Optional[CheckedPeak]:

@@ -80,6 +80,7 @@ def test_a_step_peak_composes_the_forward_and_the_backward():
     assert checked.handed_bytes == MiB + 4096 and checked.tangent_bytes == 4096
     assert checked.backward_peak_bytes == (MiB + 4096 + 4096) + MiB + 1024
     assert checked.peak_bytes == checked.backward_peak_bytes and checked.unsized == 0
+    assert checked.held_output_bytes == 4096           # the user output, 1024 fp32
 
 
 JUDGE_TABLE = [
@@ -147,14 +148,15 @@ def test_the_judge_repairs_a_wrong_plan_before_the_first_step(scaled_simulator, 
     (event,) = backend.feedback_events
     first_peak, budget = event.measured_peak_bytes, backend.options.budget_bytes
     assert event.action == "within budget" and event.step == 0
-    first, *rest = backend.compiled_graphs
-    assert first.plan.predicted_peak_bytes <= first.plan.target_bytes
-    assert first.judgement.action == "re-plan", first.judgement
-    assert first.judgement.checked_peak_bytes > first.plan.target_bytes
-    accepted = rest[-1]
+    (accepted,) = backend.compiled_graphs          # the plans the judge rejected leave the list
+    first = accepted.judgement.rejected[0]
+    assert first.graph_id == "graph_000" and first.action == "re-plan", first
+    assert first.simulated_peak_bytes <= first.target_bytes < first.checked_peak_bytes, first
+    assert first.checked_peak_bytes > budget, "the wrong simulator's plan should be over the budget, as Inductor sees it"
     assert accepted.graph_id.startswith("graph_000_r") and accepted.judgement.action == "accepted"
-    assert accepted.judgement.checked_peak_bytes <= accepted.judgement.target_bytes == first.base_target_bytes < budget
-    assert accepted.plan.target_bytes == first.judgement.new_target_bytes or len(rest) > 1
+    assert accepted.judgement.checked_peak_bytes <= accepted.judgement.target_bytes == accepted.base_target_bytes < budget
+    if len(accepted.judgement.rejected) == 1:
+        assert abs(accepted.plan.target_bytes - first.new_target_bytes) <= 1
     assert first_peak <= budget, (first_peak, budget)
     # the check holds the model's output until the backward (as the simulator does); this step
     # drops it before (conftest.run_step): 512 x 64 fp32 = 128 KiB, 3.9% of the peak here
@@ -167,7 +169,7 @@ def test_the_judge_repairs_a_wrong_plan_before_the_first_step(scaled_simulator, 
         f"{accepted.judgement.checked_peak_bytes / 1e9:.6f} GB" in report.splitlines()[2]
     rejected = (tmp_path / "dump" / "graph_000" / "report.md").read_text().splitlines()[2]
     assert rejected.startswith("rejected by Inductor's check: ") and "re-planned at a simulated target of " \
-        f"{first.judgement.new_target_bytes / 1e9:.6f} GB" in rejected
+        f"{first.new_target_bytes / 1e9:.6f} GB" in rejected
     plan_json = json.loads((directory / "plan.json").read_text())
     assert plan_json["accepted_on"] == "Inductor-checked peak"
     assert plan_json["inductor_check"]["checked_peak_bytes"] == accepted.judgement.checked_peak_bytes
