@@ -133,7 +133,7 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu"
 
 
 WINDOW_END_MARKER = "remat::measured_window_end"
-_OPEN = threading.local()     # the StepWindow whose CPU profiler runs on this thread, if any
+_OPEN = threading.local()     # the StepWindow open on this thread, if any (one profiler / CUDA peak per thread)
 
 
 def profiler_running() -> bool:
@@ -151,11 +151,12 @@ class StepWindow:
     engine) stops the CPU profiler; ``on_close(peak_bytes, why_not)`` is then called once, with
     the peak of the allocations made between the opening and the marker (``window_peak``'s
     rule), or with None and the reason: the end was never marked (no backward ran) or the
-    window was ``spoil``-ed (something else ran inside it). At most one CPU window is open per
-    thread (``open_window()``); while it is open no other ``torch.profiler`` session can start
-    on this thread, so it is closed from wherever the program next leaves the engine: the next
-    compiled call, ``optimizer.step()`` (a global step pre-hook, removed at close),
-    ``measure_peak_bytes`` (``close_open_window``).
+    window was ``spoil``-ed (something else ran inside it). At most one window is open per
+    thread (``open_window()``), on any device: a second would reset the CUDA peak under the
+    first, or meet the first's profiler. While a CPU window is open no other
+    ``torch.profiler`` session can start on its thread, so it is closed from wherever the
+    program next leaves the engine: the next compiled call, ``optimizer.step()`` (a global step
+    pre-hook, removed at close), ``measure_peak_bytes`` (``close_open_window``).
     """
 
     def __init__(self, device: torch.device, on_close: Callable[[Optional[int], str], None], owner: Any = None) -> None:
@@ -171,10 +172,14 @@ class StepWindow:
         self.closed = False
 
     def open(self) -> bool:
-        """Start measuring; False (nothing started) if a profiler already runs on this CPU thread."""
+        """Start measuring; False (nothing started) if a window is already open on this thread,
+        or, on CPU, a profiler already runs on it."""
+        if open_window() is not None:
+            return False
         if self.device.type == "cuda":
             self._start_bytes = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            _OPEN.window = self
             return True
         if profiler_running():
             return False
@@ -208,9 +213,9 @@ class StepWindow:
         if self.closed:
             return
         self.closed = True
+        if getattr(_OPEN, "window", None) is self:
+            _OPEN.window = None
         if self._prof is not None:
-            if getattr(_OPEN, "window", None) is self:
-                _OPEN.window = None
             self._hook.remove()
             self._prof.__exit__(None, None, None)
             if self.marked:
@@ -221,12 +226,14 @@ class StepWindow:
 
 
 def open_window() -> Optional[StepWindow]:
-    """The CPU ``StepWindow`` open on this thread, if any."""
-    return getattr(_OPEN, "window", None)
+    """The ``StepWindow`` open on this thread, if any (a CUDA window closes itself at its end mark,
+    possibly on the autograd engine's device thread)."""
+    window = getattr(_OPEN, "window", None)
+    return None if window is None or window.closed else window
 
 
 def close_open_window() -> None:
-    """Close the CPU ``StepWindow`` open on this thread, if any (call outside the autograd engine)."""
+    """Close the ``StepWindow`` open on this thread, if any (call outside the autograd engine)."""
     window = open_window()
     if window is not None:
         window.close()

@@ -246,6 +246,7 @@ def test_a_plan_measured_over_budget_is_replanned_and_the_next_step_fits(plain, 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         backend, grads, last_peak = remat_steps(plain["budget_gb"], 2, dump_dir=str(tmp_path / "dump"))
+    assert len(backend.feedback_events) == 2, (backend.feedback_events, [g.graph_id for g in backend.compiled_graphs])
     first, second = backend.feedback_events
     assert first.action == "re-planned" and first.step == 0 and first.budget_bytes == budget_bytes
     assert first.measured_peak_bytes > budget_bytes, "the wrong simulator's plan should measure over the budget"
@@ -336,6 +337,29 @@ def test_a_window_measures_what_measure_peak_bytes_measures_and_leaves_no_profil
     spoiled.spoil("something ran inside")
     spoiled.close()
     assert got[1:] == [(None, "no backward ran before the window closed"), (None, "something ran inside")]
+
+
+def test_a_cuda_window_reads_the_allocator_at_its_end_mark(monkeypatch):
+    """CUDA's window, with the allocator's statistics faked (this runs without a GPU): bytes
+    allocated at the opening, the peak reset there, the peak read at the end mark, which closes
+    the window (no profiler to stop). One window per thread: a second cannot open meanwhile."""
+    from remat.measure import StepWindow, open_window
+
+    allocator = {"allocated": 5_000, "peak": 9_000, "resets": 0}
+
+    def reset(device=None):
+        allocator["peak"], allocator["resets"] = allocator["allocated"], allocator["resets"] + 1
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocator["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocator["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    got = []
+    window = StepWindow(torch.device("cuda", 0), lambda peak, why_not: got.append((peak, why_not)))
+    assert window.open() and allocator["resets"] == 1 and open_window() is window
+    assert not StepWindow(torch.device("cuda", 0), lambda *_: None).open() and allocator["resets"] == 1
+    allocator["peak"] = 5_000 + 3_000          # the step allocated 3 kB above the start at its peak
+    window.mark_end()
+    assert got == [(3_000, "")] and open_window() is None and window.closed
 
 
 class TwoGraphs(torch.nn.Module):
