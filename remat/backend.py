@@ -332,7 +332,7 @@ class RematBackend:
 
         verify = self.options.verify_peak > 0
         judge = self.options.inductor_check and self.options.budget_bytes is not None
-        pristine = copy.deepcopy(gm) if verify or judge else None   # compile_fx's pre-grad passes rewrite gm in place
+        pristine = _copy_or_none(gm) if verify or judge else None   # compile_fx's pre-grad passes rewrite gm in place
         before = len(self.compiled_graphs)
         capture = _CodeCapture()
         # AOTAutograd's cache would skip the partitioner on a hit, and with it the plan record and the
@@ -344,7 +344,7 @@ class RematBackend:
         records = self.compiled_graphs[before:]
         if len(records) != 1:
             return fn       # an inference graph (no plan)
-        in_place = not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
+        in_place = pristine is not None and not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
         if judge and in_place:
             fn = self._judged(fn, capture, pristine, list(example_inputs))
         if not verify:
