@@ -101,6 +101,11 @@ def predicted_step_peak(peaks_and_saved: list[tuple[int, int]]) -> Optional[int]
     return peak
 
 
+def base_graph_id(graph_id: str) -> str:
+    """``graph_000_r2`` (the second re-plan of graph_000, remat's naming) -> ``graph_000``."""
+    return graph_id.split("_r")[0]
+
+
 def _plans_summary(backend: Any) -> dict[str, Any]:
     """The plans as accepted: the last record of each graph id (a re-plan replaces its graph's record),
     in the order the graphs were first compiled. ``checked``: Inductor's check of the plan, when this
@@ -108,7 +113,7 @@ def _plans_summary(backend: Any) -> dict[str, Any]:
     else the simulated one."""
     latest: dict[str, Any] = {}
     for record in getattr(backend, "compiled_graphs", []):
-        latest[record.graph_id] = record
+        latest[base_graph_id(record.graph_id)] = record
     records = list(latest.values())
     plans = [g.plan for g in records]
     judgements = [getattr(g, "judgement", None) for g in records]

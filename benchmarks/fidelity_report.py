@@ -54,10 +54,33 @@ def _seed_ranges(seeds: list[int]) -> str:
     return ", ".join(parts) or "none"
 
 
+def final_plans(row: dict[str, Any]) -> dict[str, Any]:
+    """The row's ``plans_final`` with its step peaks recomputed over the last record of each graph
+    (``graph_000_r1`` re-plans ``graph_000``): rows written before fidelity.py keyed re-plans by their
+    base id counted a graph and its re-plan as two graphs."""
+    from fidelity import base_graph_id, predicted_step_peak
+
+    plans = dict(row.get("plans_final") or {})
+    ids = plans.get("graphs") or []
+    if not ids:
+        return plans
+    last = {base_graph_id(g): i for i, g in enumerate(ids)}
+    keep = sorted(last.values())
+    simulated = plans["graph_predicted_peak_bytes"]
+    checked = plans.get("graph_checked_peak_bytes") or [None] * len(ids)
+    saved = plans["graph_saved_bytes"]
+    accepted = [checked[i] if checked[i] is not None else simulated[i] for i in keep]
+    plans["predicted_peak_bytes"] = predicted_step_peak([(simulated[i], saved[i]) for i in keep])
+    plans["accepted_peak_bytes"] = predicted_step_peak([(a, saved[i]) for a, i in zip(accepted, keep)])
+    plans["peak_step"] = [plans["peak_step"][i] for i in keep] if plans.get("peak_step") else []
+    plans["judgement"] = [(plans.get("judgement") or [None] * len(ids))[i] for i in keep]
+    return plans
+
+
 def error_of(row: dict[str, Any], key: str = "accepted_peak_bytes") -> Optional[float]:
     """(predicted - measured) / measured for step 3; ``key``: the plans' accepted peak (Inductor-checked
     where remat checked it) or ``predicted_peak_bytes`` (the simulator's)."""
-    plans = row.get("plans_final") or {}
+    plans = final_plans(row)
     predicted, measured = plans.get(key, plans.get("predicted_peak_bytes")), row.get("measured_later_bytes")
     if predicted is None or not measured:
         return None
@@ -85,7 +108,7 @@ def _point_rows(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
             ratio = f"{later / budget:.3f}" if budget and later else ""
             grad = row.get("grad_rel_err")
             note = (row.get("error") or "")[:90].replace("|", "/").replace("\n", " ")
-            plans = row.get("plans_final") or {}
+            plans = final_plans(row)
             lines.append(f"| {name} | {point} | {_mb(budget)} | {_mb(plans.get('predicted_peak_bytes'))} "
                          f"| {_mb(plans.get('accepted_peak_bytes'))} | {_mb(row.get('measured_first_bytes'))} | {_mb(later)} | {ratio} "
                          f"| {_pct(error_of(row))} | {_pct(error_of(row, 'predicted_peak_bytes'))} "
@@ -192,7 +215,7 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         "",
     ]
     for model, point, row in worst_cases(models):
-        plans = row.get("plans_final") or {}
+        plans = final_plans(row)
         lines.append(f"- {model} at {point}: budget {_mb(row['budget_bytes'])} MB, simulated {_mb(plans.get('predicted_peak_bytes'))} MB, "
                      f"accepted on {_mb(plans.get('accepted_peak_bytes'))} MB "
                      f"(peak step {', '.join(plans.get('peak_step') or [])}), measured {_mb(row['measured_later_bytes'])} MB "
