@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from dataclasses import asdict, dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -51,7 +53,7 @@ class Correction:
     def corrected_target(self, target_bytes: int) -> int:
         """The planning target once the simulator's error is known: ``target / factor``, floored,
         never above ``target_bytes``."""
-        return min(target_bytes, int(target_bytes / self.factor))
+        return min(target_bytes, math.floor(Fraction(target_bytes) / Fraction(self.factor)))  # exact: any budget
 
 
 def store_dir() -> Path:
