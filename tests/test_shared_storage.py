@@ -208,7 +208,9 @@ def plain_inductor():
 def test_issue15_gradients_equal_plain_inductors(plain_inductor, name, fallback_random, budget_gb):
     if budget_gb == "smallest":
         budget_gb = _smallest_budget_gb(VARIANTS[name], fallback_random)
-    loss, grads = _run(VARIANTS[name], remat.backend(budget_gb=budget_gb), fallback_random)
+    # the plans of issue 15 as the simulator makes them: Inductor's check (remat/inductor_check.py)
+    # names 0.00046 GB infeasible on this model (its plans there measure over it)
+    loss, grads = _run(VARIANTS[name], remat.backend(budget_gb=budget_gb, inductor_check=False), fallback_random)
     plain_loss, plain_grads = plain_inductor(name, fallback_random)
     assert loss == plain_loss
     assert_grads_close(grads, plain_grads)
