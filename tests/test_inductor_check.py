@@ -173,3 +173,30 @@ def test_the_judge_repairs_a_wrong_plan_before_the_first_step(scaled_simulator, 
     plan_json = json.loads((directory / "plan.json").read_text())
     assert plan_json["accepted_on"] == "Inductor-checked peak"
     assert plan_json["inductor_check"]["checked_peak_bytes"] == accepted.judgement.checked_peak_bytes
+
+
+def test_a_budget_no_checked_plan_meets_is_refused_naming_one_that_fits(scaled_simulator, tmp_path, monkeypatch):
+    """At the smallest budget the wrong simulator accepts, Inductor's check puts the plan over the
+    budget and no plan meets the corrected target: compiling raises BudgetInfeasibleError (before
+    any step) naming a budget; at that budget the checked plan is accepted and the first step fits."""
+    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    with pytest.raises(remat.BudgetInfeasibleError) as probe:
+        run_step(torch.compile(model, backend=remat.backend(1e-6)), model, inputs)
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    with pytest.raises(remat.BudgetInfeasibleError) as refused:
+        run_step(torch.compile(model, backend=remat.backend(probe.value.min_budget_gb)), model, inputs)
+    assert "Inductor-checked: graph_000's generated code peaks at" in str(refused.value)
+    retry_gb = refused.value.min_budget_gb
+    assert retry_gb > probe.value.min_budget_gb
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    backend = remat.backend(retry_gb)
+    run_step(torch.compile(model, backend=backend), model, inputs)
+    close_open_window()
+    (graph,) = backend.compiled_graphs
+    (event,) = backend.feedback_events
+    assert graph.judgement.action in ("accepted", "accepted over target"), graph.judgement
+    assert event.action == "within budget" and event.measured_peak_bytes <= backend.options.budget_bytes
