@@ -150,7 +150,7 @@ def storage_nbytes(shape: Sequence[int], stride: Sequence[int], itemsize: int, d
 def _split_top_level(text: str) -> list[str]:
     parts, depth, current = [], 0, ""
     for char in text:
-        depth += char in "([" 
+        depth += char in "(["
         depth -= char in ")]"
         if char == "," and depth == 0:
             parts.append(current.strip())
@@ -385,12 +385,14 @@ def judge_plan(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], tar
 def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str) -> Optional[CheckedPeak]:
     """The step's Inductor-checked peak from the graphs one compile produced, as
     ``(is_backward, code, activation itemsize)``: None unless exactly one forward and one backward
-    were compiled and both can be read."""
+    were compiled, both can be read, and every library-call output's size is stated (a check
+    that counts one as 0 bytes could accept a plan the simulator would not)."""
     forwards = [(code, size) for is_backward, code, size in graphs if not is_backward]
     backwards = [code for is_backward, code, _ in graphs if is_backward]
     if len(forwards) != 1 or len(backwards) != 1:
         return None
-    return checked_step_peak(forwards[0][0], backwards[0], device_type, forwards[0][1])
+    checked = checked_step_peak(forwards[0][0], backwards[0], device_type, forwards[0][1])
+    return None if checked is None or checked.unsized else checked
 
 
 def annotate_dump(dump_path: Optional[str], judgement: Judgement) -> None:

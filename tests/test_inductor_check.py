@@ -200,3 +200,15 @@ def test_a_budget_no_checked_plan_meets_is_refused_naming_one_that_fits(scaled_s
     (event,) = backend.feedback_events
     assert graph.judgement.action in ("accepted", "accepted over target"), graph.judgement
     assert event.action == "within budget" and event.measured_peak_bytes <= backend.options.budget_bytes
+
+
+def test_a_library_output_of_unstated_size_leaves_the_plan_on_its_simulated_peak():
+    from remat.inductor_check import checked_peak_of
+
+    forward = GraphCode(FORWARD, ("primals_1", "primals_2"), ("out", "saved_a", "primals_2"), (0, 0))
+    backward = GraphCode(BACKWARD, ("primals_1", "saved_a", "tangents_1"), ("", "", ""), (0, 0, 4096))
+    assert checked_peak_of([(False, forward, 4), (True, backward, 4)], "cpu") is not None
+    unstated = dataclasses.replace(backward, source_code=BACKWARD.replace("assert_size_stride(buf3", "check(buf3"))
+    assert checked_step_peak(forward, unstated, "cpu").unsized == 1
+    assert checked_peak_of([(False, forward, 4), (True, unstated, 4)], "cpu") is None
+    assert checked_peak_of([(False, forward, 4)], "cpu") is None     # no backward compiled
