@@ -10,6 +10,8 @@ Verified on torch 2.13.0 (``backed_var_to_val`` is ``var_to_val`` before 2.13):
 - ``ShapeEnv.suppress_guards()``: comparisons on SymInts inside evaluate at the hint and record
   no guard (and no replacement); ``ShapeEnv.error_on_new_guards()`` raises instead (for tests).
 - ``torch._guards.CompileContext.current_compile_id()``: ``frame_id`` and ``frame_compile_id``.
+- ``torch._dynamo.convert_frame._compile``'s local ``cache_size`` (a ``CacheSizeRelevantForFrame``),
+  read off the Python stack: the cache entries Dynamo counts against its limits.
 - ``torch._dynamo.config.recompile_limit``, ``accumulated_recompile_limit``,
   ``fail_on_recompile_limit_hit``: when Dynamo stops compiling a frame and runs it in eager.
 """
@@ -95,25 +97,53 @@ class CompilePosition:
     """Where the current compile stands against Dynamo's recompile limits."""
 
     frame_id: int
-    frame_compile_id: int           # 0 for a frame's first compile
+    frame_compile_id: int           # compiles of this code object so far (any model instance), 0 for the first
+    compiles_before: int            # cache entries Dynamo counts against recompile_limit (same ID-matched objects)
+    entries_before: int             # cache entries of the code object, counted against accumulated_recompile_limit
     recompile_limit: int            # compiles of one frame before Dynamo runs it in eager
     accumulated_recompile_limit: int
     fails_on_limit: bool            # fail_on_recompile_limit_hit: Dynamo raises instead of running eager
 
     @property
     def is_last_compile(self) -> bool:
-        """True when Dynamo will not compile this frame again: a guard that fails later runs it in eager."""
-        compiles = self.frame_compile_id + 1
-        return compiles >= self.recompile_limit or compiles >= self.accumulated_recompile_limit
+        """True when Dynamo will not compile this frame again (the test of
+        ``torch._dynamo.cache_size.exceeds_recompile_limit`` with this compile's entry added):
+        a guard that fails later runs the frame in eager."""
+        return (self.compiles_before + 1 >= self.recompile_limit
+                or self.entries_before + 1 >= self.accumulated_recompile_limit)
+
+
+def _dynamo_cache_size() -> Optional[Any]:
+    """The ``CacheSizeRelevantForFrame`` Dynamo's ``convert_frame._compile`` checks the limits on,
+    read off the Python stack (it is a local of that call, in no context object); None if not found."""
+    import sys
+
+    from torch._dynamo import convert_frame
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_compile" and code.co_filename == convert_frame.__file__:
+            return frame.f_locals.get("cache_size")
+        frame = frame.f_back
+    return None
 
 
 def compile_position() -> Optional[CompilePosition]:
-    """The current Dynamo compile's frame and compile count, or None outside a Dynamo compile."""
+    """The current Dynamo compile against the recompile limits, or None outside a Dynamo compile.
+
+    Counts what Dynamo counts: cache entries with the same ID-matched objects (another instance of
+    the same module class compiles separately); where Dynamo's count cannot be read, this code
+    object's compile count (``frame_compile_id``), which may count other instances too."""
     from torch._dynamo import config
     from torch._guards import CompileContext
 
     compile_id = CompileContext.current_compile_id()
     if compile_id is None or compile_id.frame_id is None or compile_id.frame_compile_id is None:
         return None
-    return CompilePosition(int(compile_id.frame_id), int(compile_id.frame_compile_id), int(config.recompile_limit),
+    count = int(compile_id.frame_compile_id)
+    cache_size = _dynamo_cache_size()
+    same = getattr(cache_size, "num_cache_entries_with_same_id_matched_objs", count)
+    entries = getattr(cache_size, "total_cache_entries_all_regions", count)
+    return CompilePosition(int(compile_id.frame_id), count, int(same), int(entries), int(config.recompile_limit),
                            int(config.accumulated_recompile_limit), bool(config.fail_on_recompile_limit_hit))

@@ -156,7 +156,7 @@ def warn_if_last_compile(budget_bytes: Optional[int]) -> None:
     budget = (f"its budget of {format_bytes(budget_bytes)} (1 MB = 1e6 bytes)" if budget_bytes is not None
               else "its plan (no budget set)")
     warnings.warn(
-        f"remat: this is compile {position.frame_compile_id + 1} of frame {position.frame_id}, the last one Dynamo's "
+        f"remat: this is compile {position.compiles_before + 1} of frame {position.frame_id}, the last one Dynamo's "
         f"recompile limit allows (torch._dynamo.config.recompile_limit={position.recompile_limit}, "
         f"accumulated_recompile_limit={position.accumulated_recompile_limit}). If this frame's guards fail again "
         f"(a new input size, dtype or attribute), Dynamo runs it in eager, without remat and {budget}, and only logs "
@@ -193,7 +193,7 @@ def size_reach(joint: fx.GraphModule, num_fwd_outputs: int, profile: Any, plan: 
     from .cost_model.costs import annotate_costs
     from .passes.evaluate import evaluate
     from .passes.joint_graph import read_joint_graph
-    from .sizing import _search
+    from .sizing import search_largest
 
     assert plan.target_bytes is not None
     saved = frozenset(plan.saved)
@@ -210,7 +210,7 @@ def size_reach(joint: fx.GraphModule, num_fwd_outputs: int, profile: Any, plan: 
             return peaks[value]
 
         highest = symbol.traced * SEARCH_FACTOR
-        largest, _ = _search(fits_at, symbol.traced, symbol.traced, highest, 1)
+        largest, _ = search_largest(fits_at, symbol.traced, symbol.traced, highest, 1)
         if largest is None:   # the plan does not meet its target even at the traced size (best effort)
             continue
         reaches.append(SizeReach(symbol, largest, highest, fits_at(largest)[1]))

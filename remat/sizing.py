@@ -22,8 +22,10 @@ and the plan made at ``n + step`` does not (on at least one graph), unless
 not guaranteed monotone in the size, only checked at the boundary.
 
 ``replan=False`` keeps the plan made at the traced size, which is what a
-``mark_dynamic`` compile runs at every size, and asks how far that one plan
-stretches.
+dynamic compile with no upper bound on the size runs at every size, and asks
+how far that one plan stretches (the backend warns with this figure:
+``remat.dynamic``). With a declared max (``mark_dynamic(x, dim, max=n)``) the
+backend plans at ``n`` instead, and that plan fits every size up to ``n``.
 """
 
 from __future__ import annotations
@@ -157,9 +159,11 @@ def _peak_if_fits(facts: JointGraphFacts, budget_bytes: int, target_bytes: int,
     return plan.fits_budget, plan.predicted_peak_bytes
 
 
-def _search(fits_at: Callable[[int], tuple[bool, int]], start: int, lowest: int, highest: int,
-            step: int) -> tuple[Optional[int], list[tuple[int, bool]]]:
-    """The largest k*step in [lowest, highest] with fits and (k+1)*step not fitting (or == highest)."""
+def search_largest(fits_at: Callable[[int], tuple[bool, int]], start: int, lowest: int, highest: int,
+                   step: int) -> tuple[Optional[int], list[tuple[int, bool]]]:
+    """The largest k*step in [lowest, highest] with fits and (k+1)*step not fitting (or == highest),
+    searched from ``start`` (doubling, then bisection); None when ``lowest`` does not fit. Also the
+    (size, fits) pairs tried, in order. ``fits_at(size)`` returns (fits, peak bytes)."""
     tried: list[tuple[int, bool]] = []
     memo: dict[int, bool] = {}
 
@@ -259,7 +263,7 @@ def max_size_that_fits(
             peaks[size] = (fits, peak)
         return peaks[size]
 
-    size, tried = _search(fits_at, traced, lowest, highest, step)
+    size, tried = search_largest(fits_at, traced, lowest, highest, step)
     if size is None:
         smallest = -(-lowest // step) * step
         peak = fits_at(smallest)[1]

@@ -152,7 +152,7 @@ def test_the_last_compile_dynamo_allows_warns_naming_remat_and_the_budget():
     compiled = torch.compile(model, backend=counting, dynamic=False)
     with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for batch in (8, 12, 16):   # static shapes: each new batch recompiles until the limit
+        for batch in (8, 12, 16):   # static shapes: each new batch recompiles until the limit, then eager
             compiled(torch.randn(batch, 32)).sum().backward()
     ours = [str(w.message) for w in caught if str(w.message).startswith("remat: this is compile")]
     assert counting.compiles == 2 and len(ours) == 1, ours
