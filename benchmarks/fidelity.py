@@ -29,8 +29,9 @@ the measured peak of step 1 (the compiling step, measured around the call) and o
 (``remat.measure_peak_bytes``), measured / budget, and the largest relative gradient error of
 steps 1 and 3 against plain's (``benchmarks/common.max_relative_grad_error``). When
 ``remat.backend`` takes ``verify_peak`` (the closed loop on the measured peak), it is passed
-``verify_peak=1``, step 1 is not wrapped in a second profiler, and ``backend.feedback_events``
-is recorded. Writes one JSON line per point as it goes (a model with a ``done`` line is skipped
+``verify_peak=1``, step 1 is not wrapped in a second profiler (its peak is the loop's own
+measurement), and ``backend.feedback_events`` is recorded; every point starts from an empty store
+of the loop's corrections (``$REMAT_FEEDBACK_DIR``), as a first run does. Writes one JSON line per point as it goes (a model with a ``done`` line is skipped
 on a rerun), then ``benchmarks/results/fidelity-cpu.md`` (``fidelity_report.py``). Units: bytes
 in the JSON, MB (1e6 bytes) in the tables; 1 GB = 1e9 bytes.
 """
@@ -146,9 +147,18 @@ def loop_summary(events: list[Any]) -> dict[str, Any]:
             "feedback_events": events}
 
 
+def fresh_feedback_store() -> None:
+    """Point the closed loop's on-disk corrections (``$REMAT_FEEDBACK_DIR``) at a new empty directory:
+    every point plans as a first run does, untouched by corrections an earlier point or run stored."""
+    import tempfile
+
+    os.environ["REMAT_FEEDBACK_DIR"] = tempfile.mkdtemp(prefix="remat-fidelity-feedback-")
+
+
 def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_blocks: bool = False,
                 measure_first: bool = True) -> dict[str, Any]:
     """Compile a fresh copy of ``entry`` with ``backend`` and run three steps; see the module docstring."""
+    fresh_feedback_store()
     torch._dynamo.reset()
     built = entry.build(checkpoint_blocks)
     compiled = torch.compile(built.model, backend=backend)
@@ -225,6 +235,7 @@ class ModelRun:
 
     def probe_floor(self) -> Optional[int]:
         """The smallest budget remat accepts, from the error a 1 kB budget raises (None if it did not raise)."""
+        fresh_feedback_store()
         torch._dynamo.reset()
         built = self.entry.build()
         compiled = torch.compile(built.model, backend=remat.backend(PROBE_BUDGET_GB))
@@ -353,18 +364,20 @@ def _append(out: Path, row: dict[str, Any]) -> None:
 
 
 def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None:
+    """One model in a worker process; a worker that dies (a crash in compiled code, a timeout) leaves
+    a ``done`` line saying so, with its exit status (-11: SIGSEGV), and Python's fault handler prints
+    where it crashed to this process's stderr."""
     print(f"[{time.strftime('%H:%M:%S')}] {entry.name}: {entry.description}", flush=True)
-    command = [sys.executable, __file__, "--worker", entry.name, "--out", str(args.out),
+    command = [sys.executable, "-X", "faulthandler", __file__, "--worker", entry.name, "--out", str(args.out),
                "--seeds", ",".join(map(str, args.seeds))] + (["--floor-point"] if args.floor_point else [])
     try:
-        subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False)
+        status: Any = subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False).returncode
     except subprocess.TimeoutExpired:
-        _append(args.out, {"model": entry.name, "family": entry.family, "point": "done",
-                           "error": f"worker timed out after {WORKER_TIMEOUT_S} s"})
+        status = f"timed out after {WORKER_TIMEOUT_S} s"
     if entry.name not in done_models(args.out):   # the worker died without its done line
         _append(args.out, {"model": entry.name, "family": entry.family, "point": "done",
-                           "error": "worker exited without finishing"})
-    print(f"[{time.strftime('%H:%M:%S')}] {entry.name} done", flush=True)
+                           "error": f"worker exited without finishing (status {status})"})
+    print(f"[{time.strftime('%H:%M:%S')}] {entry.name} done (status {status})", flush=True)
 
 
 if __name__ == "__main__":
