@@ -288,10 +288,12 @@ def parse_seeds(text: str) -> tuple[int, ...]:
     return tuple(seeds)
 
 
-def done_models(out: Path) -> set[str]:
+def done_models(out: Path, *, retry_dead: bool = False) -> set[str]:
+    """The models with a ``done`` line; with ``retry_dead``, not those whose worker died (run them again)."""
     if not out.exists():
         return set()
-    return {row["model"] for row in map(json.loads, out.read_text().splitlines()) if row["point"] == "done"}
+    return {row["model"] for row in map(json.loads, out.read_text().splitlines()) if row["point"] == "done"
+            and not (retry_dead and str(row.get("error", "")).startswith("worker "))}
 
 
 def drop_unfinished(out: Path, finished: set[str]) -> None:
@@ -312,6 +314,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--floor-point", action="store_true", help="also compile and measure at the floor itself")
     parser.add_argument("--jobs", type=int, default=1, help="models run at once (each in its own worker process)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     entries = corpus_mod.entries(args.seeds)
@@ -335,7 +338,7 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
 
     chosen = [e for e in entries if args.only is None or e.name in args.only][: args.limit]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    finished = done_models(args.out)
+    finished = done_models(args.out, retry_dead=args.retry_dead)
     drop_unfinished(args.out, finished)
     if "_run" not in finished:
         _append(args.out, {"model": "_run", "family": "", "point": "done", "source": source_info(),
