@@ -43,7 +43,7 @@ from torch import fx
 from .cost_model.calibrate import measure_node_times
 from .cost_model.costs import annotate_costs
 from .cost_model.hardware import get_profile
-from .distributed import DistributedGraphRecord, StepLedger
+from .distributed import DistributedGraphRecord, GraphShare, StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
 from .errors import BudgetInfeasibleError
 from .feedback import FeedbackEvent, VerifiedGraph
@@ -55,6 +55,8 @@ from .passes.joint_graph import JointGraphFacts, read_joint_graph
 from .passes.plan import Plan, make_plan
 from .passes.random_ops import split_dropout_outputs
 from .passes.rewrite import RegionSummary, place_recompute_regions
+from .step_budget import StepAccount, fit_in_step, need_of, note_step_plan, slot_of
+from .step_loop import StepHooks
 
 log = logging.getLogger("remat")
 
@@ -83,6 +85,7 @@ class CompiledGraph:
     base_target_bytes: Optional[int] = None  # the planning target before any correction
     correction: Optional[Correction] = None  # the feedback loop's correction the plan was made with
     judgement: Optional[Judgement] = None    # Inductor's verdict on the plan (remat/inductor_check.py)
+    step_share: Optional[GraphShare] = None  # its share of a step split at graph breaks (remat/step_budget.py)
 
 
 def _passthrough_error_class(cls: type) -> type:
@@ -315,6 +318,8 @@ class RematBackend:
         self._step_ledger = StepLedger()  # what earlier DDP pieces of a step keep for their backward
         self.partitioner = _make_partitioner(self)
         self.feedback_events: list[FeedbackEvent] = []     # what the feedback loop did (remat/feedback.py)
+        # graph breaks: the step's graphs at run time, its re-plans and measured steps (remat/step_loop.py)
+        self._step_hooks = StepHooks(StepAccount(), options.verify_peak, self.feedback_events)
         self.verified_graphs: list[VerifiedGraph] = []     # the wrappers the loop runs, in compile order
         self._corrections: dict[str, Correction] = {}      # by graph key: this backend's, stored or not
         self._replan = threading.local()                   # the correction a re-plan on this thread applies
@@ -332,7 +337,8 @@ class RematBackend:
 
         verify = self.options.verify_peak > 0
         judge = self.options.inductor_check and self.options.budget_bytes is not None
-        pristine = _copy_or_none(gm) if verify or judge else None   # compile_fx's pre-grad passes rewrite gm in place
+        budget = self.options.budget_bytes is not None   # the step's account re-plans graphs (remat/step_budget.py)
+        pristine = _copy_or_none(gm) if verify or judge or budget else None   # compile_fx's pre-grad passes rewrite gm in place
         before = len(self.compiled_graphs)
         capture = _CodeCapture()
         # AOTAutograd's cache would skip the partitioner on a hit, and with it the plan record and the
@@ -347,7 +353,8 @@ class RematBackend:
         in_place = pristine is not None and not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
         if judge and in_place:
             fn = self._judged(fn, capture, pristine, list(example_inputs))
-        if not verify:
+        in_step = budget and records[0].distributed is None   # DDP / FSDP2 pieces: their own ledger
+        if not verify and not in_step:
             return fn
 
         def recompile(args: list, correction: Correction) -> tuple[Callable[..., Any], CompiledGraph]:
@@ -360,8 +367,11 @@ class RematBackend:
         wrapper = VerifiedGraph(fn, self.compiled_graphs[-1], device=_device_of(example_inputs),
                                 verify_peak=self.options.verify_peak, events=self.feedback_events,
                                 recompile=recompile if in_place else None, watch_backward=_watch_backward,
-                                store=self._remember)
-        self.verified_graphs.append(wrapper)
+                                store=self._remember, step=self._step_hooks if in_step else None)
+        if in_step:
+            self._step_hooks.register(wrapper)
+        if verify:
+            self.verified_graphs.append(wrapper)
         return wrapper
 
     def _judged(self, fn: Callable[..., Any], capture: _CodeCapture, gm: fx.GraphModule,
@@ -465,6 +475,12 @@ class RematBackend:
         target_bytes = base_target_bytes if correction is None or base_target_bytes is None else \
             correction.corrected_target(base_target_bytes)
         share = share_for_graph(self._step_ledger, target_bytes, joint, num_fwd_outputs, static_indices)
+        held_of = lambda p: held_bytes_of(joint, static_indices, p.saved_bytes, p.saved_primals)  # noqa: E731
+        if share is None and target_bytes is not None:   # graph breaks: one budget per step (remat/step_budget.py)
+            step = self._step_hooks.account
+            share = step.share_for_joint(slot_of(graph_id), target_bytes, joint, need_of(facts), num_fwd_outputs,
+                                         static_indices)
+            held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
 
         def step_target_for(budget_bytes: int) -> int:  # the rule behind target_bytes: errors name budgets by it
             target = self.options.planning_target_for(budget_bytes, device_type, modeled)
@@ -486,8 +502,9 @@ class RematBackend:
             if share is None:
                 plan = plan_at(target_bytes)
             else:  # the largest target the step's ledger admits (remat/distributed.py)
-                plan, share = fit_plan(share, lambda p: held_bytes_of(joint, static_indices, p.saved_bytes, p.saved_primals),
-                                       plan_at, self.options.budget_bytes, step_target_for, plan_capped=plan_at)
+                plan, share = fit_in_step(share, lambda share: fit_plan(
+                    share, held_of, plan_at,
+                    self.options.budget_bytes, step_target_for, plan_capped=plan_at), plan_at)
         except BudgetInfeasibleError as error:
             if correction is not None:
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
@@ -509,10 +526,15 @@ class RematBackend:
 
             dump_path = write_dump(Path(self.options.dump_dir) / graph_id, graph_id, plan, regions, fw, bw, facts, profile,
                                    pareto_points=self.options.pareto_points, correction=correction)
-        distributed = record_graph(self._step_ledger, share, joint, plan.saved_bytes, plan.saved_primals, fw, bw,
-                                   num_fwd_outputs, static_indices, dump_path)
+        step_share = share if share is not None and share.kind.startswith("break") else None
+        distributed = None if step_share is not None else record_graph(
+            self._step_ledger, share, joint, plan.saved_bytes, plan.saved_primals, fw, bw, num_fwd_outputs,
+            static_indices, dump_path)
+        if target_bytes is not None and (share is None or step_share is not None):
+            note_step_plan(self._step_hooks.account, graph_id, step_share, plan, plan_at, joint, facts,
+                           num_fwd_outputs, static_indices, target_bytes, dump_path)
         record = CompiledGraph(graph_id, _current_compile_id(), plan, regions, dump_path, distributed, key,
-                               base_target_bytes, correction)
+                               base_target_bytes, correction, step_share=step_share)
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw

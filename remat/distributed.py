@@ -102,7 +102,7 @@ LOSS_OUTPUT_COPIES = 3
 class GraphShare:
     """What one graph of a distributed step was given, and why (all sizes bytes)."""
 
-    kind: str                      # "ddp" | "fsdp2"
+    kind: str                      # "ddp" | "fsdp2" | "break" | "break-partial" (remat/step_budget.py)
     index: int                     # its position in the step (DDP piece, forward order); 0 for FSDP2
     count: int                     # pieces in the step (DDP) or 1 (FSDP2)
     repeats: int                   # times the graph runs per step (FSDP2 units of one class)
@@ -119,6 +119,9 @@ class GraphShare:
     later_estimate_bytes: Optional[int] = None  # estimated smallest demand of the later pieces (see calibrate_reserve)
     own_floor_bytes: int = 0       # this piece's smallest peak plus its activation inputs (with the estimate)
     step_output_bytes: int = 0     # DDP: the step's outputs (the last piece's), which an eager loss consumes
+    own_grad_bytes: int = 0        # DDP: gradients of this piece's own parameters (in its simulated peaks)
+    later_ceiling_bytes: Optional[int] = None  # later pieces' estimated demand with no recomputation
+    reserve_met: bool = True       # False: no plan fit next to the later pieces' reserve (fit_plan)
 
     @property
     def is_last(self) -> bool:
@@ -159,6 +162,7 @@ class GraphShare:
             repeats=self.repeats, kind=self.kind, later_estimate_bytes=self.later_estimate_bytes,
             own_floor_bytes=self.own_floor_bytes, step_output_bytes=self.step_output_bytes, later_run_bytes=self.later_run_bytes, rs_buffer_bytes=self.rs_buffer_bytes, rs_buffers=self.rs_buffers,
             prefetch_bytes=self.prefetch_bytes, first_prefetch_bytes=self.first_prefetch_bytes,
+            own_grad_bytes=self.own_grad_bytes, later_ceiling_bytes=self.later_ceiling_bytes,
         )
 
     @property
@@ -216,6 +220,8 @@ class GraphShare:
 
     def explain(self) -> str:
         """One paragraph for report.md: how the budget was split and why the step fits."""
+        if self.kind.startswith("break"):
+            return self._explain_break()
         where = (f"DDP piece {self.index + 1} of {self.count}" if self.kind == "ddp"
                  else f"FSDP2 unit graph, run {self.repeats} times per step")
         return (
@@ -231,6 +237,36 @@ class GraphShare:
                f"reduce-scatter buffer(s) of {format_bytes(self.rs_buffer_bytes)})" if self.repeats > 1 else "")
             + ". The step fits if every piece meets its target: each piece's peak plus what the earlier "
             "pieces hold, the later pieces' gradients and the memory outside the graphs stays under the step target."
+            + ("" if self.reserve_met else
+               " No plan fit next to the room reserved for the later pieces (an estimate of their need): the plan "
+               "near the smallest peak that holds least for its backward was taken, leaving them the rest.")
+        )
+
+    def _explain_break(self) -> str:
+        """``explain`` for a graph of a step split at graph breaks (``remat/step_budget.py``)."""
+        known = self.kind == "break"
+        where = (f"Graph {self.index + 1} of {self.count} of the step (graph breaks; the sequence as the last "
+                 "complete step ran it)" if known else
+                 f"Graph {self.index + 1} of the step so far (graph breaks; the first step: later graphs are not "
+                 "known yet, so nothing is reserved for them and their gradients are not counted)")
+        return (
+            f"{where}. Step target {format_bytes(self.step_target_bytes)} (budget less headroom); held for "
+            f"their backward by the {self.index} earlier graph(s) whose backward is pending "
+            f"{format_bytes(self.held_before_bytes)}; activation inputs {format_bytes(self.input_activation_bytes)}; "
+            f"gradients the later graphs' backwards produce before this one's {format_bytes(self.later_grad_bytes)}; "
+            f"reserved for the later graphs {format_bytes(self.reserved_later_bytes)}"
+            + (f" (an estimate of their smallest demand, {format_bytes(self.later_estimate_bytes)}, plus their "
+               "part of what is left by need)" if self.later_estimate_bytes is not None else "")
+            + f". Target for this graph's simulated peak: {format_bytes(self.target_bytes)}. The step fits if every "
+            "graph's peak plus what the earlier graphs hold, its inputs and the later graphs' gradients stays under "
+            "the step target."
+            + ("" if self.reserve_met else
+               " No plan fit next to what the earlier graphs hold (they were planned before the step's graphs were "
+               "known): the smallest-peak plan was taken and this first step runs over; at its end the graphs whose "
+               "plans break the step target are re-planned with the whole sequence known."
+               if not known else
+               " No plan fit next to the room reserved for the later graphs: the plan near the smallest peak that "
+               "holds least for its backward was taken, leaving them the rest.")
         )
 
     def to_json(self) -> dict:
@@ -257,6 +293,7 @@ def piece_target(
     repeats: int = 1, kind: str = "ddp", later_estimate_bytes: Optional[int] = None, own_floor_bytes: int = 0,
     step_output_bytes: int = 0, later_run_bytes: int = 0,
     rs_buffer_bytes: int = 0, rs_buffers: int = 0, prefetch_bytes: int = 0, first_prefetch_bytes: int = 0,
+    own_grad_bytes: int = 0, later_ceiling_bytes: Optional[int] = None,
 ) -> GraphShare:
     """The planning target of piece ``index`` of a step (see the module docstring).
 
@@ -282,6 +319,11 @@ def piece_target(
         surplus = max(room + input_activation_bytes - own_floor_bytes - estimate, 0)
         later_need, all_need = sum(needs[index + 1:]), sum(needs[index:])
         reserved = estimate + (surplus * later_need // all_need if all_need > 0 else 0)
+        if later_ceiling_bytes is not None:
+            # ... but never more than they are estimated to use with no recomputation at all: past
+            # that, a larger budget went to the reserve instead of to this piece (at a budget equal
+            # to plain Inductor's peak, a step measured 81% of it, recomputing for nothing).
+            reserved = min(reserved, max(later_ceiling_bytes, estimate))
     avail = step_target_bytes - held_before_bytes - later_grads - outside_bytes - reserved
     # Run k (of r) peaks next to k earlier runs, each holding at most its input and its peak
     # (what a plan holds is live at its peak), and r-1-k later runs' leftovers (FSDP2's
@@ -304,7 +346,7 @@ def piece_target(
         own_share_bytes=(shares[index] + input_activation_bytes) // repeats - input_activation_bytes,
         target_bytes=int(target), needs=tuple(needs), total_grad_bytes=total_grad_bytes,
         later_estimate_bytes=later_estimate_bytes, own_floor_bytes=own_floor_bytes, step_output_bytes=step_output_bytes,
-        later_run_bytes=later_run_bytes,
+        own_grad_bytes=own_grad_bytes, later_ceiling_bytes=later_ceiling_bytes, later_run_bytes=later_run_bytes,
         rs_buffer_bytes=rs_buffer_bytes,
         rs_buffers=rs_buffers, prefetch_bytes=prefetch_bytes, first_prefetch_bytes=first_prefetch_bytes,
     )
@@ -330,11 +372,24 @@ class StepLedger:
     split_id: Optional[int] = None
     needs: tuple[int, ...] = ()
     entries: dict[int, LedgerEntry] = field(default_factory=dict)
+    # per piece: how it plans at another step target next to other held bytes (distributed_fit._refit),
+    # so that a later piece that is refused can name a budget at which the whole split admits it
+    refits: dict[int, Callable[[int, int], Optional[int]]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _switch(self, split_id: int, needs: tuple[int, ...]) -> None:
         if self.split_id != split_id:
-            self.split_id, self.needs, self.entries = split_id, needs, {}
+            self.split_id, self.needs, self.entries, self.refits = split_id, needs, {}, {}
+
+    def set_refit(self, index: int, refit: Callable[[int, int], Optional[int]]) -> None:
+        """Keep how piece ``index`` of the current split plans (``distributed_fit.fit_plan``)."""
+        with self._lock:
+            self.refits[index] = refit
+
+    def refits_before(self, index: int) -> list[Callable[[int, int], Optional[int]]]:
+        """How the pieces before ``index`` of the current split plan, in forward order."""
+        with self._lock:
+            return [self.refits[i] for i in sorted(self.refits) if i < index]
 
     def before(self, split_id: int, index: int, needs: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
         """(held bytes, parameter-gradient bytes) of the pieces before ``index`` of ``split_id``,
@@ -360,11 +415,12 @@ def write_share_to_dump(dump_path: str, share: GraphShare) -> None:
     report = directory / "report.md"
     if report.exists():
         with report.open("a") as f:
-            f.write("\n## Distributed budget split\n\n" + share.explain() + "\n")
+            title = "Step budget split" if share.kind.startswith("break") else "Distributed budget split"
+            f.write(f"\n## {title}\n\n" + share.explain() + "\n")
     plan_json = directory / "plan.json"
     if plan_json.exists():
         payload = json.loads(plan_json.read_text())
-        payload["distributed"] = share.to_json()
+        payload["step_share" if share.kind.startswith("break") else "distributed"] = share.to_json()
         plan_json.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 

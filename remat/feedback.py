@@ -12,7 +12,8 @@ measurable per step); on CPU a ``torch.profiler`` session, stopped outside the a
 engine: at the next call of a remat graph, ``optimizer.step()``, ``remat.measure_peak_bytes``
 or the end of a ``StepMonitor`` step, whichever comes first. A step is not measured (the next
 is) when its backward never ran, when another profiler already ran on the thread, when another
-remat graph ran inside the window (a graph break: the window's peak is then not this graph's),
+remat graph ran inside the window (a graph break: the window's peak is then not this graph's;
+once the step's graphs are known, one window measures the whole step instead: remat/step_loop.py),
 or when the graph is called again before its backward ran (a compiled block run several times
 per step, FSDP2's units: then the window of its last call in the step is the one measured);
 after ``MAX_UNMEASURED`` such steps in a row the graph stops trying ("not measured: <why>"), so
@@ -141,7 +142,7 @@ class VerifiedGraph:
     def __init__(self, fn: Callable[..., Any], record: Any, *, device: torch.device, verify_peak: int,
                  events: list[FeedbackEvent], recompile: Optional[Recompile],
                  watch_backward: Callable[[Any, Callable[[], None]], bool],
-                 store: Callable[[str, Correction], Optional[str]] = write_correction) -> None:
+                 store: Callable[[str, Correction], Optional[str]] = write_correction, step: Any = None) -> None:
         self._fn = fn
         self.record = record
         self.device = device
@@ -150,11 +151,22 @@ class VerifiedGraph:
         self._recompile = recompile
         self._watch_backward = watch_backward
         self._store = store
+        self._step = step    # the step's account across graph breaks (remat/step_loop.StepHooks), or None
         self._calls = itertools.count()
         self._pending: Optional[Correction] = None
         self._replans = 0
         self._unmeasured = 0
         self._lock = threading.Lock()
+
+    @property
+    def can_replan(self) -> bool:
+        """Whether ``request_replan`` can re-plan this graph in place."""
+        return self._recompile is not None
+
+    @property
+    def replan_pending(self) -> bool:
+        """Whether a re-plan was asked for and not made yet (it is made at the next call)."""
+        return self._pending is not None
 
     def request_replan(self, correction: Correction) -> None:
         """Re-plan this graph at ``correction.corrected_target(base target)`` on its next call."""
@@ -164,12 +176,18 @@ class VerifiedGraph:
     def __call__(self, *args: Any) -> Any:
         self._settle_open_window()
         step = next(self._calls)
+        if self._step is not None:
+            self._step.entered(self)     # may ask for a re-plan of this graph, made now
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:
             self._replan(list(args), pending, step)
-        window = self._open_window(step) if self._verify_left > 0 else None
+        measured_by_step = self._step is not None and self._step.measures(self)   # remat/step_loop.py
+        window = self._open_window(step) if self._verify_left > 0 and not measured_by_step else None
         out = self._fn(*args)
+        if self._step is not None:
+            step_hooks = self._step
+            self._watch_backward(out, lambda: step_hooks.backward_done(self))
         if window is not None and not self._watch_backward(out, window.mark_end):
             window.close()      # no backward to wait for: nothing measured
         return out
@@ -180,6 +198,10 @@ class VerifiedGraph:
         another graph's unfinished one now holds this graph's run too, so it is spoiled."""
         window = open_window()
         if window is None:
+            return
+        if self._step is not None and self._step.owns(window):   # the step's window: it holds every graph
+            if window.marked:
+                window.close()
             return
         if window.owner is self and not window.marked:
             window.spoil("called again before its backward ran (a graph run several times per step: "

@@ -1,0 +1,373 @@
+"""One budget per step across graph breaks: the step's account of remat's graphs.
+
+Dynamo splits a step at graph breaks into graphs g_0 .. g_{n-1} and compiles them lazily, in
+forward order: g_k is compiled (and planned) after g_0 .. g_{k-1} ran their forward in the same
+step. Their backwards run in the reverse order. While g_k runs (forward or backward), besides what
+its own plan simulates (its peak ``p_k``: saved values, temporaries, its parameters' gradients):
+
+- ``held_j`` of every earlier graph j < k: what j's forward keeps for j's backward (its saved
+  values and activation inputs, ``distributed_fit.held_bytes_of``), whose backward has not run;
+- ``a_k``: g_k's activation inputs (g_{k-1}'s outputs; 0 for g_0, whose inputs are the batch,
+  resident at step start as for a single graph);
+- ``G_>k``: the parameter gradients the later graphs' backwards produced before g_k's backward.
+
+The step fits when ``sum_{j<k} held_j + a_k + G_>k + p_k <= T`` for every k (T: the budget less
+headroom). That is the DDP ledger's condition (``remat/distributed.py``), and the graphs are planned
+by its rules: ``piece_target`` for the share, ``distributed_fit.fit_plan`` for the plan (kind
+``"break"``). What this module adds is where the numbers come from: the ``VerifiedGraph`` wrappers
+report at run time which graphs entered their forward and which finished their backward
+(``forward_entered`` / ``backward_done``), so the held bytes counted are those of the graphs whose
+backward is really pending, and a complete step (nothing pending any more) gives the sequence.
+
+When each step may run over the budget (the simulator's error aside, which the feedback loop
+corrects):
+
+- step 1 (the sequence is unknown): g_k is planned next to what the pending graphs hold, with
+  nothing reserved for later graphs, which are not known yet. g_k's backward then meets the later
+  graphs' gradients ``G_>k``, which its plan did not count: every graph but the last may run over;
+- from the end of step 1 the sequence is known (``complete_step`` returns it): every graph whose
+  plan breaks the condition above is re-planned at its next call (step 2), in forward order, under
+  ``piece_target``'s share with the later graphs' gradients and a reserve for them (each graph's
+  share sees the earlier graphs' plans of step 2). At each forward entry a graph whose plan no longer
+  fits next to what the pending graphs hold is re-planned before it runs (``check_entry``). So from
+  step 2 on the step fits in simulation;
+- a graph that enters its forward again before its backward ran (a compiled block run several times
+  per step, or a forward whose backward never ran) ends the accounting of that step: it is not
+  used as a sequence, and the first graph of the next step starts afresh.
+
+- the simulator's error on the composed step: once the sequence is known, whole steps are measured
+  (``remat/step_loop.py``: first forward entry to last backward end); a step over the budget
+  re-plans every graph at its target divided by ``measured / predicted`` step peak, so that step
+  and the next one measured (a step with a re-plan inside is not measured) may run over.
+
+The run-time side (the wrappers' hooks, the re-plans, the step window) is ``remat/step_loop.py``.
+Not counted: memory eager code between the graphs holds (beyond the graphs' inputs), which must fit
+in the headroom, as an eager loss must for a single graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from .distributed import GraphShare, piece_target
+from .errors import BudgetInfeasibleError
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from torch import fx
+
+log = logging.getLogger("remat")
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    """What one plan of a graph brings to the step (bytes), recorded when it is planned."""
+
+    graph_id: str                  # this plan's id (graph_001_r1 after a re-plan)
+    slot: str                      # the graph across its re-plans: its first plan's id
+    held_bytes: int                # kept by its forward for its backward (distributed_fit.held_bytes_of)
+    input_activation_bytes: int    # its activation inputs (not parameters)
+    param_grad_bytes: int          # its parameters' gradients, produced by its backward
+    need_bytes: int                # its peak without recomputation: the proxy for what it needs
+    predicted_peak_bytes: int      # its plan's simulated peak (own gradients included)
+    step_target_bytes: int         # T: the budget less headroom (and any feedback correction)
+    floor_peak_bytes: int = 0      # the graph's smallest simulated peak (any plan)
+    floor_held_bytes: int = 0      # what its smallest-peak plan holds for its backward
+    no_remat_peak_bytes: int = 0   # its simulated peak saving everything
+
+
+def later_demand_bytes(later: tuple[StepGraph, ...], floor: bool = True) -> int:
+    """What the later graphs of a step need next to what a graph holds (``piece_target``'s
+    ``later_estimate_bytes``, here from their own plans, not scaled from this graph's): the largest,
+    over later graph m, of what the graphs between hold, its inputs and its peak less its own
+    gradients (``GraphShare.admits`` charges every later gradient already). ``floor``: at their
+    smallest-peak plans (the estimate); else saving everything (the ceiling, holding their peak)."""
+    demand = 0
+    for m, graph in enumerate(later):
+        between = sum((g.floor_held_bytes if floor else g.no_remat_peak_bytes) for g in later[:m])
+        peak = graph.floor_peak_bytes if floor else max(graph.no_remat_peak_bytes, graph.floor_peak_bytes)
+        demand = max(demand, between + graph.input_activation_bytes + max(peak - graph.param_grad_bytes, 0))
+    return demand
+
+
+def step_overruns(graphs: tuple[StepGraph, ...]) -> tuple[int, ...]:
+    """The positions k in a step's sequence (forward order) whose graph breaks
+    ``sum_{j<k} held_j + a_k + G_>k + p_k <= T_k`` (``a_0`` taken as 0: the batch is resident).
+    Pure: records in, positions out."""
+    over = []
+    for k, graph in enumerate(graphs):
+        held_before = sum(g.held_bytes for g in graphs[:k])
+        later_grads = sum(g.param_grad_bytes for g in graphs[k + 1:])
+        inputs = graph.input_activation_bytes if k > 0 else 0
+        if held_before + inputs + later_grads + graph.predicted_peak_bytes > graph.step_target_bytes:
+            over.append(k)
+    return tuple(over)
+
+
+def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], step_target_bytes: int,
+                  input_activation_bytes: int, param_grad_bytes: int, need_bytes: int,
+                  sequence_known: bool, own_floor_bytes: int = 0) -> GraphShare:
+    """The share of the step for a graph planned after ``earlier`` (their backward pending) and
+    before ``later`` (known once a step completed): ``piece_target``'s rule with kind "break".
+    The first graph's inputs count 0 (see the module docstring). Kind "break-partial" when the
+    sequence is not known yet (step 1: ``later`` is empty and nothing is reserved for later graphs).
+    The reserve for later graphs is ``later_demand_bytes`` (at their smallest plans, capped at their
+    plans saving everything) plus their part, by need, of what is left once this graph's floor
+    ``own_floor_bytes`` (its smallest peak and inputs) is met."""
+    graphs = earlier + (None,) + later
+    needs = tuple(need_bytes if g is None else g.need_bytes for g in graphs)
+    grads_before = sum(g.param_grad_bytes for g in earlier)
+    later_grads = sum(g.param_grad_bytes for g in later)
+    share = piece_target(
+        step_target_bytes=step_target_bytes, index=len(earlier), needs=needs,
+        held_before_bytes=sum(g.held_bytes for g in earlier),
+        input_activation_bytes=input_activation_bytes if earlier else 0,
+        total_grad_bytes=grads_before + param_grad_bytes + later_grads,
+        grads_so_far_bytes=grads_before + param_grad_bytes, kind="break" if sequence_known else "break-partial",
+        own_grad_bytes=param_grad_bytes, later_estimate_bytes=later_demand_bytes(later) if later else None,
+        own_floor_bytes=own_floor_bytes, later_ceiling_bytes=later_demand_bytes(later, floor=False) if later else None,
+    )
+    return share
+
+
+class StepAccount:
+    """The graphs of one backend's steps: each plan's numbers (``note_plan``), which plan each
+    graph runs, and, at run time, which graphs' backward is pending. Thread-safe (a CUDA backward
+    hook runs on the autograd engine's device thread). Lives on the backend: one per backend,
+    nothing per module."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plans: dict[str, StepGraph] = {}      # by graph id
+        self._running: dict[str, str] = {}          # slot -> graph id of the plan it runs now
+        self._floors: dict[str, tuple[int, int]] = {}   # slot -> (smallest peak, what that plan holds)
+        self._pending: list[str] = []               # slots whose forward ran this step, backward not yet
+        self._order: list[str] = []                 # forward order of this step so far
+        self._spoiled = False                       # this step is not a sequence (a graph ran twice)
+        self.sequence: tuple[str, ...] = ()         # the slots of the last complete step, forward order
+
+    def note_plan(self, graph: StepGraph) -> None:
+        """A plan was made; its graph (``graph.slot``) runs it from now on (the last plan made for a
+        graph is the one it runs: a plan Inductor's check rejects is followed by its re-plan)."""
+        with self._lock:
+            self._plans[graph.graph_id] = graph
+            self._running[graph.slot] = graph.graph_id
+
+    def _graph(self, slot: str) -> Optional[StepGraph]:
+        graph_id = self._running.get(slot)
+        return None if graph_id is None else self._plans.get(graph_id)
+
+    def share_for(self, slot: str, step_target_bytes: int, input_activation_bytes: int, param_grad_bytes: int,
+                  need_bytes: int) -> Optional[GraphShare]:
+        """The share of the step for graph ``slot`` about to be planned, or None when it is alone in
+        its step (nothing pending and no known sequence with other graphs: the whole budget, as for
+        one graph). In a known sequence: its earlier and later graphs' running plans; else the
+        graphs whose backward is pending now."""
+        with self._lock:
+            floor = self._floors.get(slot)
+            own_floor = 0 if floor is None else floor[0] + input_activation_bytes
+            if slot in self.sequence and len(self.sequence) > 1:
+                k = self.sequence.index(slot)
+                earlier = tuple(g for s in self.sequence[:k] if (g := self._graph(s)) is not None)
+                later = tuple(g for s in self.sequence[k + 1:] if (g := self._graph(s)) is not None)
+                known = True
+            else:
+                earlier = tuple(g for s in self._pending if s != slot and (g := self._graph(s)) is not None)
+                later, known = (), False
+        if not earlier and not later:
+            return None
+        return share_in_step(earlier, later, step_target_bytes, input_activation_bytes, param_grad_bytes,
+                             need_bytes, known, own_floor)
+
+    def share_for_joint(self, slot: str, step_target_bytes: int, joint: "fx.GraphModule", need_bytes: int,
+                        num_fwd_outputs: int, static_indices: Optional[Sequence[int]]) -> Optional[GraphShare]:
+        """``share_for`` with the inputs and gradients read off the joint graph (``io_bytes``)."""
+        inputs, grads = self.io_bytes(slot, joint, num_fwd_outputs, static_indices)
+        return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes)
+
+    def io_bytes(self, slot: str, joint: "fx.GraphModule", num_fwd_outputs: int,
+                 static_indices: Optional[Sequence[int]]) -> tuple[int, int]:
+        """(activation input bytes, parameter-gradient bytes) of graph ``slot``: as its first plan read
+        them off the graph Dynamo compiled (a re-plan compiles a copy outside Dynamo, where parameters
+        are not marked as static inputs), else off ``joint`` (``graph_io_bytes``)."""
+        with self._lock:
+            first = self._plans.get(slot)
+        if first is not None:
+            return first.input_activation_bytes, first.param_grad_bytes
+        return graph_io_bytes(joint, num_fwd_outputs, static_indices)
+
+    def floor_of(self, slot: str) -> Optional[tuple[int, int]]:
+        """(smallest simulated peak, what that plan holds) of graph ``slot``, once known."""
+        with self._lock:
+            return self._floors.get(slot)
+
+    def set_floor(self, slot: str, peak_bytes: int, held_bytes: int) -> tuple[int, int]:
+        with self._lock:
+            self._floors[slot] = (peak_bytes, held_bytes)
+            return self._floors[slot]
+
+    def held_of(self, slot: str, joint: "fx.GraphModule", num_fwd_outputs: int,
+                static_indices: Optional[Sequence[int]]) -> "Callable[[Any], int]":
+        """What a plan of graph ``slot`` holds for its backward: its saved bytes and its activation
+        inputs (``distributed_fit.held_bytes_of``'s rule, with the inputs of ``io_bytes``)."""
+        inputs = self.io_bytes(slot, joint, num_fwd_outputs, static_indices)[0]
+        return lambda plan: plan.saved_bytes + inputs
+
+    def forward_entered(self, slot: str) -> None:
+        """Graph ``slot`` enters its forward (before any re-plan it runs now)."""
+        with self._lock:
+            if slot in self._pending:      # called again before its backward ran: not a sequence
+                self._pending, self._order, self._spoiled = [], [], True
+            elif not self._pending:
+                self._order, self._spoiled = [], False
+            self._pending.append(slot)
+            self._order.append(slot)
+
+    def check_entry(self, slot: str) -> Optional[str]:
+        """Why graph ``slot``'s running plan does not fit next to what the graphs pending now hold
+        (their held bytes, its inputs, the later graphs' gradients when the sequence is known),
+        or None when it fits or is not accounted (the sequence is not known yet: in the first step each
+        graph was just planned next to these pending graphs). Call it after ``forward_entered``."""
+        with self._lock:
+            if slot not in self.sequence:
+                return None
+            graph = self._graph(slot)
+            earlier = [g for s in self._pending if s != slot and (g := self._graph(s)) is not None]
+            later = ()
+            if slot in self.sequence:
+                later = tuple(g for s in self.sequence[self.sequence.index(slot) + 1:] if (g := self._graph(s)))
+        if graph is None or not earlier:
+            return None
+        held = sum(g.held_bytes for g in earlier)
+        grads = sum(g.param_grad_bytes for g in later)
+        total = held + graph.input_activation_bytes + grads + graph.predicted_peak_bytes
+        if total <= graph.step_target_bytes:
+            return None
+        return (f"{graph.graph_id} peaks at {format_bytes(graph.predicted_peak_bytes)} next to "
+                f"{format_bytes(held)} held by {len(earlier)} earlier graph(s) of the step, its inputs "
+                f"{format_bytes(graph.input_activation_bytes)} and later graphs' gradients {format_bytes(grads)}: "
+                f"{format_bytes(total)}, over the step target {format_bytes(graph.step_target_bytes)}")
+
+    def backward_done(self, slot: str) -> Optional[tuple[str, ...]]:
+        """Graph ``slot``'s backward finished. Returns the step's sequence when this completes a
+        step of several graphs (nothing pending any more), else None."""
+        with self._lock:
+            if slot in self._pending:
+                self._pending.remove(slot)
+            if self._pending or not self._order or self._spoiled:
+                return None
+            order, self._order = tuple(self._order), []
+            if len(order) < 2 or len(set(order)) != len(order):
+                return None
+            self.sequence = order
+            return order
+
+    def step_peak_bytes(self, sequence: tuple[str, ...]) -> int:
+        """The step's predicted peak from the running plans of ``sequence``: the largest, over its
+        graphs, of ``sum_{j<k} held_j + a_k + G_>k + p_k`` (``a_0`` = 0), the peak the condition bounds."""
+        with self._lock:
+            graphs = [g for s in sequence if (g := self._graph(s)) is not None]
+        return max((sum(g.held_bytes for g in graphs[:k]) + (graph.input_activation_bytes if k else 0)
+                    + sum(g.param_grad_bytes for g in graphs[k + 1:]) + graph.predicted_peak_bytes
+                    for k, graph in enumerate(graphs)), default=0)
+
+    def overruns(self, sequence: tuple[str, ...]) -> dict[str, str]:
+        """The slots of ``sequence`` whose running plans break the step's condition
+        (``step_overruns``), each with why."""
+        with self._lock:
+            graphs = tuple(self._graph(s) for s in sequence)
+        if any(g is None for g in graphs):
+            return {}
+        known = tuple(g for g in graphs if g is not None)
+        out = {}
+        for k in step_overruns(known):
+            g = known[k]
+            out[g.slot] = (f"{g.graph_id} (graph {k + 1} of {len(known)} in the step) peaks at "
+                           f"{format_bytes(g.predicted_peak_bytes)} next to {format_bytes(sum(h.held_bytes for h in known[:k]))} "
+                           f"held by earlier graphs and {format_bytes(sum(h.param_grad_bytes for h in known[k + 1:]))} of "
+                           f"later graphs' gradients, over the step target {format_bytes(g.step_target_bytes)}")
+        return out
+
+
+def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, GraphShare]]",
+                plan_at: "Callable[[int], Any]") -> tuple[Any, GraphShare]:
+    """``fit(share)`` (``distributed_fit.fit_plan``), except in the first step (kind "break-partial"):
+    there a graph no plan fits next to what the earlier graphs hold (planned before the sequence
+    was known, they held as much as the whole budget let them) takes its smallest-peak plan, with
+    ``reserve_met`` False, and the step runs over until the end of the step re-plans the earlier
+    graphs with the sequence known. Elsewhere the error stands (it names the budget that fits)."""
+    try:
+        return fit(share)
+    except BudgetInfeasibleError as error:
+        if share.kind != "break-partial":
+            raise
+        refused = error
+    for _ in range(3):   # the smallest peak an error names plans; a rounding can ask once more
+        try:
+            plan = plan_at(max(refused.min_feasible_bytes, 1))
+        except BudgetInfeasibleError as again:
+            refused = again
+            continue
+        log.info("remat: graph %d of the first step fits no plan next to the earlier graphs; smallest-peak plan "
+                 "taken until the step's graphs are re-planned", share.index + 1)
+        return plan, replace(share, target_bytes=plan.target_bytes or 0, reserve_met=False)
+    raise refused
+
+
+def smallest_plan(plan_at: "Callable[[int], Any]", fallback: Any) -> Any:
+    """The plan at the smallest simulated peak the planner reaches (asked for a 1-byte target, it
+    names that peak), or ``fallback`` if that peak does not plan."""
+    try:
+        return plan_at(1)
+    except BudgetInfeasibleError as error:
+        refused = error
+    try:
+        return plan_at(max(refused.min_feasible_bytes, 1))
+    except BudgetInfeasibleError:
+        return fallback
+
+
+def slot_of(graph_id: str) -> str:
+    """The graph a plan id belongs to across its re-plans (``graph_001_r2`` -> ``graph_001``)."""
+    return graph_id.split("_r")[0]
+
+
+def graph_io_bytes(joint: "fx.GraphModule", num_fwd_outputs: int,
+                   static_indices: Optional[Sequence[int]]) -> tuple[int, int]:
+    """(activation input bytes, parameter-gradient bytes) of a joint graph (the DDP ledger's reads)."""
+    from .distributed_fit import _param_grad_bytes, _primal_bytes
+
+    sizes, activations = _primal_bytes(joint, static_indices)
+    return sum(sizes[name] for name in activations), _param_grad_bytes(joint, num_fwd_outputs, static_indices)
+
+
+def need_of(facts: Any) -> int:
+    """A graph's need, the proxy by which later graphs' shares are split: the bytes its forward
+    allocates (``JointGraphFacts``), as the DDP ledger uses forward tensor bytes."""
+    return sum(node.alloc_bytes for node in facts.nodes.values() if node.role == "forward")
+
+
+def note_step_plan(account: StepAccount, graph_id: str, share: Optional[GraphShare], plan: Any,
+                   plan_at: "Callable[[int], Any]", joint: "fx.GraphModule", facts: Any, num_fwd_outputs: int,
+                   static_indices: Optional[Sequence[int]], step_target_bytes: int, dump_path: Optional[str]) -> None:
+    """After planning a graph under a budget: its numbers go on the account (it now runs this plan),
+    and its share of the step, if it had one, into its dump (report.md's "Step budget split").
+    A graph planned under a share also records its floor (``smallest_plan``: two more plans, once per
+    graph; a graph alone in its step, one without graph breaks, skips them)."""
+    from .distributed import write_share_to_dump
+
+    slot = slot_of(graph_id)
+    inputs, grads = account.io_bytes(slot, joint, num_fwd_outputs, static_indices)
+    held_of = account.held_of(slot, joint, num_fwd_outputs, static_indices)
+    floor = account.floor_of(slot)
+    if floor is None and share is not None:
+        smallest = smallest_plan(plan_at, plan)
+        floor = account.set_floor(slot, smallest.predicted_peak_bytes, held_of(smallest))
+    floor_peak, floor_held = floor or (0, 0)
+    account.note_plan(StepGraph(graph_id, slot, held_of(plan), inputs, grads, need_of(facts), plan.predicted_peak_bytes,
+                                step_target_bytes, floor_peak, floor_held, plan.no_remat_peak_bytes))
+    if share is not None and dump_path is not None:
+        write_share_to_dump(dump_path, share)

@@ -1,0 +1,170 @@
+"""The step's closed loop across graph breaks: what the ``VerifiedGraph`` wrappers call at run time.
+
+``StepHooks`` keeps the step's account (``remat/step_budget.py``) from the wrappers' calls, asks
+for the re-plans the account's condition needs, and measures whole steps:
+
+- **Re-plans.** A graph whose plan breaks the step's condition is re-planned
+  (``VerifiedGraph.request_replan``) at its next call: at its forward entry, when it does not fit
+  next to what the graphs pending now hold; at the end of a step, every graph of the sequence
+  before the last one over (they hold what it runs next to; it is re-planned at its entry if it
+  still does not fit), or the first graph if it alone is over. At most ``MAX_STEP_REPLANS`` per
+  graph, then one warning.
+- **The measured step.** Once the sequence is known (several graphs), the wrappers' own windows
+  give way to one window per step, ``measure.StepWindow``: from the first graph's forward entry to
+  the end of the step's last backward (nothing pending any more), the first ``verify_peak`` steps
+  after each re-plan. A step in which a graph is re-planned is not measured (the compile's
+  allocations would count). Over the budget, every graph of the step is re-planned with the same
+  factor ``measured / predicted`` step peak (the composed peak ``step_peak_bytes``): the
+  correction is proportional, each graph's target scaled by it, since the step's peak is where the
+  graphs' simulated peaks compose and the simulator's error cannot be told apart by graph there.
+  At most ``MAX_STEP_CORRECTIONS`` such rounds; each is a ``FeedbackEvent`` with graph id
+  ``step:<first>..<last>``. Not stored on disk (the per-graph store keys one graph's error).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from dataclasses import replace
+from typing import Any, Optional
+
+from .feedback_store import Correction
+from .measure import StepWindow, open_window
+from .step_budget import StepAccount, slot_of
+from .units import format_bytes
+
+log = logging.getLogger("remat")
+
+MAX_STEP_REPLANS = 2       # re-plans of one graph the step's condition asks for; then it warns and stops
+MAX_STEP_CORRECTIONS = 3   # rounds of re-plans a measured step over its budget asks for
+
+
+class StepHooks:
+    """The run-time side of the step's account (see the module docstring). One per backend."""
+
+    def __init__(self, account: StepAccount, verify_peak: int = 1, events: Optional[list] = None) -> None:
+        self.account = account
+        self._verify_peak = self._verify_left = verify_peak
+        self._events = events if events is not None else []
+        self._wrappers: dict[str, Any] = {}     # slot -> its wrapper
+        self._replans: dict[str, int] = {}
+        self._corrections = 0
+        self._steps = 0
+        self._window: Optional[StepWindow] = None
+        self._lock = threading.Lock()
+
+    def register(self, wrapper: Any) -> None:
+        with self._lock:
+            self._wrappers[slot_of(wrapper.record.graph_id)] = wrapper
+
+    def measures(self, wrapper: Any) -> bool:
+        """Whether the step window, not ``wrapper``'s own, measures it (its sequence has several graphs)."""
+        return slot_of(wrapper.record.graph_id) in self.account.sequence and len(self.account.sequence) > 1
+
+    def owns(self, window: Any) -> bool:
+        return window is not None and window.owner is self
+
+    def entered(self, wrapper: Any) -> None:
+        slot = slot_of(wrapper.record.graph_id)
+        self.account.forward_entered(slot)
+        why = self.account.check_entry(slot)
+        if why is not None:
+            self._replan(wrapper, why)
+        if not self.measures(wrapper):
+            return
+        window = open_window()
+        if wrapper.replan_pending and self.owns(window):
+            window.spoil(f"{wrapper.record.graph_id} was re-planned inside the step (its compile's allocations count)")
+        elif slot == self.account.sequence[0] and window is None and self._verify_left > 0 \
+                and not wrapper.replan_pending:
+            self._open(wrapper.device, self.account.sequence)
+
+    def _open(self, device: Any, sequence: tuple[str, ...]) -> None:
+        with self._lock:
+            self._steps += 1
+            number = self._steps
+        window = StepWindow(device, lambda peak, why_not: self._on_measured(sequence, number, peak, why_not), owner=self)
+        if window.open():
+            self._window = window
+
+    def backward_done(self, wrapper: Any) -> None:
+        sequence = self.account.backward_done(slot_of(wrapper.record.graph_id))
+        if sequence is None:
+            return
+        window = self._window
+        if window is not None and not window.closed:
+            window.mark_end()
+        over = self.account.overruns(sequence)
+        if not over:
+            return
+        last = max(sequence.index(slot) for slot in over)
+        for slot in sequence[:max(last, 1)]:
+            why = over.get(slot) or f"what it holds is live under {sequence[last]}, over the step target: {over[sequence[last]]}"
+            found = self._wrapper(slot)
+            if found is not None:
+                self._replan(found, why)
+
+    def _wrapper(self, slot: str) -> Any:
+        with self._lock:
+            return self._wrappers.get(slot)
+
+    def _replan(self, wrapper: Any, why: str) -> None:
+        slot = slot_of(wrapper.record.graph_id)
+        with self._lock:
+            done = self._replans.get(slot, 0)
+            self._replans[slot] = done + 1
+        if not wrapper.can_replan or done >= MAX_STEP_REPLANS:
+            if done == MAX_STEP_REPLANS or not wrapper.can_replan:
+                warnings.warn(f"remat: the step may run over its budget: {why}; "
+                              + ("it cannot be re-planned in place (dynamic shapes, or a graph that cannot be copied)."
+                                 if not wrapper.can_replan else f"{MAX_STEP_REPLANS} re-plans did not fix it."),
+                              stacklevel=3)
+            return
+        log.info("remat: re-planning %s under its share of the step: %s", wrapper.record.graph_id, why)
+        wrapper.request_replan(step_correction(wrapper.record, why))
+        self._verify_left = self._verify_peak
+
+    def _on_measured(self, sequence: tuple[str, ...], number: int, peak_bytes: Optional[int], why_not: str) -> None:
+        """A step window closed: compare the step's peak with the budget; over it, re-plan every
+        graph of the step at its target divided by ``measured / predicted`` step peak."""
+        from .feedback import FeedbackEvent
+
+        wrappers = [self._wrapper(slot) for slot in sequence]
+        if peak_bytes is None or any(w is None for w in wrappers):
+            return
+        self._verify_left -= 1
+        budget = min(w.record.plan.budget_bytes for w in wrappers)
+        predicted = self.account.step_peak_bytes(sequence)
+        name = f"step:{sequence[0]}..{sequence[-1]}"
+        if peak_bytes <= budget:
+            self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, None, "within budget"))
+            return
+        factor = peak_bytes / max(predicted, 1)
+        if self._corrections >= MAX_STEP_CORRECTIONS:
+            self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor,
+                                              f"over budget after {self._corrections} step corrections"))
+            return
+        self._corrections += 1
+        self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, "re-planned"))
+        warnings.warn(f"remat: a step of {len(sequence)} graphs measured a peak of {format_bytes(peak_bytes)}, over the "
+                      f"budget {format_bytes(budget)}; the plans composed predicted {format_bytes(predicted)} "
+                      f"(measured / predicted = {factor:.3f}): re-planning each graph at its target / {factor:.3f} "
+                      "from its next call.", stacklevel=2)
+        for wrapper in wrappers:
+            record = wrapper.record
+            if wrapper.can_replan:
+                wrapper.request_replan(Correction(factor, budget, predicted, peak_bytes, record.graph_id,
+                                                  f"measured step {number} of {name}"))
+        self._verify_left = self._verify_peak
+
+
+def step_correction(record: Any, why: str) -> Correction:
+    """The correction a step re-plan of the plan ``record`` (a ``CompiledGraph``) is made with: its
+    own feedback correction if it has one (the simulator's known error on it stays), else factor 1."""
+    old = record.correction
+    if old is not None:
+        return replace(old, graph_id=record.graph_id)
+    plan = record.plan
+    return Correction(1.0, plan.budget_bytes, plan.predicted_peak_bytes, plan.predicted_peak_bytes, record.graph_id,
+                      f"step budget: {why}")
