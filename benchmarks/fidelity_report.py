@@ -177,6 +177,7 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
     header, models = load(jsonl)
     descriptions = {m: (p.get("done") or {}).get("description", "") for m, p in models.items()}
     finished = [m for m, p in models.items() if "done" in p]
+    dead = {m: p["done"]["error"] for m, p in models.items() if str((p.get("done") or {}).get("error", "")).startswith("worker ")}
     s = summary(models)
     floor_lines, floors = _floor_rows(models)
     source, machine = header.get("source", {}), header.get("machine", {})
@@ -198,6 +199,8 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         "",
         "## Distribution",
         "",
+        f"- models whose worker process died before finishing (their later points are missing): {len(dead)}"
+        + (f" ({'; '.join(f'{m}: {e}' for m, e in dead.items())})" if dead else ""),
         f"- remat points compiled: {s['points']} ({s['budgeted']} with a budget); failed points (plain, remat or checkpoint): {s['failed_points']}",
         f"- predicted vs measured (step 3), |error|: median {_pct(s['abs_error_median'])}, p95 {_pct(s['abs_error_p95'])}, "
         f"max {_pct(s['abs_error_max'])}; signed median {_pct(s['error_median'])}; under-predicted on {s['under_predicted']} points "
