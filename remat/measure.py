@@ -22,13 +22,15 @@ CUDA the end mark reads the allocator's peak and the window is done. On CPU the 
 cannot be stopped inside the autograd engine (the engine restores the thread's profiler
 state after every node and final callback, so a stop there leaves a dead profiler that
 refuses the next ``torch.profiler.profile()``): the end is a marker event, and the
-profiler is stopped later, outside the engine (``close_open_window``), keeping only the
-allocations before the marker.
+profiler is stopped as the backward pass returns to Python (a profile function on the thread
+watches the engine's entry return), keeping only the allocations before the marker.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -154,9 +156,11 @@ class StepWindow:
     window was ``spoil``-ed (something else ran inside it). At most one window is open per
     thread (``open_window()``), on any device: a second would reset the CUDA peak under the
     first, or meet the first's profiler. While a CPU window is open no other
-    ``torch.profiler`` session can start on its thread, so it is closed from wherever the
-    program next leaves the engine: the next compiled call, ``optimizer.step()`` (a global step
-    pre-hook, removed at close), ``measure_peak_bytes`` (``close_open_window``).
+    ``torch.profiler`` session can start on its thread, so it is closed as soon as the backward
+    that marked its end returns to Python (``_close_when_the_engine_returns``); failing that, from
+    wherever the program next leaves the engine: the next compiled call, ``optimizer.step()`` (a
+    global step pre-hook, removed at close), ``measure_peak_bytes`` (``close_open_window``), or
+    interpreter exit.
     """
 
     def __init__(self, device: torch.device, on_close: Callable[[Optional[int], str], None], owner: Any = None) -> None:
@@ -207,6 +211,7 @@ class StepWindow:
         else:
             with torch.autograd.profiler.record_function(WINDOW_END_MARKER):
                 pass
+            _close_when_the_engine_returns(self)
 
     def close(self) -> None:
         """Stop measuring (outside the autograd engine) and report (see the class docstring)."""
@@ -225,6 +230,37 @@ class StepWindow:
         self._on_close(None if why_not else self._peak, why_not)
 
 
+def _engine_entry_code() -> Any:
+    """The code object of the Python function every ``backward()`` / ``autograd.grad()`` runs the
+    C++ engine from (``torch.autograd.graph._engine_run_backward``, torch 2.11-2.13), or None."""
+    entry = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
+    return getattr(entry, "__code__", None)
+
+
+def _close_when_the_engine_returns(window: StepWindow) -> None:
+    """Close ``window`` as soon as the backward pass that marked its end returns to Python.
+
+    Why: a CPU window's profiler cannot stop inside the engine, and one left running across the
+    user's code (the optimizer, logging, the next compile, interpreter exit) crashed the process
+    (heap corruption at exit after a single compiled step). A profile function on this thread
+    (the engine runs CPU backward work on the calling thread) sees the engine's Python entry
+    return and closes the window there; any profile function already installed keeps running.
+    Without that entry point the window stays open until the next close point (class docstring)."""
+    code = _engine_entry_code()
+    if code is None:
+        return
+    previous = sys.getprofile()
+
+    def watch(frame: Any, event: str, arg: Any) -> None:
+        if previous is not None:
+            previous(frame, event, arg)
+        if event == "return" and frame.f_code is code:
+            sys.setprofile(previous)
+            window.close()
+
+    sys.setprofile(watch)
+
+
 def open_window() -> Optional[StepWindow]:
     """The ``StepWindow`` open on this thread, if any (a CUDA window closes itself at its end mark,
     possibly on the autograd engine's device thread)."""
@@ -237,3 +273,9 @@ def close_open_window() -> None:
     window = open_window()
     if window is not None:
         window.close()
+
+
+# A window still open when the interpreter exits (a script that ends right after a measured
+# step's backward, where the engine hook did not close it) is closed first: a profiler running
+# into interpreter teardown crashes the process.
+atexit.register(close_open_window)

@@ -333,8 +333,9 @@ def test_a_window_measures_what_measure_peak_bytes_measures_and_leaves_no_profil
     unmarked.close()
     spoiled = StepWindow(torch.device("cpu"), lambda peak, why_not: got.append((peak, why_not)))
     assert spoiled.open()
+    spoiled.spoil("something ran inside")      # e.g. another remat graph's forward, before the backward
     forward_backward(spoiled.mark_end)
-    spoiled.spoil("something ran inside")
+    assert spoiled.closed, "the window closes as the backward that marked its end returns"
     spoiled.close()
     assert got[1:] == [(None, "no backward ran before the window closed"), (None, "something ran inside")]
 
