@@ -504,7 +504,7 @@ class RematBackend:
             else:  # the largest target the step's ledger admits (remat/distributed.py)
                 plan, share = fit_in_step(share, lambda share: fit_plan(
                     share, held_of, plan_at,
-                    self.options.budget_bytes, step_target_for, plan_capped=plan_at), plan_at)
+                    self.options.budget_bytes, step_target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at)
         except BudgetInfeasibleError as error:
             if correction is not None:
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "

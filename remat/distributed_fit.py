@@ -15,6 +15,9 @@ from .distributed import (
     LOSS_OUTPUT_COPIES, DistributedGraphRecord, GraphShare, LedgerEntry, StepLedger, budget_for_step_target,
     collectives_of, piece_target, restate_infeasible, write_share_to_dump,
 )
+from .distributed_search import (  # noqa: F401 - FIT_ROUNDS, REPLAY_STEP: the search's constants, read by tests
+    FIT_ROUNDS, REPLAY_STEP, NoPlan, Replay, fit_share, named_peak, refit_of, remembered, step_target_admitting,
+)
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .units import format_bytes, format_gb_up
 
@@ -77,6 +80,7 @@ def share_for_graph(ledger: StepLedger, step_target_bytes: Optional[int], joint:
             step_target_bytes=step_target_bytes, index=pieces.index, needs=needs, held_before_bytes=held_before,
             input_activation_bytes=activation_bytes, total_grad_bytes=max(total_grads, grads_before + own_grads),
             grads_so_far_bytes=grads_before + own_grads, kind="ddp", step_output_bytes=pieces.output_bytes,
+            own_grad_bytes=own_grads,
         )
     unit = tdist.fsdp_unit()
     if unit is not None:
@@ -134,10 +138,6 @@ def record_graph(ledger: StepLedger, share: Optional[GraphShare], joint: "fx.Gra
     return DistributedGraphRecord(share=share, collective_nodes=in_graphs, recomputed_collectives=recomputed)
 
 
-
-FIT_ROUNDS = 4
-
-
 def held_bytes_of(joint: "fx.GraphModule", static_indices: Optional[Sequence[int]], saved_bytes: int,
                   saved_primals: Sequence[str]) -> int:
     """What a plan keeps from its forward for its backward: its saved activations, and every
@@ -155,29 +155,10 @@ def held_bytes_of(joint: "fx.GraphModule", static_indices: Optional[Sequence[int
     return saved_bytes + sum(sizes[name] for name in activations)
 
 
-def _admitted(share: GraphShare, plan: Any, target: int, held_of: "Callable[[Any], int]",
-              plan_capped: "Optional[Callable[[int, int], Any]]") -> Any:
-    """``plan`` if the share admits it; else, given ``plan_capped``, the plan for the same target
-    made to save less (``make_plan(saved_cap_bytes=)``: what it holds beyond its saved bytes, its
-    activation inputs, stays), if the share admits that one; else None."""
-    held = held_of(plan)
-    if share.admits(held, plan.predicted_peak_bytes):
-        return plan
-    if plan_capped is None:
-        return None
-    cap = share.largest_held_bytes(plan.predicted_peak_bytes) - (held - plan.saved_bytes)
-    if cap < 0:
-        return None
-    try:
-        capped = plan_capped(max(target, 1), cap)
-    except BudgetInfeasibleError:
-        return None
-    return capped if share.admits(held_of(capped), capped.predicted_peak_bytes) else None
-
-
 def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Callable[[int], Any]",
              budget_bytes: int, target_for_budget: "Callable[[int], int]", calibrate: bool = True,
-             plan_capped: "Optional[Callable[[int, int], Any]]" = None) -> tuple[Any, GraphShare]:
+             plan_capped: "Optional[Callable[[int, int], Any]]" = None,
+             ledger: Optional[StepLedger] = None) -> tuple[Any, GraphShare]:
     """The plan for a graph under its share: the largest planning target whose plan the share
     admits (``GraphShare.admits`` on what the plan really holds and its predicted peak).
 
@@ -186,89 +167,33 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     target saving at most that many bytes where it can: a plan the share refuses for what it
     holds is tried again that way (``_admitted``). Tries the loose target (nothing held) first, then bisects down to
     the safe one (``share.target_bytes``: the room less the later pieces' reserve, which any
-    plan meeting it is admitted at, since what a plan holds is live at its peak). Returns the
-    plan and the share with ``target_bytes`` set to the target it was made for. Raises
-    ``BudgetInfeasibleError`` naming the smallest per-rank budget whose step target
-    (``target_for_budget``: the backend's rule, the budget less its headroom) admits a plan.
-    """
-    from dataclasses import replace
+    plan meeting it is admitted at, since what a plan holds is live at its peak). The reserve
+    for later pieces is an estimate, so it is a preference, not a condition: when no plan is
+    admitted next to it, the plan near the smallest peak that holds least is taken if its own
+    runs fit (``reserve_met`` False; a later piece short of room then names the budget it needs).
+    Returns the plan and the share with ``target_bytes`` set to the target it was made for.
 
+    Raises ``BudgetInfeasibleError`` naming the smallest per-rank budget whose step target
+    (``target_for_budget``: the backend's rule, the budget less its headroom) admits a plan. Given
+    the step's ``ledger``, that budget is checked by replaying the earlier pieces at it (each
+    registers how it plans, ``StepLedger.set_refit``): at a larger budget they plan at larger
+    targets and hold more, so the budget named from what they hold now was refused again.
+    """
+    plan_at, plan_capped = remembered(plan_at), remembered(plan_capped)   # the searches ask again
     if calibrate:  # the later pieces' reserve from this piece's smallest-peak plan (else the proportional shares)
         share = calibrate_reserve(share, plan_at, budget_bytes, held_of)
-    high = share.loose_target_bytes
     try:
-        plan = plan_at(max(high, 1))
-    except BudgetInfeasibleError as error:  # infeasible here: infeasible at every lower target
-        candidates = _holding_least(_near_smallest(error, plan_at), plan_capped)
-        raise _infeasible(error, share, candidates, held_of, budget_bytes, target_for_budget, loose=True) from None
-    admitted = _admitted(share, plan, high, held_of, plan_capped)
-    if admitted is not None:
-        return admitted, replace(share, target_bytes=high)
-    low, best = share.target_bytes, None
-    for _ in range(FIT_ROUNDS):
-        if high - low <= max(high // 50, 1):
-            break
-        middle = (low + high) // 2
-        try:
-            trial = plan_at(max(middle, 1))
-        except BudgetInfeasibleError as error:
-            # No plan peaks this low; the planner names the smallest peak it reaches.
-            low = max(middle, _named_peak(error) - 1)
-            continue
-        admitted = _admitted(share, trial, middle, held_of, plan_capped)
-        if admitted is not None:
-            low, best = middle, (admitted, middle)
-        else:
-            high = middle
-    if best is not None:
-        return best[0], replace(share, target_bytes=best[1])
-    try:
-        return plan_at(max(share.target_bytes, 1)), share
-    except BudgetInfeasibleError as error:
-        # Last, the plans just above the smallest peak the planner names: the admitted
-        # targets can be a window the bisection stepped over.
-        candidates = _holding_least(_near_smallest(error, plan_at), plan_capped)
-        admitted = [(t, c) for t, c in candidates if share.admits(held_of(c), c.predicted_peak_bytes)]
-        if admitted:
-            target, plan = max(admitted, key=lambda tc: tc[0])
-            return plan, replace(share, target_bytes=target)
-        raise _infeasible(error, share, candidates, held_of, budget_bytes, target_for_budget) from None
-
-
-# Targets tried just above the smallest peak the planner names, as multiples of it: a plan
-# allowed a little more peak can hold much less for its backward (the zoo GPT's block under
-# FSDP2: +0.4% peak, -0.8 MB held), which a graph run several times per step needs more.
-NEAR_SMALLEST_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.35)
-
-
-def _near_smallest(error: BudgetInfeasibleError, plan_at: "Callable[[int], Any]") -> list[tuple[int, Any]]:
-    """(target, plan) for the targets ``NEAR_SMALLEST_FACTORS`` times the smallest peak the
-    planner named when it refused a target; the ones it plans (the first always does: a
-    target at the smallest peak gets that plan)."""
-    named = _named_peak(error)
-    found = []
-    for factor in NEAR_SMALLEST_FACTORS:
-        target = max(int(named * factor), 1)
-        try:
-            found.append((target, plan_at(target)))
-        except BudgetInfeasibleError:
-            continue
-    return found
-
-
-def _holding_least(candidates: "list[tuple[int, Any]]", plan_capped: "Optional[Callable[[int, int], Any]]"
-                   ) -> "list[tuple[int, Any]]":
-    """``candidates`` and, given ``plan_capped``, each target's plan saving as little as it can at
-    that peak (cap 0): near the smallest peak, what a plan holds often decides admission."""
-    if plan_capped is None:
-        return candidates
-    capped = []
-    for target, _ in candidates:
-        try:
-            capped.append((target, plan_capped(target, 0)))
-        except BudgetInfeasibleError:
-            continue
-    return candidates + capped
+        plan, fitted = fit_share(share, held_of, plan_at, plan_capped)
+    except NoPlan as refused:
+        error = _infeasible(refused.error, share, refused.candidates, held_of, budget_bytes, target_for_budget,
+                            loose=refused.loose)
+        if ledger is None or share.kind != "ddp":
+            raise error from None
+        replay = Replay(ledger.refits_before(share.index), share, held_of, plan_at, plan_capped, target_for_budget)
+        raise replay.named(error, refused.candidates) from None
+    if ledger is not None and share.kind == "ddp":
+        ledger.set_refit(share.index, refit_of(share, held_of, plan_at, plan_capped))
+    return plan, fitted
 
 
 def _infeasible(error: BudgetInfeasibleError, share: GraphShare, candidates: "list[tuple[int, Any]]",
@@ -280,7 +205,7 @@ def _infeasible(error: BudgetInfeasibleError, share: GraphShare, candidates: "li
     runs several times per step, or when what it holds squeezes the later pieces)."""
     if not candidates:  # nothing planned near the named peak: name it from the peak alone
         return restate_infeasible(error, share, budget_bytes, target_for_budget, loose=loose)
-    needs = [(_step_target_admitting(share, held_of(c), c.predicted_peak_bytes), held_of(c), c.predicted_peak_bytes)
+    needs = [(step_target_admitting(share, held_of(c), c.predicted_peak_bytes), held_of(c), c.predicted_peak_bytes)
              for _, c in candidates]
     step, held, peak = min(needs)
     minimum = budget_for_step_target(step, target_for_budget)
@@ -296,32 +221,25 @@ def _infeasible(error: BudgetInfeasibleError, share: GraphShare, candidates: "li
                                  reasons=error.reasons)
 
 
-def _step_target_admitting(share: GraphShare, held: int, peak: int) -> int:
-    """The smallest step target at which ``share`` admits a plan holding ``held`` and peaking
-    at ``peak`` (admission grows with the step target: a bisection finds it)."""
-    low, high = 0, max(share.step_target_bytes, 1)
-    while not share.at(high).admits(held, peak):
-        low, high = high, 2 * high
-    while high - low > 1:
-        middle = (low + high) // 2
-        if share.at(middle).admits(held, peak):
-            high = middle
-        else:
-            low = middle
-    return high
-
-
 def calibrate_reserve(share: GraphShare, plan_at: "Callable[[int], Any]", budget_bytes: int,
                       held_of: "Optional[Callable[[Any], int]]" = None) -> GraphShare:
-    """Set the reserve for later pieces to an estimate of their smallest demand.
+    """Set the reserve for later pieces to an estimate of their smallest demand, and cap it at an
+    estimate of their demand with no recomputation.
 
     This piece's smallest-peak plan (the planner names its peak when asked for a 1-byte
-    target) says how far recomputation shrinks a piece: ``rp`` = (its peak + activation
-    inputs) over its need (forward tensor bytes), ``rh`` = what it holds over its need
-    (``rp`` if ``held_of`` is not given: what a plan holds is live at its peak). Later
-    piece m is estimated to peak at ``rp * need_m`` next to what the pieces between hold,
-    ``rh * need_j`` each; the reserve is the largest such demand. An estimate: a later piece
-    that shrinks less than this one can find too little room, and then names the budget it needs.
+    target) says how far recomputation shrinks a piece: ``rp`` = (its peak, less its own
+    parameters' gradients, + activation inputs) over its need (forward tensor bytes), ``rh`` =
+    what it holds over its need (``rp`` if ``held_of`` is not given: what a plan holds is live at
+    its peak). Later piece m is estimated to peak at ``rp * need_m`` next to what the pieces
+    between hold, ``rh * need_j`` each; the reserve is the largest such demand. The gradients
+    come out of ``rp`` because ``admits`` charges every later piece's gradients to the reserve
+    already (``later_grad_bytes``): scaled from this piece's peak they were counted twice, by
+    this piece's ratio of parameters to activations (the embedding's piece: 0.49 MB of peak,
+    0.23 MB of it its gradients, named a budget 2.5x plain Inductor's peak on a 3-block LM).
+    The same scaling of this piece's peak without recomputation (``Plan.no_remat_peak_bytes``)
+    is the ceiling: the reserve never grows past it (``piece_target``). Estimates: a later
+    piece that shrinks less than this one can find too little room, and then names the budget
+    it needs.
     """
     from dataclasses import replace
 
@@ -332,25 +250,30 @@ def calibrate_reserve(share: GraphShare, plan_at: "Callable[[int], Any]", budget
         plan_at(1)
         return share  # a 1-byte target met: nothing to calibrate against
     except BudgetInfeasibleError as error:
-        smallest_peak = _named_peak(error)
+        smallest_peak = named_peak(error)
+    smallest = None
+    try:
+        smallest = plan_at(max(smallest_peak, 1))
+    except BudgetInfeasibleError:
+        pass  # the named peak did not plan (rounding): bound what it holds by its peak
+    held = held_of(smallest) if held_of is not None and smallest is not None else None
+    estimate = _later_demand(share, smallest_peak, held)
+    ceiling = None if smallest is None else _later_demand(share, smallest.no_remat_peak_bytes, None)
+    return replace(share, later_estimate_bytes=estimate, later_ceiling_bytes=ceiling,
+                   own_floor_bytes=smallest_peak + share.input_activation_bytes).at(share.step_target_bytes)
+
+
+def _later_demand(share: GraphShare, peak_bytes: int, held_bytes: Optional[int]) -> int:
+    """The later pieces' largest demand, scaled from this piece's plan peaking at ``peak_bytes``
+    and holding ``held_bytes`` (None: bound by its peak) by their needs (``calibrate_reserve``)."""
     need = share.needs[share.index]
-    peak_ratio = (smallest_peak + share.input_activation_bytes) / need
-    held_ratio = peak_ratio
-    if held_of is not None:
-        try:
-            held_ratio = held_of(plan_at(max(smallest_peak, 1))) / need
-        except BudgetInfeasibleError:
-            pass  # the named peak did not plan (rounding): bound what it holds by its peak
+    activations = max(peak_bytes - share.own_grad_bytes, held_bytes or 0)
+    peak_ratio = (activations + share.input_activation_bytes) / need
+    held_ratio = peak_ratio if held_bytes is None else held_bytes / need
     later = share.needs[share.index + 1:]
     # The last piece also holds what it keeps next to the loss's copies of the outputs, before
     # any gradient exists (``admits`` charges the later pieces' gradients to every reserve).
     loss = LOSS_OUTPUT_COPIES * share.step_output_bytes - share.later_grad_bytes
-    estimate = max(int(max(peak_ratio * later[m], held_ratio * later[m] + (loss if m == len(later) - 1 else 0))
-                       + held_ratio * sum(later[:m])) for m in range(len(later)))
-    return replace(share, later_estimate_bytes=estimate,
-                   own_floor_bytes=smallest_peak + share.input_activation_bytes).at(share.step_target_bytes)
+    return max(int(max(peak_ratio * later[m], held_ratio * later[m] + (loss if m == len(later) - 1 else 0))
+                   + held_ratio * sum(later[:m])) for m in range(len(later)))
 
-
-def _named_peak(error: BudgetInfeasibleError) -> int:
-    """The smallest simulated peak the planner reached (its error's ``min_feasible_bytes``)."""
-    return error.min_feasible_bytes

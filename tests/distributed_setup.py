@@ -3,11 +3,14 @@
 ``tests/test_distributed.py`` and ``benchmarks/distributed_budget.py`` run the same two-rank
 training on 127.0.0.1 (gloo): the zoo GPT (its default 4 layers) without dropout, batch 4 per rank,
 3 steps, DDP with 1 MiB buckets or FSDP2 ``fully_shard`` on each block and the model.
+``tests/test_distributed.py`` also runs DDP on ``PostLNTiedLM`` (``--model postln``), a model
+unlike the zoo GPT: 3 post-LN blocks, hand-written attention, a tied head.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import subprocess
@@ -25,14 +28,65 @@ BATCH_PER_RANK = 4
 STEPS = 3
 
 
-def batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per step, per rank: (tokens, targets), from a fixed generator."""
+class PostLNTiedLM(torch.nn.Module):
+    """A language model unlike the zoo GPT, for the distributed tests: 3 post-LN blocks (the norm
+    after each residual add), attention written out by hand (no SDPA), a GELU MLP of width 3d,
+    and a head tied to the token embedding (``h @ tok.weight.t()``). No dropout."""
+
+    def __init__(self, vocab_size: int = 384, seq_len: int = 64, d_model: int = 128, n_heads: int = 4,
+                 n_layers: int = 3) -> None:
+        super().__init__()
+        self.vocab_size, self.seq_len, self.n_heads = vocab_size, seq_len, n_heads
+        self.tok = torch.nn.Embedding(vocab_size, d_model)
+        self.pos = torch.nn.Parameter(torch.randn(seq_len, d_model) * 0.02)
+        self.blocks = torch.nn.ModuleList(_PostLNBlock(d_model, n_heads) for _ in range(n_layers))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return x @ self.tok.weight.t()
+
+
+class _PostLNBlock(torch.nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
+        self.proj = torch.nn.Linear(d_model, d_model)
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d_model), torch.nn.LayerNorm(d_model)
+        self.fc1, self.fc2 = torch.nn.Linear(d_model, 3 * d_model), torch.nn.Linear(3 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.n_heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        attn = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        x = self.ln1(x + self.proj((attn @ v).transpose(1, 2).reshape(b, t, d)))
+        return self.ln2(x + self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+MODELS = ("gpt", "postln")   # the zoo GPT (CFG), and PostLNTiedLM
+
+
+def make_model(name: str) -> torch.nn.Module:
+    """A fresh model, the same on every rank and in the reference (seed 0)."""
+    torch.manual_seed(0)
+    from models import GPT
+
+    return (GPT(CFG) if name == "gpt" else PostLNTiedLM()).train()
+
+
+def batches(name: str = "gpt") -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per step, per rank: (tokens, targets) for model ``name``, from a fixed generator."""
+    vocab_size, seq_len = (CFG.vocab_size, CFG.seq_len) if name == "gpt" else (384, 64)
     generator = torch.Generator().manual_seed(7)
     steps = []
     for _ in range(STEPS):
         ranks = []
         for _ in range(WORLD_SIZE):
-            tokens = torch.randint(0, CFG.vocab_size, (BATCH_PER_RANK, CFG.seq_len + 1), generator=generator)
+            tokens = torch.randint(0, vocab_size, (BATCH_PER_RANK, seq_len + 1), generator=generator)
             ranks.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
         steps.append(ranks)
     return steps
@@ -104,4 +158,8 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--model", choices=MODELS, default="gpt")
+    parser.add_argument("--fraction", type=float, default=None, help="budget as a fraction of plain Inductor's peak")
+    parser.add_argument("--attempts", type=int, default=3, help="compiles at most: the budget, then each one named")
+    parser.add_argument("--verify-peak", type=int, default=None, help="remat.backend(verify_peak=); default: remat's")
     return parser

@@ -93,6 +93,12 @@ def test_huge_budgets_are_exact_and_print():
     budget = gb_to_bytes(1e308)
     assert budget == int(1e308) * 10**9 and target_for_budget(budget, 0.05) < budget
     assert format_bytes(budget) == "1.00e+308 GB" and format_bytes(123_456) == "123.46 kB"
+    # the feedback loop's correction of a planning target is exact too (it overflowed a float)
+    from remat.feedback_store import Correction
+
+    correction = Correction(factor=1.25, budget_bytes=budget, predicted_peak_bytes=4, measured_peak_bytes=5,
+                            graph_id="graph_000", source="test")
+    assert correction.corrected_target(budget) == budget * 4 // 5
 
 
 # ---------------------------------------------------------------- one graph, retried as a user would
@@ -109,7 +115,8 @@ def test_named_budget_is_the_same_for_any_refused_budget_and_is_accepted(tmp_pat
     assert error.min_budget_bytes > error.min_feasible_bytes > 0       # the budget adds the headroom
     printed = RAISE_TO.search(str(error)).group(1)
     assert printed == format_gb_up(error.min_budget_bytes) and float(printed) == error.min_budget_gb
-    assert f"{error.min_budget_bytes:,} bytes" in str(error) and "0 B is below the smallest feasible budget 0 B" not in str(error)
+    assert f"{error.min_budget_bytes:,} bytes" in str(error)
+    assert "0 B is below the smallest feasible budget 0 B" not in str(error)
     # one byte under the named budget is refused, naming the same budget
     assert _refused(model, inputs, (error.min_budget_bytes - 1) / 1e9).min_budget_bytes == error.min_budget_bytes
 
