@@ -4,10 +4,14 @@ The step's condition and the account's bookkeeping as tables on plain numbers; t
 blocks split by ``torch._dynamo.graph_break()`` (1 and 4 breaks at 70% of plain Inductor's measured
 step peak, 2 breaks with dropout at 50%): from the step ``STEPS_OVER_ALLOWED`` documents on, the
 measured step peak is under the budget (or the first step raises an infeasibility error naming a
-budget that then fits), and gradients equal plain Inductor's.
+budget that then fits), gradients equal plain Inductor's, report.md shows each graph's share, and
+the step's own window measures the whole step; with a simulator made wrong on purpose, a measured
+step over the budget re-plans every graph and the next measured step fits.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,6 +19,8 @@ from torch import nn
 
 import remat
 from remat.errors import BudgetInfeasibleError
+from remat.measure import close_open_window
+from remat.passes import schedule
 from remat.step_budget import StepAccount, StepGraph, later_demand_bytes, share_in_step, slot_of, step_overruns
 from conftest import assert_grads_close, grads_of, run_step
 
@@ -22,6 +28,7 @@ from conftest import assert_grads_close, grads_of, run_step
 # second, which re-plans the graphs inside the step it measures.
 STEPS_OVER_ALLOWED = 2
 STEPS = 4
+SIM_SCALE = 0.5          # the wrong simulator's peaks (test_a_measured_step_over_the_budget_re_plans_every_graph)
 
 
 def graph(graph_id: str, held: int, peak: int, grads: int = 0, inputs: int = 0, target: int = 100,
@@ -139,10 +146,10 @@ def _measured_steps(compiled, model, x, steps: int) -> tuple[list[int], dict]:
     return peaks, grads
 
 
-def _run_under(model, x, budget_bytes: int) -> tuple[remat.RematBackend, list[int], dict, int]:
+def _run_under(model, x, budget_bytes: int, dump_dir) -> tuple[remat.RematBackend, list[int], dict, int]:
     """Steps under ``budget_bytes``; an infeasibility error is retried once at the budget it names."""
     for attempt in range(2):
-        backend = remat.backend(budget_gb=budget_bytes / 1e9)
+        backend = remat.backend(budget_gb=budget_bytes / 1e9, dump_dir=dump_dir / f"try{attempt}")
         torch._dynamo.reset()
         try:
             peaks, grads = _measured_steps(torch.compile(model, backend=backend), model, x, STEPS)
@@ -156,12 +163,12 @@ def _run_under(model, x, budget_bytes: int) -> tuple[remat.RematBackend, list[in
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(("breaks", "fraction", "dropout"), [(1, 0.7, 0.0), (4, 0.7, 0.0), (2, 0.5, 0.1)])
-def test_the_step_fits_the_budget_across_graph_breaks(breaks, fraction, dropout):
+def test_the_step_fits_the_budget_across_graph_breaks(breaks, fraction, dropout, tmp_path):
     torch.manual_seed(0)
     model, x = BrokenBlocks(breaks, dropout), torch.randn(512, 128)
     torch._dynamo.reset()
     plain_peaks, plain_grads = _measured_steps(torch.compile(model, backend="inductor"), model, x, 2)
-    backend, peaks, grads, budget = _run_under(model, x, int(fraction * plain_peaks[-1]))
+    backend, peaks, grads, budget = _run_under(model, x, int(fraction * plain_peaks[-1]), tmp_path)
     slots = {g.graph_id.split("_r")[0] for g in backend.compiled_graphs}
     assert len(slots) == breaks + 1
     print(f"{breaks} break(s), dropout {dropout}, {fraction:.0%} of plain Inductor's step peak {plain_peaks[-1]} B: "
@@ -169,6 +176,56 @@ def test_the_step_fits_the_budget_across_graph_breaks(breaks, fraction, dropout)
     late = peaks[STEPS_OVER_ALLOWED:]
     assert max(late) <= budget, (f"{breaks} break(s) at {fraction:.0%} of plain Inductor's {plain_peaks[-1]} B: "
                                  f"steps measured {peaks} against {budget} B")
-    shares = [g.step_share for g in backend.compiled_graphs if g.step_share is not None and g.step_share.kind == "break"]
-    assert shares, "the graphs were re-planned under their shares of the step"
+    shared = [g for g in backend.compiled_graphs if g.step_share is not None and g.step_share.kind == "break"]
+    assert shared, "the graphs were re-planned under their shares of the step"
+    report = open(f"{shared[-1].dump_path}/report.md").read()
+    assert "## Step budget split" in report and f"of {breaks + 1} of the step" in report
     assert_grads_close(grads, plain_grads)
+    # Unmeasured steps (no profiler around them): the step's own window measures the whole step.
+    run_step(torch.compile(model, backend=backend), model, (x,))
+    close_open_window()
+    (event,) = [e for e in backend.feedback_events if e.graph_id.startswith("step:")]
+    assert event.action == "within budget" and event.measured_peak_bytes <= budget
+
+
+@pytest.fixture
+def scaled_simulator(monkeypatch):
+    """Every simulated peak scaled by ``SIM_SCALE``: the planner believes plans use half what they do."""
+    real = schedule.simulate_partition
+
+    def scaled(facts, partition):
+        run = real(facts, partition)
+        sim = run.simulation
+        wrong = dataclasses.replace(sim, peak_bytes=int(sim.peak_bytes * SIM_SCALE),
+                                    timeline_bytes=tuple(int(b * SIM_SCALE) for b in sim.timeline_bytes))
+        return dataclasses.replace(run, simulation=wrong)
+
+    monkeypatch.setattr(schedule, "simulate_partition", scaled)
+
+
+@pytest.mark.e2e
+def test_a_measured_step_over_the_budget_re_plans_every_graph(scaled_simulator):
+    """A simulator 50% low (Inductor's check off), 90% of plain Inductor's step peak: the step window
+    measures the whole step over the budget (the held bytes, inputs and gradients the step composes
+    are real bytes, so the composed error is less than the simulator's), every graph is re-planned
+    at target / (measured / predicted), and the next measured step is under it; gradients equal
+    plain Inductor's."""
+    torch.manual_seed(0)
+    model, x = BrokenBlocks(1), torch.randn(512, 128)
+    torch._dynamo.reset()
+    plain = torch.compile(model, backend="inductor")
+    plain_peak = max(remat.measure_peak_bytes(lambda: run_step(plain, model, (x,))).peak_bytes for _ in range(2))
+    plain_grads = grads_of(model)
+    backend = remat.backend(budget_gb=0.9 * plain_peak / 1e9, inductor_check=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    with pytest.warns(UserWarning, match="a step of 2 graphs measured a peak"):
+        for _ in range(7):
+            run_step(compiled, model, (x,))
+        close_open_window()
+    steps = [e for e in backend.feedback_events if e.graph_id.startswith("step:")]
+    assert [e.action for e in steps][:1] == ["re-planned"] and steps[0].measured_peak_bytes > backend.options.budget_bytes
+    print("measured steps:", [(e.action, e.measured_peak_bytes, e.factor) for e in steps], backend.options.budget_bytes)
+    assert all(g.correction.factor == steps[0].factor for g in backend.compiled_graphs if g.graph_id.endswith("_r1"))
+    assert steps[-1].action == "within budget" and steps[-1].measured_peak_bytes <= backend.options.budget_bytes
+    assert_grads_close(grads_of(model), plain_grads)
