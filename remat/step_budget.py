@@ -285,10 +285,11 @@ class StepAccount:
         out = {}
         for k in step_overruns(known):
             g = known[k]
+            held, grads = sum(h.held_bytes for h in known[:k]), sum(h.param_grad_bytes for h in known[k + 1:])
             out[g.slot] = (f"{g.graph_id} (graph {k + 1} of {len(known)} in the step) peaks at "
-                           f"{format_bytes(g.predicted_peak_bytes)} next to {format_bytes(sum(h.held_bytes for h in known[:k]))} "
-                           f"held by earlier graphs and {format_bytes(sum(h.param_grad_bytes for h in known[k + 1:]))} of "
-                           f"later graphs' gradients, over the step target {format_bytes(g.step_target_bytes)}")
+                           f"{format_bytes(g.predicted_peak_bytes)} next to {format_bytes(held)} held by earlier "
+                           f"graphs and {format_bytes(grads)} of later graphs' gradients, over the step target "
+                           f"{format_bytes(g.step_target_bytes)}")
         return out
 
 

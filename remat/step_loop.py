@@ -84,7 +84,8 @@ class StepHooks:
         with self._lock:
             self._steps += 1
             number = self._steps
-        window = StepWindow(device, lambda peak, why_not: self._on_measured(sequence, number, peak, why_not), owner=self)
+        window = StepWindow(device, lambda peak, why_not: self._on_measured(sequence, number, peak, why_not),
+                            owner=self)
         if window.open():
             self._window = window
 
@@ -100,7 +101,8 @@ class StepHooks:
             return
         last = max(sequence.index(slot) for slot in over)
         for slot in sequence[:max(last, 1)]:
-            why = over.get(slot) or f"what it holds is live under {sequence[last]}, over the step target: {over[sequence[last]]}"
+            why = over.get(slot) or (f"what it holds is live under {sequence[last]}, over the step target: "
+                                     f"{over[sequence[last]]}")
             found = self._wrapper(slot)
             if found is not None:
                 self._replan(found, why)
@@ -147,8 +149,8 @@ class StepHooks:
             return
         self._corrections += 1
         self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, "re-planned"))
-        warnings.warn(f"remat: a step of {len(sequence)} graphs measured a peak of {format_bytes(peak_bytes)}, over the "
-                      f"budget {format_bytes(budget)}; the plans composed predicted {format_bytes(predicted)} "
+        warnings.warn(f"remat: a step of {len(sequence)} graphs measured a peak of {format_bytes(peak_bytes)}, "
+                      f"over the budget {format_bytes(budget)}; the plans composed predicted {format_bytes(predicted)} "
                       f"(measured / predicted = {factor:.3f}): re-planning each graph at its target / {factor:.3f} "
                       "from its next call.", stacklevel=2)
         for wrapper in wrappers:
