@@ -2,11 +2,12 @@
 
 The step's condition and the account's bookkeeping as tables on plain numbers; then tiny MLP
 blocks split by ``torch._dynamo.graph_break()`` (1 and 4 breaks at 70% of plain Inductor's measured
-step peak, 2 breaks with dropout at 50%): from the step ``STEPS_OVER_ALLOWED`` documents on, the
-measured step peak is under the budget (or the first step raises an infeasibility error naming a
-budget that then fits), gradients equal plain Inductor's, report.md shows each graph's share, and
-the step's own window measures the whole step; with a simulator made wrong on purpose, a measured
-step over the budget re-plans every graph and the next measured step fits.
+step peak, 2 breaks with dropout at 50%, 1 break at 40%, which the second step's re-plan refuses,
+naming a budget): from the step ``STEPS_OVER_ALLOWED`` documents on, the measured step peak is
+under the budget (or the named budget, retried), gradients equal plain Inductor's, report.md shows
+each graph's share, and the step's own window measures the whole step; with a simulator made
+wrong on purpose, a measured step over the budget re-plans every graph and the next measured step
+fits.
 """
 
 from __future__ import annotations
@@ -162,13 +163,17 @@ def _run_under(model, x, budget_bytes: int, dump_dir) -> tuple[remat.RematBacken
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(("breaks", "fraction", "dropout"), [(1, 0.7, 0.0), (4, 0.7, 0.0), (2, 0.5, 0.1)])
+@pytest.mark.parametrize(("breaks", "fraction", "dropout"),
+                         [(1, 0.7, 0.0), (4, 0.7, 0.0), (2, 0.5, 0.1), (1, 0.4, 0.0)])   # 40%: refused, names 48%
 def test_the_step_fits_the_budget_across_graph_breaks(breaks, fraction, dropout, tmp_path):
     torch.manual_seed(0)
     model, x = BrokenBlocks(breaks, dropout), torch.randn(512, 128)
     torch._dynamo.reset()
     plain_peaks, plain_grads = _measured_steps(torch.compile(model, backend="inductor"), model, x, 2)
-    backend, peaks, grads, budget = _run_under(model, x, int(fraction * plain_peaks[-1]), tmp_path)
+    asked = int(fraction * plain_peaks[-1])
+    backend, peaks, grads, budget = _run_under(model, x, asked, tmp_path)
+    if fraction < 0.45:
+        assert budget > asked, "this budget is below the step's floor: the second step's re-plan refuses it"
     slots = {g.graph_id.split("_r")[0] for g in backend.compiled_graphs}
     assert len(slots) == breaks + 1
     print(f"{breaks} break(s), dropout {dropout}, {fraction:.0%} of plain Inductor's step peak {plain_peaks[-1]} B: "
