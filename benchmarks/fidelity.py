@@ -59,6 +59,11 @@ FRACTIONS = (0.9, 0.7, 0.5)
 PROBE_BUDGET_GB = 1e-6          # 1 kB: below any model's floor
 STEP_SEED = 1234
 WORKER_TIMEOUT_S = 1500
+# The environment of the committed run of 9da0372, whose header predates "environment" (run from a
+# `git archive` snapshot of that commit in /tmp/snap).
+RUN_ENVIRONMENT_BEFORE_IT_WAS_RECORDED = {"REMAT_SOURCE_COMMIT": "9da0372", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                                          "PYTHONHASHSEED": "0", "PYTHONPATH": "/tmp/snap"}
+ENV_RECORDED = ("PYTHONHASHSEED", "TORCHINDUCTOR_COMPILE_THREADS", "REMAT_SOURCE_COMMIT", "PYTHONPATH", "OMP_NUM_THREADS")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import remat  # noqa: E402
@@ -327,7 +332,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         run_all(args, entries)
     from fidelity_report import write_report
 
-    write_report(args.out, md, {"seeds": list(args.seeds), "hf_skip_reason": corpus_mod.hf_skip_reason()})
+    write_report(args.out, md, {"seeds": list(args.seeds), "hf_skip_reason": corpus_mod.hf_skip_reason(),
+                                "environment": RUN_ENVIRONMENT_BEFORE_IT_WAS_RECORDED})
     print(f"wrote {md}")
     return 0
 
@@ -343,7 +349,8 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
     if "_run" not in finished:
         _append(args.out, {"model": "_run", "family": "", "point": "done", "source": source_info(),
                            "machine": machine_info(torch.device("cpu")), "loop_supported": loop_supported(),
-                           "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+                           "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "environment": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ}})
     todo = interleave_families([e for e in chosen if e.name not in finished])
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         list(pool.map(lambda entry: _run_worker(args, entry), todo))

@@ -184,7 +184,8 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
     lines = [
         "# Fidelity on a corpus nobody tuned to (CPU)",
         "",
-        f"Command: `{header.get('command', '?')}` (see `benchmarks/fidelity.py`). Commit {source.get('commit', '?')}"
+        f"Command: `{' '.join(f'{k}={v}' for k, v in header.get('environment', meta.get('environment', {})).items())} "
+        f"{header.get('command', '?')}` (see `benchmarks/fidelity.py`). Commit {source.get('commit', '?')}"
         f"{'; remat files modified from it: ' + ', '.join(source.get('remat_files_modified_from_commit', [])) if source.get('remat_files_modified_from_commit') else ''}. "
         f"torch {machine.get('torch', '?')}, {machine.get('torch_threads', '?')} torch threads, {machine.get('cpu_count', '?')} CPUs. "
         f"Closed loop (`verify_peak`) available: {header.get('loop_supported')}.",
