@@ -227,16 +227,14 @@ def calibrate_reserve(share: GraphShare, plan_at: "Callable[[int], Any]", budget
     estimate of their demand with no recomputation.
 
     This piece's smallest-peak plan (the planner names its peak when asked for a 1-byte
-    target) says how far recomputation shrinks a piece: ``rp`` = (its peak, less its own
-    parameters' gradients, + activation inputs) over its need (forward tensor bytes), ``rh`` =
-    what it holds over its need (``rp`` if ``held_of`` is not given: what a plan holds is live at
-    its peak). Later piece m is estimated to peak at ``rp * need_m`` next to what the pieces
-    between hold, ``rh * need_j`` each; the reserve is the largest such demand. The gradients
-    come out of ``rp`` because ``admits`` charges every later piece's gradients to the reserve
-    already (``later_grad_bytes``): scaled from this piece's peak they were counted twice, by
-    this piece's ratio of parameters to activations (the embedding's piece: 0.49 MB of peak,
-    0.23 MB of it its gradients, named a budget 2.5x plain Inductor's peak on a 3-block LM).
-    The same scaling of this piece's peak without recomputation (``Plan.no_remat_peak_bytes``)
+    target) says how far recomputation shrinks a piece: ``rp`` = (its peak + activation inputs)
+    over its need (forward tensor bytes), ``rh`` = what it holds over its need (``rp`` if
+    ``held_of`` is not given: what a plan holds is live at its peak). Later piece m is estimated
+    to peak at ``rp * need_m`` next to what the pieces between hold, ``rh * need_j`` each; the
+    reserve is the largest such demand. (``rp`` counts this piece's own gradients, which
+    ``admits`` also charges for the later pieces: taking them out, the zoo GPT's earlier pieces
+    held more and its last piece was refused at 60% of plain Inductor's peak; the estimate is
+    a preference, not a condition, ``fit_plan``.) The same scaling of this piece's peak without recomputation (``Plan.no_remat_peak_bytes``)
     is the ceiling: the reserve never grows past it (``piece_target``). Estimates: a later
     piece that shrinks less than this one can find too little room, and then names the budget
     it needs.
@@ -267,8 +265,7 @@ def _later_demand(share: GraphShare, peak_bytes: int, held_bytes: Optional[int])
     """The later pieces' largest demand, scaled from this piece's plan peaking at ``peak_bytes``
     and holding ``held_bytes`` (None: bound by its peak) by their needs (``calibrate_reserve``)."""
     need = share.needs[share.index]
-    activations = max(peak_bytes - share.own_grad_bytes, held_bytes or 0)
-    peak_ratio = (activations + share.input_activation_bytes) / need
+    peak_ratio = (peak_bytes + share.input_activation_bytes) / need
     held_ratio = peak_ratio if held_bytes is None else held_bytes / need
     later = share.needs[share.index + 1:]
     # The last piece also holds what it keeps next to the loss's copies of the outputs, before

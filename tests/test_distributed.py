@@ -589,33 +589,30 @@ def test_calibrate_reserve_scales_later_needs_by_this_pieces_smallest_peak() -> 
     assert calibrate_reserve(three, plan_at_with_held, 8 * MB).reserved_later_bytes == 6 * MB
 
 
-def test_reserve_leaves_out_own_gradients_and_stops_growing_at_the_later_pieces_ceiling() -> None:
-    """The later pieces' gradients are charged to the reserve by ``admits`` (later_grad_bytes):
-    this piece's own gradients come out of the ratio it scales by. Past the later pieces'
-    estimated demand with no recomputation, a larger budget goes to this piece."""
+def test_reserve_stops_growing_at_the_later_pieces_ceiling() -> None:
+    """Past the later pieces' estimated demand with no recomputation, a larger budget goes to this piece."""
     from types import SimpleNamespace
 
     from remat.distributed import piece_target
     from remat.distributed_fit import calibrate_reserve
 
-    # Needs 4 and 12 MB; the smallest plan peaks at 3 MB, 1 MB of it this piece's gradients, and
-    # holds 1 MB: activations 2 MB (ratio 1/2, the later piece estimated at 6 MB); without
-    # recomputation it peaks at 5 MB (4 MB of activations: a 12 MB ceiling).
+    # Needs 2 and 12 MB; the smallest plan peaks at 1 MB (ratio 1/2: the later piece estimated at
+    # 6 MB) and holds 0.5 MB; without recomputation it peaks at 2 MB (ratio 1: a 12 MB ceiling).
     def plan_at(target):
-        if target < 3 * MB:
-            raise remat.BudgetInfeasibleError("x", budget_bytes=10 * MB, min_feasible_bytes=3 * MB,
-                                              min_budget_bytes=3 * MB, reasons=())
-        return SimpleNamespace(predicted_peak_bytes=3 * MB, held=MB, no_remat_peak_bytes=5 * MB)
+        if target < MB:
+            raise remat.BudgetInfeasibleError("x", budget_bytes=10 * MB, min_feasible_bytes=MB,
+                                              min_budget_bytes=MB, reasons=())
+        return SimpleNamespace(predicted_peak_bytes=MB, held=MB // 2, no_remat_peak_bytes=2 * MB)
 
     def share_at(step_target_bytes):
-        return piece_target(step_target_bytes=step_target_bytes, index=0, needs=(4 * MB, 12 * MB), held_before_bytes=0,
-                            input_activation_bytes=0, total_grad_bytes=MB, grads_so_far_bytes=MB, own_grad_bytes=MB)
+        return piece_target(step_target_bytes=step_target_bytes, index=0, needs=(2 * MB, 12 * MB), held_before_bytes=0,
+                            input_activation_bytes=0, total_grad_bytes=0, grads_so_far_bytes=0)
 
     calibrated = calibrate_reserve(share_at(10 * MB), plan_at, 10 * MB, held_of=lambda p: p.held)
     assert calibrated.later_estimate_bytes == 6 * MB and calibrated.later_ceiling_bytes == 12 * MB
-    # 10 MB: the estimate plus 12/16 of the 10 - 3 - 6 MB left over
-    assert calibrated.reserved_later_bytes == 6 * MB + 750_000
-    # 40 MB: 6 + 12/16 * 31 MB would be reserved; the ceiling stops it at 12 MB
+    # 10 MB: the estimate plus 12/14 of the 10 - 1 - 6 MB left over
+    assert calibrated.reserved_later_bytes == 6 * MB + 3 * MB * 12 // 14
+    # 40 MB: 6 + 12/14 * 33 MB would be reserved; the ceiling stops it at 12 MB
     assert calibrated.at(40 * MB).reserved_later_bytes == 12 * MB and calibrated.at(40 * MB).target_bytes == 28 * MB
     recalibrated = calibrate_reserve(share_at(40 * MB), plan_at, 40 * MB, held_of=lambda p: p.held)
     assert recalibrated.reserved_later_bytes == 12 * MB
