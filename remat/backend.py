@@ -566,7 +566,7 @@ def backend(
     pareto_points: int = 0,
     estimator: str = "roofline",
     verify_peak: int = 1,
-    inductor_check: bool = True,
+    inductor_check: bool = False,
 ) -> RematBackend:
     """A torch.compile backend that fits each compiled forward+backward under ``budget_gb``.
 
@@ -586,9 +586,11 @@ def backend(
     ``estimator="profile"`` times each graph's real kernels once instead of the roofline.
     ``verify_peak``: the steps measured after each compile; a graph measured over its budget is
     re-planned with the simulator's error it now knows (remat/feedback.py); 0 turns that off.
-    ``inductor_check``: before its first step, each plan's peak is read from the code Inductor
+    ``inductor_check=True``: before its first step, each plan's peak is read from the code Inductor
     generated for it and a plan over its target is re-planned (remat/inductor_check.py); the
-    plan is then accepted on that Inductor-checked peak. False: the simulated peak stands.
+    plan is then accepted on that Inductor-checked peak. Off by default (it counts the model's
+    outputs live through the backward and may refuse budgets the measured step fits): the
+    simulated peak stands and the feedback loop corrects it from the measured step.
     ``solver``: "greedy" (default, fast) or "milp" (exact, small graphs only: larger ones raise
     ValueError at compile time; it keeps its best verified plan after ``milp_time_limit_s`` seconds
     and falls back to "greedy" on failure, and ``Plan.solver`` says which answered and why).

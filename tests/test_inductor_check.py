@@ -140,7 +140,7 @@ def test_the_judge_repairs_a_wrong_plan_before_the_first_step(scaled_simulator, 
         plain_peak = remat.measure_peak_bytes(lambda: run_step(compiled, model, inputs)).peak_bytes
         torch._dynamo.reset()
         model, inputs = make_mlp()
-        backend = remat.backend(BUDGET_FRACTION * plain_peak / 1e9, dump_dir=str(tmp_path / "dump"))
+        backend = remat.backend(BUDGET_FRACTION * plain_peak / 1e9, dump_dir=str(tmp_path / "dump"), inductor_check=True)
         compiled = torch.compile(model, backend=backend)
         run_step(compiled, model, inputs)      # the first step, measured by the feedback loop's window
         close_open_window()
@@ -183,17 +183,17 @@ def test_a_budget_no_checked_plan_meets_is_refused_naming_one_that_fits(scaled_s
     torch._dynamo.reset()
     model, inputs = make_mlp()
     with pytest.raises(remat.BudgetInfeasibleError) as probe:
-        run_step(torch.compile(model, backend=remat.backend(1e-6)), model, inputs)
+        run_step(torch.compile(model, backend=remat.backend(1e-6, inductor_check=True)), model, inputs)
     torch._dynamo.reset()
     model, inputs = make_mlp()
     with pytest.raises(remat.BudgetInfeasibleError) as refused:
-        run_step(torch.compile(model, backend=remat.backend(probe.value.min_budget_gb)), model, inputs)
+        run_step(torch.compile(model, backend=remat.backend(probe.value.min_budget_gb, inductor_check=True)), model, inputs)
     assert "Inductor-checked: graph_000's generated code peaks at" in str(refused.value)
     retry_gb = refused.value.min_budget_gb
     assert retry_gb > probe.value.min_budget_gb
     torch._dynamo.reset()
     model, inputs = make_mlp()
-    backend = remat.backend(retry_gb)
+    backend = remat.backend(retry_gb, inductor_check=True)
     run_step(torch.compile(model, backend=backend), model, inputs)
     close_open_window()
     (graph,) = backend.compiled_graphs
