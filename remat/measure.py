@@ -1,6 +1,6 @@
 """Measure the peak memory a step allocates above what was resident when it began.
 
-DESIGN.md's method. On CUDA: reset the allocator's peak, run, and take
+docs/design.md's method. On CUDA: reset the allocator's peak, run, and take
 ``max_memory_allocated() - memory_allocated()`` at start. On CPU: record the
 step under ``torch.profiler`` with ``profile_memory=True``, keep the CPU
 allocation events, sort them by time and running-sum their sizes; the maximum
@@ -177,7 +177,7 @@ class StepWindow:
 
     def open(self) -> bool:
         """Start measuring; False (nothing started) if a window is already open on this thread,
-        or, on CPU, a profiler already runs on it."""
+        or, on CPU, a profiler already runs on it or torch.distributed is initialised."""
         if open_window() is not None:
             return False
         if self.device.type == "cuda":
@@ -185,7 +185,7 @@ class StepWindow:
             torch.cuda.reset_peak_memory_stats(self.device)
             _OPEN.window = self
             return True
-        if profiler_running():
+        if profiler_running() or _distributed_cpu():
             return False
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         from torch.profiler import ProfilerActivity, profile
@@ -259,6 +259,14 @@ def _close_when_the_engine_returns(window: StepWindow) -> None:
             window.close()
 
     sys.setprofile(watch)
+
+
+def _distributed_cpu() -> bool:
+    """True under an initialised torch.distributed process group: a CPU window is not opened there.
+    A profiler session spanning a DDP step's backward (gloo's all-reduce threads running inside it)
+    crashed ranks with a segmentation fault (tests/test_distributed.py, torch 2.13); DDP and FSDP2
+    graphs are not recompiled in place by the loop anyway, and the step ledger plans them."""
+    return bool(torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
 def open_window() -> Optional[StepWindow]:
