@@ -12,7 +12,7 @@ For each zoo model (tests/models.py, same sizes as the CPU tests), in one proces
    names (x1.002), marked "min" — the same honest clamp tests/test_e2e.py uses.
 
 Per point: budget, remat's predicted peak (largest over the compiled graphs), the measured
-peak (DESIGN.md's CUDA method: ``max_memory_allocated() - memory_allocated()`` around one
+peak (docs/design.md's CUDA method: ``max_memory_allocated() - memory_allocated()`` around one
 forward + backward, gradients set to None before the window), whether it fits, the largest
 relative gradient error against plain Inductor (same seed before every step, so Inductor's
 RNG draws the same dropout masks; a gradient below 1e-5 of the largest gradient norm is

@@ -6,7 +6,7 @@
 Two gloo ranks on 127.0.0.1 (this script started again with ``--worker``), the zoo GPT as in
 ``tests/test_distributed.py`` (4 layers, no dropout, batch 4 per rank, DDP with 1 MiB
 buckets, FSDP2 ``fully_shard`` on each block and the model). Per rank: plain Inductor's
-peak on the third step (DESIGN.md's CPU method), then remat at each fraction of the larger
+peak on the third step (docs/design.md's CPU method), then remat at each fraction of the larger
 rank's plain peak. A budget the planner refuses is retried at the smallest budget it names
 (``--attempts`` times), so a row reads "60% requested; smallest feasible x% named; measured
 y%". Per graph: its share of the budget (remat/distributed.py), predicted peak and what it
@@ -230,7 +230,7 @@ def to_markdown(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) 
              + f" · torch {meta['torch']} · {meta['machine']} · load before/after "
              f"{meta['load_before']} / {meta['load_after']} · {meta['wall_s']:.0f} s", "",
              f"Zoo GPT, {CFG.n_layers} layers, batch 4 per rank. Peaks are per rank, above what was resident when the step began "
-             "(DESIGN.md's CPU method), of the third training step. Fractions are of the larger rank's plain "
+             "(docs/design.md's CPU method), of the third training step. Fractions are of the larger rank's plain "
              "Inductor peak. 1 MB = 1e6 bytes.", "",
              "| mode | rank | plain Inductor MB | requested | named smallest budgets | budget run MB (fraction) | "
              "headroom | measured MB (fraction of plain) | predicted per graph MB |",

@@ -5,7 +5,7 @@
 
 BUDGET: "none", "plain" (plain Inductor, no remat), a fraction of plain Inductor's measured peak
 (< 1, e.g. 0.9), or bytes (>= 1). Prints plain Inductor's and the remat step's measured peak
-(DESIGN.md's CPU method: allocations made inside step 3's window, each labelled with the aten op
+(docs/design.md's CPU method: allocations made inside step 3's window, each labelled with the aten op
 that made it), what is live at the measured peak grouped by op, and each graph's plan: simulated
 peak, the step where it is reached, and its dump (``report.md`` says what the simulator holds
 there). Units: bytes.

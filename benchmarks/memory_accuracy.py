@@ -9,7 +9,7 @@ at no budget, then at ~70% and ~50% of its measured no-remat peak. A budget no p
 is replaced by the smallest feasible budget the planner names (marked "min"). For each plan:
 
 - predicted: ``plan.predicted_peak_bytes``, the planner's simulated peak;
-- measured: DESIGN.md's CPU method (profiler allocation events, running sum) around one
+- measured: docs/design.md's CPU method (profiler allocation events, running sum) around one
   step ``out = compiled(x); out.float().sum().backward()`` after a warm-up step, with the
   gradients set to None and garbage collected *before* the window and the collector off in
   it, counting only allocations made inside the window (a free of older memory, e.g. a
@@ -173,7 +173,7 @@ def _markdown(result: dict[str, Any]) -> str:
         f"{machine['threads']} threads), {machine['platform']}; {result['date']}.",
         "",
         "Peak bytes above the step's starting baseline, 1 MB = 1e6 bytes; budgets in GB (1e9 bytes).",
-        "Predicted: remat's simulated peak of the plan; measured: DESIGN.md's CPU profiler method",
+        "Predicted: remat's simulated peak of the plan; measured: docs/design.md's CPU profiler method",
         "(allocations made inside one step; see the script's docstring). Error = predicted/measured - 1;",
         f"|error| <= {TOLERANCE:.0%} passes. \"min\": the requested budget is infeasible, the smallest",
         "feasible budget the planner names is used instead.",

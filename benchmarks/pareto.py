@@ -26,7 +26,7 @@ below every budget that fitted (budgets within 1% of each other are planned once
 The CPU runs use one torch thread and record the machine's load average: other processes share
 its cores. Run with ``PYTHONHASHSEED=0`` (the planner's choices depend on set order).
 
-Per point: the measured peak above the memory resident at step start (DESIGN.md's method,
+Per point: the measured peak above the memory resident at step start (docs/design.md's method,
 ``remat.measure_peak_bytes``; the largest of ``--peak-rounds`` + 1 measurements), the median
 step, forward and backward time over ``--reps`` steps (runs interleaved A B C A B C, each
 round in a rotated order), the gradients against plain Inductor with the same seed, and
@@ -449,7 +449,7 @@ def render_markdown(result: dict[str, Any], points: list[Point]) -> str:
         load_average_line(result.get("load_average")),
         f"- source: commit {result['source']['commit'][:12]}" + source_note(result["source"]),
         f"- peak: memory allocated during one forward + backward above what was resident at step start "
-        f"(DESIGN.md; {'CUDA allocator' if result['device'].startswith('cuda') else 'CPU profiler'}), the largest of "
+        f"(docs/design.md; {'CUDA allocator' if result['device'].startswith('cuda') else 'CPU profiler'}), the largest of "
         f"{result['settings']['peak_measurements']} measurements, in MB (1 MB = 1e6 bytes; 1 GB = 1e9 bytes)",
         f"- times: medians over {result['settings']['reps']} steps per method, run interleaved (one step of every method "
         "per round, each round in a rotated order); spread = interquartile range / median of the step time",

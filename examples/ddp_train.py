@@ -6,7 +6,7 @@ Each rank wraps the GPT in DDP (small buckets, so Dynamo's DDP optimizer splits 
 into pieces), compiles it with ``remat.backend(budget_gb=...)`` and trains a few steps on its
 own batch (gloo on CPU, nccl on CUDA). Each rank prints its budget, how remat split it across
 the pieces (each piece's planning target and predicted peak), and the peak it measured on the
-last step (DESIGN.md's method: memory allocated above what was resident when the step began),
+last step (docs/design.md's method: memory allocated above what was resident when the step began),
 next to plain Inductor's. 1 GB = 1e9 bytes, 1 MB = 1e6 bytes.
 """
 

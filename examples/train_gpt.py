@@ -3,7 +3,7 @@
     python examples/train_gpt.py --budget-gb 0.03 --steps 5 --dump-dir remat_dump
 
 Prints the budget, the peak remat predicted for the compiled forward + backward, the peak
-measured on one step (DESIGN.md's method: memory allocated above what was resident when
+measured on one step (docs/design.md's method: memory allocated above what was resident when
 the step began), the median step time next to plain ``backend="inductor"``'s, and where
 the dump went. 1 GB = 1e9 bytes, 1 MB = 1e6 bytes.
 """

@@ -3,7 +3,7 @@
 Under DDP, Dynamo's DDP optimizer splits the step into pieces (at DDP's bucket boundaries)
 and remat plans each piece separately; under FSDP2 (torch 2.13), each ``fully_shard`` unit's
 forward compiles as its own graph, shared by every unit of the same class. The budget
-(DESIGN.md: the peak above what was resident at step start, per rank) holds for the whole
+(docs/design.md: the peak above what was resident at step start, per rank) holds for the whole
 step, so each graph gets a *planning target*: the simulated peak its plan must meet.
 
 The step, as the ledger models it (pieces in forward order, k = 0 .. n-1)::

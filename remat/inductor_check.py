@@ -8,7 +8,7 @@ every ``del`` (where Python frees a buffer at its last reference), every buffer 
 reuses (``bufB = bufA; del bufA  # reuse``: the memory stays held from ``bufA``'s last use to
 ``bufB``'s allocation), every in-place write into an input, and the sizes of library calls'
 outputs (``assert_size_stride``). ``replay_wrapper`` walks that code and counts live bytes;
-``checked_step_peak`` composes the two graphs the way the budget counts a step (DESIGN.md):
+``checked_step_peak`` composes the two graphs the way the budget counts a step (docs/design.md):
 
 - the forward's own peak, above what was resident when it started (its inputs: parameters,
   buffers and the batch are the resident baseline and cost nothing);

@@ -13,7 +13,7 @@
 Each ``StepMonitor.step`` times the forward, the backward and the whole step as three
 separate numbers (on CUDA with CUDA events, synchronising once at the step's end; on CPU
 with the host clock). Every ``measure_peak_every``-th step it also measures the peak
-memory allocated above what was resident when the step began (DESIGN.md's method, through
+memory allocated above what was resident when the step began (docs/design.md's method, through
 ``remat.measure_peak_bytes``: CUDA allocator stats, or the CPU profiler, which slows that
 step down; opt-in for that reason, and the times of such a step are not used for checks).
 

@@ -1,4 +1,4 @@
-"""Diagnostic: the measured allocation timeline of a zoo model's compiled step (DESIGN.md's CPU
+"""Diagnostic: the measured allocation timeline of a zoo model's compiled step (docs/design.md's CPU
 method), each allocation labelled with the op that made it, and what is live at the measured peak;
 next to it, the simulated peak and what the simulator holds live there.
 
