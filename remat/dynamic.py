@@ -25,14 +25,12 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
-import sympy
-import torch
 from torch import fx
 
 from . import _torch_shapes
-from .cost_model.tensors import iter_tensors, sizes_evaluated_at
+from .cost_model.tensors import sizes_evaluated_at
 from .errors import BudgetInfeasibleError
 from .units import format_bytes
 
@@ -86,17 +84,6 @@ class SizeEnvironment:
         return ", ".join(s.describe() for s in self.symbols)
 
 
-def _size_symbol_names(graphs: Iterable[fx.Graph]) -> set[str]:
-    names: set[str] = set()
-    for graph in graphs:
-        for node in graph.nodes:
-            for tensor in iter_tensors(node.meta.get("val")):
-                for size in tensor.shape:
-                    if isinstance(size, torch.SymInt):
-                        names.update(str(s) for s in sympy.sympify(size.node.expr).free_symbols)
-    return names
-
-
 def size_environment(graphs: Sequence[fx.Graph]) -> SizeEnvironment:
     """The sizes to plan ``graphs`` (one joint graph, or its forward and backward) at.
 
@@ -107,7 +94,9 @@ def size_environment(graphs: Sequence[fx.Graph]) -> SizeEnvironment:
     shape_env = next((env for g in graphs if (env := _torch_shapes.shape_env_of(g)) is not None), None)
     if shape_env is None:
         return SizeEnvironment()
-    names = _size_symbol_names(graphs)
+    from .sizing import size_symbols
+
+    names = set().union(*(size_symbols(graph) for graph in graphs))
     sources = _torch_shapes.source_names(shape_env)
     symbols = [SizeSymbol(str(sym), sources.get(str(sym), "?"), traced, _torch_shapes.upper_bound(shape_env, sym))
                for sym, traced in _torch_shapes.traced_values(shape_env).items() if str(sym) in names]

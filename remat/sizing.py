@@ -114,7 +114,7 @@ def _mark_inputs(example_inputs: Sequence[Any], dynamic: Sequence[tuple[int, int
     return inputs
 
 
-def _size_symbols(graph: fx.Graph) -> set[str]:
+def size_symbols(graph: fx.Graph) -> set[str]:
     """Names of the symbols that appear in tensor sizes (not ``.item()`` values such as a counter)."""
     names: set[str] = set()
     for node in graph.nodes:
@@ -132,7 +132,7 @@ def _grown_symbols(graphs: list[_Graph], symbol: Optional[str]) -> tuple[tuple[s
     for g in graphs:
         hints.update({str(s): v for s, v in shape_hints(g.joint.graph).items()})
         sources.update(symbol_sources(g.joint.graph))
-        in_sizes |= _size_symbols(g.joint.graph)
+        in_sizes |= size_symbols(g.joint.graph)
     used = sorted(s for s in hints if s in sources and s in in_sizes)
     if not used:
         raise ValueError("the traced graphs have no dynamic size: pass dynamic=[(input index, dim), ...] for the "

@@ -225,3 +225,23 @@ class BaselineCache:
 @pytest.fixture(scope="session")
 def no_remat_peak(tmp_path_factory: pytest.TempPathFactory) -> BaselineCache:
     return BaselineCache(tmp_path_factory)
+
+
+def scale_simulated_peaks(monkeypatch: pytest.MonkeyPatch, scale: float) -> None:
+    """Make remat's simulator wrong on purpose: every simulated peak and timeline is multiplied by
+    ``scale`` (< 1: the planner believes plans use less memory than they do, as on a model it
+    mis-models), for the feedback loop's, the Inductor check's and the step budget's tests."""
+    import dataclasses
+
+    from remat.passes import schedule
+
+    real = schedule.simulate_partition
+
+    def scaled(facts, partition):
+        run = real(facts, partition)
+        sim = run.simulation
+        wrong = dataclasses.replace(sim, peak_bytes=int(sim.peak_bytes * scale),
+                                    timeline_bytes=tuple(int(b * scale) for b in sim.timeline_bytes))
+        return dataclasses.replace(run, simulation=wrong)
+
+    monkeypatch.setattr(schedule, "simulate_partition", scaled)

@@ -9,7 +9,6 @@ Inductor's throughout; a fresh backend reads the stored correction and fits at o
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -24,8 +23,7 @@ from remat import feedback_store
 from remat.feedback import MAX_REPLANS, VerifiedGraph, judge
 from remat.feedback_store import Correction, clear_corrections, read_correction, write_correction
 from remat.measure import close_open_window, profiler_running
-from remat.passes import schedule
-from conftest import assert_grads_close, grads_of, run_step
+from conftest import assert_grads_close, grads_of, run_step, scale_simulated_peaks
 from models import MLP
 
 SIM_SCALE = 0.7             # the wrong simulator's peaks are 70% of the real simulator's
@@ -176,16 +174,7 @@ def test_a_graph_called_twice_per_step_measures_its_last_call():
 def scaled_simulator(monkeypatch):
     """Every simulated peak and timeline scaled by SIM_SCALE: the planner believes plans use 30%
     less memory than its own simulator (and Inductor) say, as on a model it mis-models."""
-    real = schedule.simulate_partition
-
-    def scaled(facts, partition):
-        run = real(facts, partition)
-        sim = run.simulation
-        wrong = dataclasses.replace(sim, peak_bytes=int(sim.peak_bytes * SIM_SCALE),
-                                    timeline_bytes=tuple(int(b * SIM_SCALE) for b in sim.timeline_bytes))
-        return dataclasses.replace(run, simulation=wrong)
-
-    monkeypatch.setattr(schedule, "simulate_partition", scaled)
+    scale_simulated_peaks(monkeypatch, SIM_SCALE)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ fits.
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -21,9 +20,8 @@ from torch import nn
 import remat
 from remat.errors import BudgetInfeasibleError
 from remat.measure import close_open_window
-from remat.passes import schedule
 from remat.step_budget import StepAccount, StepGraph, later_demand_bytes, share_in_step, slot_of, step_overruns
-from conftest import assert_grads_close, grads_of, run_step
+from conftest import assert_grads_close, grads_of, run_step, scale_simulated_peaks
 
 # The steps that may run over (remat/step_budget.py): the first (the sequence is unknown), and the
 # second, which re-plans the graphs inside the step it measures.
@@ -196,16 +194,7 @@ def test_the_step_fits_the_budget_across_graph_breaks(breaks, fraction, dropout,
 @pytest.fixture
 def scaled_simulator(monkeypatch):
     """Every simulated peak scaled by ``SIM_SCALE``: the planner believes plans use half what they do."""
-    real = schedule.simulate_partition
-
-    def scaled(facts, partition):
-        run = real(facts, partition)
-        sim = run.simulation
-        wrong = dataclasses.replace(sim, peak_bytes=int(sim.peak_bytes * SIM_SCALE),
-                                    timeline_bytes=tuple(int(b * SIM_SCALE) for b in sim.timeline_bytes))
-        return dataclasses.replace(run, simulation=wrong)
-
-    monkeypatch.setattr(schedule, "simulate_partition", scaled)
+    scale_simulated_peaks(monkeypatch, SIM_SCALE)
 
 
 @pytest.mark.e2e

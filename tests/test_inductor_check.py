@@ -12,8 +12,7 @@ import torch
 import remat
 from remat.measure import close_open_window
 from remat.inductor_check import GraphCode, InputStorage, checked_step_peak, judge_plan, replay_wrapper
-from remat.passes import schedule
-from conftest import assert_grads_close, grads_of, run_step
+from conftest import assert_grads_close, grads_of, run_step, scale_simulated_peaks
 from models import MLP
 
 MiB = 1 << 20
@@ -117,16 +116,7 @@ def make_mlp():
 @pytest.fixture
 def scaled_simulator(monkeypatch):
     """Every simulated peak and timeline scaled by SIM_SCALE (as tests/test_feedback.py does)."""
-    real = schedule.simulate_partition
-
-    def scaled(facts, partition):
-        run = real(facts, partition)
-        sim = run.simulation
-        wrong = dataclasses.replace(sim, peak_bytes=int(sim.peak_bytes * SIM_SCALE),
-                                    timeline_bytes=tuple(int(b * SIM_SCALE) for b in sim.timeline_bytes))
-        return dataclasses.replace(run, simulation=wrong)
-
-    monkeypatch.setattr(schedule, "simulate_partition", scaled)
+    scale_simulated_peaks(monkeypatch, SIM_SCALE)
 
 
 def test_the_judge_repairs_a_wrong_plan_before_the_first_step(scaled_simulator, tmp_path, monkeypatch):
