@@ -101,13 +101,15 @@ def _run(baseline: BaselineCache, tmp_factory: pytest.TempPathFactory, name: str
 
 def test_the_no_remat_baseline_recomputes_nothing(no_remat_peak):
     """The base of the ~70% / ~50% budgets is a no-recomputation run (only values the forward
-    keeps in registers are rebuilt by the backward's kernels), with eager's gradients."""
+    keeps in registers are rebuilt by the backward's kernels, and views of a saved value, which
+    cost nothing: each storage is saved once), with eager's gradients."""
     for name in ZOO:
         run = no_remat_peak.save_all_run(name)
         plan = _only_plan(run)
         assert plan.solver.startswith("save-all") and plan.budget_bytes is None
         rebuilt = {d.name: d.reason for d in plan.decisions if d.decision == "recompute"}
-        assert all(r.startswith("kept in registers") for r in rebuilt.values()), f"{name}: {rebuilt}"
+        assert all(r.startswith(("kept in registers", "a view of a saved value")) for r in rebuilt.values()), \
+            f"{name}: {rebuilt}"
         assert plan.predicted_peak_bytes == plan.no_remat_peak_bytes
         assert_grads_close(run.grads, run.eager_grads)
 

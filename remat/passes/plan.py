@@ -85,6 +85,7 @@ def _decisions(facts: JointGraphFacts, chosen: Evaluated, mincut: frozenset[str]
     part = chosen.partition
     dropped_set = set(dropped)
     in_registers = register_only(facts)
+    saved_storages = {sid for n in part.saved for sid in facts.nodes[n].value_storages}
     decisions = []
     for name in facts.order:
         node = facts.nodes[name]
@@ -103,6 +104,9 @@ def _decisions(facts: JointGraphFacts, chosen: Evaluated, mincut: frozenset[str]
             if name in dropped_set:
                 reason = (f"dropped to meet the budget: frees {format_bytes(saved_cost_bytes(facts, name))} "
                           "between its last forward use and its first backward use")
+            elif node.is_view and set(node.value_storages) & saved_storages:
+                reason = ("a view of a saved value: rebuilt from it in the backward at no cost (each storage is "
+                          "saved once: two saved aliases would both be donated to the backward)")
             elif name in in_registers:
                 reason = ("kept in registers by its fused forward kernel: saving it would add a store to that "
                           "kernel; the backward rebuilds it inside its own")
