@@ -13,8 +13,9 @@ overwritten data, and a gradient is silently wrong (issue 15: a weight's gradien
 
 The rule: when several saved values share a storage, the plan saves the value that owns the
 storage (the node that allocates it) and rebuilds the others in the backward as views of it,
-which costs no memory and no compute. A storage owned by a primal is resident: its views are
-rebuilt from the primal. One saved value per storage cannot race with itself.
+which costs no memory and no compute. Views of a primal (a transposed weight) share the input's
+storage, which AOTAutograd never donates, so they are left as the plan chose them. One saved value
+per storage cannot race with itself.
 """
 
 from __future__ import annotations
@@ -38,30 +39,37 @@ def _storage_owner(facts: JointGraphFacts, storage: str) -> Optional[str]:
     return None
 
 
-def shared_storage_groups(facts: JointGraphFacts, saved: AbstractSet[str]) -> dict[str, list[str]]:
-    """The storages that two or more of ``saved`` refer to, each with those values (sorted)."""
+def shared_storage_groups(facts: JointGraphFacts, saved: AbstractSet[str]) -> dict[str, tuple[str, list[str]]]:
+    """The storages an intermediate owns that two or more of ``saved`` refer to: storage ->
+    (its owner, those values, sorted). Storages of primals are left out: AOTAutograd never
+    donates a saved tensor that aliases an input."""
     by_storage: dict[str, list[str]] = {}
     for name in saved:
         for storage in facts.nodes[name].value_storages:
             by_storage.setdefault(storage, []).append(name)
-    return {storage: sorted(names) for storage, names in sorted(by_storage.items()) if len(names) > 1}
+    groups = {}
+    for storage, names in sorted(by_storage.items()):
+        allocator = facts.nodes.get(storage.split("#")[0])   # a storage id is its allocating node's name
+        if len(names) < 2 or (allocator is not None and allocator.role != "forward"):
+            continue
+        owner = _storage_owner(facts, storage)
+        if owner is None:   # every storage a value refers to is allocated by some node
+            raise RuntimeError(f"remat: no node of the joint graph allocates storage {storage!r}, which the saved "
+                               f"values {sorted(names)} share; cannot make the plan save it once.")
+        if facts.nodes[owner].role == "forward":
+            groups[storage] = (owner, sorted(names))
+    return groups
 
 
 def one_value_per_storage(facts: JointGraphFacts, saved: AbstractSet[str]) -> Optional[set[str]]:
-    """``saved`` with every group of values sharing a storage replaced by the storage's owner
-    (dropped only, where the owner is a primal: resident, never saved), or None when no two
-    values of ``saved`` share a storage. The dropped values are views of the owner, so the
-    caller's closure rebuilds them in the backward from it."""
+    """``saved`` with every group of ``shared_storage_groups`` replaced by the storage's owner, or
+    None when there is none. The dropped values are views of the owner, so the caller's closure
+    rebuilds them in the backward from it."""
     groups = shared_storage_groups(facts, saved)
     if not groups:
         return None
     result = set(saved)
-    for storage, names in groups.items():
-        owner = _storage_owner(facts, storage)
-        if owner is None:   # every storage a value refers to is allocated by some node
-            raise RuntimeError(f"remat: no node of the joint graph allocates storage {storage!r}, which the saved "
-                               f"values {names} share; cannot make the plan save it once.")
+    for owner, names in groups.values():
         result.difference_update(names)
-        if facts.nodes[owner].role == "forward":
-            result.add(owner)
+        result.add(owner)
     return result
