@@ -23,20 +23,18 @@ from __future__ import annotations
 from typing import AbstractSet, Optional
 
 from .joint_graph import JointGraphFacts
+from .kernel_steps import storage_owner
 
 
 def _storage_owner(facts: JointGraphFacts, storage: str) -> Optional[str]:
-    """The node whose value *is* ``storage`` (not a view of it): the node that allocates it, or
-    for one output of a multi-output op, the getitem that selects that output."""
-    for name in facts.order:
-        node = facts.nodes[name]
-        if node.is_view:
-            continue
-        if node.is_getitem and node.value_storages == (storage,):
-            return name
-        if not node.is_multi_output and any(sid == storage for sid, _ in node.allocs):
-            return name
-    return None
+    """The node whose value *is* ``storage`` (not a view of it): the node that allocates it
+    (``kernel_steps.storage_owner`` names it), or for one output of a multi-output op, the
+    getitem that selects that output (found by a walk: only such storages need one)."""
+    allocator = facts.nodes.get(storage_owner(storage))
+    if allocator is None or not allocator.is_multi_output:
+        return None if allocator is None else allocator.name
+    return next((name for name in facts.users[allocator.name]
+                 if facts.nodes[name].is_getitem and facts.nodes[name].value_storages == (storage,)), None)
 
 
 def shared_storage_groups(facts: JointGraphFacts, saved: AbstractSet[str]) -> dict[str, tuple[str, list[str]]]:
@@ -49,8 +47,7 @@ def shared_storage_groups(facts: JointGraphFacts, saved: AbstractSet[str]) -> di
             by_storage.setdefault(storage, []).append(name)
     groups = {}
     for storage, names in sorted(by_storage.items()):
-        allocator = facts.nodes.get(storage.split("#")[0])   # a storage id is its allocating node's name
-        if len(names) < 2 or (allocator is not None and allocator.role != "forward"):
+        if len(names) < 2:
             continue
         owner = _storage_owner(facts, storage)
         if owner is None:   # every storage a value refers to is allocated by some node
