@@ -151,8 +151,9 @@ def _partition_with_plan(joint: fx.GraphModule, plan: Plan, num_fwd_outputs: int
 
 
 def read_facts(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int, hardware: str,
-               estimator: str = "roofline"):
+               estimator: str = "roofline", outputs_held: bool = False):
     """Prepare a joint graph for planning (dead code out, dropout split) and read its facts.
+    ``outputs_held``: ``JointGraphFacts.outputs_held``.
 
     ``estimator="profile"`` times the graph's real kernels once (cached by graph hash)
     and uses those times instead of the roofline.
@@ -163,7 +164,7 @@ def read_facts(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_ou
     profile = get_profile(hardware, _device_of(joint_inputs))
     measured = measure_node_times(joint.graph) if estimator == "profile" else None
     costs = annotate_costs(joint.graph, profile, measured_times=measured)
-    return read_joint_graph(joint.graph, costs, num_fwd_outputs), profile
+    return read_joint_graph(joint.graph, costs, num_fwd_outputs, outputs_held), profile
 
 
 def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], *, hardware: str = "auto",
@@ -391,7 +392,7 @@ class RematBackend:
             if rejected:
                 self.compiled_graphs.pop()      # the plan this one replaces
             self.compiled_graphs.append(record)
-            checked = checked_peak_of(capture.graphs, _device_of(args).type)
+            checked = checked_peak_of(capture.graphs, _device_of(args).type, self.options.outputs_held)
             verdict = judge_plan(record.plan.predicted_peak_bytes, None if checked is None else checked.peak_bytes,
                                  record.base_target_bytes, record.plan.budget_bytes,
                                  may_replan=record.plan.fits_budget and round_ < MAX_JUDGED_REPLANS,
@@ -462,7 +463,8 @@ class RematBackend:
 
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
         key_code = joint.code        # before read_facts edits the graph: the key the next process computes
-        facts, profile = read_facts(joint, joint_inputs, num_fwd_outputs, self.options.hardware, self.options.estimator)
+        facts, profile = read_facts(joint, joint_inputs, num_fwd_outputs, self.options.hardware, self.options.estimator,
+                                    self.options.outputs_held)
         if not any(n.role == "backward" for n in facts.nodes.values()):
             return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                      static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
@@ -567,6 +569,7 @@ def backend(
     estimator: str = "roofline",
     verify_peak: int = 1,
     inductor_check: bool = False,
+    outputs_held: bool = False,
 ) -> RematBackend:
     """A torch.compile backend that fits each compiled forward+backward under ``budget_gb``.
 
@@ -588,9 +591,11 @@ def backend(
     re-planned with the simulator's error it now knows (remat/feedback.py); 0 turns that off.
     ``inductor_check=True``: before its first step, each plan's peak is read from the code Inductor
     generated for it and a plan over its target is re-planned (remat/inductor_check.py); the
-    plan is then accepted on that Inductor-checked peak. Off by default (it counts the model's
-    outputs live through the backward and may refuse budgets the measured step fits): the
-    simulated peak stands and the feedback loop corrects it from the measured step.
+    plan is then accepted on that Inductor-checked peak. Off by default: the simulated peak
+    stands and the feedback loop corrects it from the measured step.
+    ``outputs_held=True``: the training step keeps the model's outputs alive through its backward
+    (``out = step(x); loss_fn(out).backward(); print(out)``); by default they are planned to die
+    when the forward returns, as in ``loss_fn(step(x)).backward()``, unless the backward reads them.
     ``solver``: "greedy" (default, fast) or "milp" (exact, small graphs only: larger ones raise
     ValueError at compile time; it keeps its best verified plan after ``milp_time_limit_s`` seconds
     and falls back to "greedy" on failure, and ``Plan.solver`` says which answered and why).
@@ -600,7 +605,7 @@ def backend(
         budget_gb, dump_dir=dump_dir, hardware=hardware, solver=solver, milp_time_limit_s=milp_time_limit_s,
         best_effort=best_effort,
         headroom_fraction=headroom_fraction, pareto_points=pareto_points, estimator=estimator, free_bytes_for_auto=_free_device_bytes() if needs_free else None,
-        verify_peak=verify_peak, inductor_check=inductor_check,
+        verify_peak=verify_peak, inductor_check=inductor_check, outputs_held=outputs_held,
     )
     return RematBackend(options)
 

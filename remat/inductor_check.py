@@ -15,8 +15,10 @@ outputs (``assert_size_stride``). ``replay_wrapper`` walks that code and counts 
 - then the backward, starting from what the forward handed over: every storage the forward
   returned (saved tensors and user outputs; a returned input or a view of one costs nothing),
   plus the incoming gradients (tangents, made by the autograd engine before the backward
-  runs). Saved storages no user output shares are freed where the backward drops its last
-  reference (AOTAutograd donates them), as the generated code says; user outputs stay.
+  runs, and held by it until the backward returns, whatever the code's last reader). Saved storages no user output shares are freed where the backward drops its last
+  reference (AOTAutograd donates them), as the generated code says. User outputs the backward
+  does not read stay only when the caller holds them through its backward (``outputs_held``,
+  the same convention as the simulator's); by default the caller dropped them.
 
 What it does not see, and so may still differ from the measured peak by: memory a library
 call allocates inside itself (workspaces of matmul or convolution libraries), what the eager
@@ -95,9 +97,8 @@ class CheckedPeak:
     the backward starts with (plus its incoming gradients, ``tangent_bytes``);
     ``backward_peak_bytes``: the backward's peak, those included. ``peak_bytes`` is the larger
     of the two peaks. ``held_output_bytes``: the forward's user outputs the backward does not
-    read, counted live through the backward (as the simulator counts them; a caller that drops
-    them before its backward peaks up to that much lower). ``unsized`` counts library-call
-    outputs of unknown size (0 bytes)."""
+    read that were counted live through the backward (0 unless the caller holds its outputs,
+    ``outputs_held``). ``unsized`` counts library-call outputs of unknown size (0 bytes)."""
 
     peak_bytes: int
     forward_peak_bytes: int
@@ -268,9 +269,11 @@ def _output_storage(state: _Live, value: str) -> Optional[str]:
 
 
 def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
-                      fallback_itemsize: int = 4) -> Optional[CheckedPeak]:
+                      fallback_itemsize: int = 4, outputs_held: bool = False) -> Optional[CheckedPeak]:
     """The step's peak above its start, composed from the generated forward and backward (see
-    the module docstring); None when either wrapper cannot be read exactly."""
+    the module docstring); None when either wrapper cannot be read exactly. ``outputs_held``:
+    the caller keeps the forward's user outputs through the backward (else they die when the
+    forward returns, unless the backward reads them; ``JointGraphFacts.outputs_held``)."""
     fw = replay_wrapper(forward.source_code, {}, device_type, fallback_itemsize, "forward")
     if fw is None or len(fw.outputs) != len(forward.output_names):
         return None
@@ -283,13 +286,15 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
     inputs: dict[str, InputStorage] = {}
     tangent_bytes = 0
     for name, nbytes in zip(backward.input_names, backward.input_bytes):
-        if name.startswith("tangents_"):
-            inputs[name] = InputStorage(f"tangent:{name}", nbytes, True)
+        if name.startswith("tangents_"):    # the autograd engine holds them until the backward returns
+            inputs[name] = InputStorage(f"tangent:{name}", nbytes, False)
             tangent_bytes += nbytes
         elif (storage := by_name.get(name)) is not None:
             inputs[name] = InputStorage(storage, fw.storage_bytes[storage], storage not in user_storages)
     handed = {s for s in fw.outputs if s is not None}
     held = handed - {s.storage for s in inputs.values()}        # returned, not read by the backward
+    if not outputs_held:
+        held -= user_storages                                   # the caller dropped them before its backward
     for storage in held:
         inputs[f"held:{storage}"] = InputStorage(storage, fw.storage_bytes[storage], False)
     bw = replay_wrapper(backward.source_code, inputs, device_type, fallback_itemsize, "backward")
@@ -382,7 +387,8 @@ def judge_plan(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], tar
     return Judgement("accepted over target" if within else "over budget", *record, factor, **named)
 
 
-def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str) -> Optional[CheckedPeak]:
+def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str,
+                    outputs_held: bool = False) -> Optional[CheckedPeak]:
     """The step's Inductor-checked peak from the graphs one compile produced, as
     ``(is_backward, code, activation itemsize)``: None unless exactly one forward and one backward
     were compiled, both can be read, and every library-call output's size is stated (a check
@@ -391,7 +397,7 @@ def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: 
     backwards = [code for is_backward, code, _ in graphs if is_backward]
     if len(forwards) != 1 or len(backwards) != 1:
         return None
-    checked = checked_step_peak(forwards[0][0], backwards[0], device_type, forwards[0][1])
+    checked = checked_step_peak(forwards[0][0], backwards[0], device_type, forwards[0][1], outputs_held)
     return None if checked is None or checked.unsized else checked
 
 

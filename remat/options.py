@@ -62,6 +62,11 @@ class RematOptions:
     # the model's outputs live through the backward, and refused budgets the measured step fitted (the zoo
     # GPT at 50% of plain Inductor's peak). False: the simulated peak stands and the feedback loop corrects it.
     inductor_check: bool = False
+    # Whether the training step keeps the model's outputs alive through its backward (``out = step(x);
+    # loss_fn(out).backward(); use(out)``). False (the usual ``loss_fn(step(x)).backward()``): they are
+    # planned to die when the forward returns unless the backward reads them; a step that does hold them
+    # measures over a tight budget once and the feedback loop re-plans it (remat/feedback.py).
+    outputs_held: bool = False
 
     def headroom_for(self, device_type: str, modeled: bool = True) -> float:
         """The headroom a graph running on ``device_type`` ("cpu", "cuda", ...) is planned with:
@@ -92,7 +97,8 @@ class RematOptions:
         return (
             f"budget={self.budget_bytes};hw={self.hardware};solver={self.solver};milp_s={self.milp_time_limit_s};"
             f"best_effort={self.best_effort};headroom={'by-device' if self.headroom_fraction is None else self.headroom_fraction};"
-            f"estimator={self.estimator};verify_peak={self.verify_peak};inductor_check={self.inductor_check}"
+            f"estimator={self.estimator};verify_peak={self.verify_peak};inductor_check={self.inductor_check};"
+            f"outputs_held={self.outputs_held}"
         )
 
 
@@ -231,6 +237,7 @@ def make_options(
     free_bytes_for_auto: Optional[int] = None,
     verify_peak: int = DEFAULT_VERIFY_PEAK,
     inductor_check: bool = False,
+    outputs_held: bool = False,
 ) -> RematOptions:
     """Validate every user-facing argument and build the frozen options record (``dump_dir``
     is created and checked writable here, before anything is traced)."""
@@ -263,6 +270,9 @@ def make_options(
                          f"{DEFAULT_VERIFY_PEAK}; 0 turns the feedback loop off).")
     if not isinstance(inductor_check, bool):
         raise TypeError(f"inductor_check={inductor_check!r} must be a bool.")
+    if not isinstance(outputs_held, bool):
+        raise TypeError(f"outputs_held={outputs_held!r} must be a bool: True when the training step keeps the "
+                        "model's outputs alive through its backward, False (the default) when it drops them first.")
     budget_bytes: Optional[int]
     if budget == "auto":
         if free_bytes_for_auto is None:
@@ -285,4 +295,5 @@ def make_options(
         estimator=estimator,
         verify_peak=verify_peak,
         inductor_check=inductor_check,
+        outputs_held=outputs_held,
     )

@@ -74,12 +74,25 @@ def test_a_step_peak_composes_the_forward_and_the_backward():
     forward = GraphCode(FORWARD, ("primals_1", "primals_2"), ("out", "saved_a", "primals_2"), (0, 0))
     backward = GraphCode(BACKWARD.replace("buf1", "buf15"), ("primals_1", "saved_a", "tangents_1"),
                          ("", "", ""), (0, 0, 4096))
-    checked = checked_step_peak(forward, backward, "cpu")
+    checked = checked_step_peak(forward, backward, "cpu", outputs_held=True)
     assert checked.forward_peak_bytes == MiB + 8192
     assert checked.handed_bytes == MiB + 4096 and checked.tangent_bytes == 4096
     assert checked.backward_peak_bytes == (MiB + 4096 + 4096) + MiB + 1024
     assert checked.peak_bytes == checked.backward_peak_bytes and checked.unsized == 0
     assert checked.held_output_bytes == 4096           # the user output, 1024 fp32
+
+
+def test_a_caller_that_drops_its_outputs_frees_them_before_the_backward():
+    """The default convention (``outputs_held=False``): the user output the backward does not read
+    died when the forward returned, so the backward starts 4 KiB lower; the forward is unchanged."""
+    forward = GraphCode(FORWARD, ("primals_1", "primals_2"), ("out", "saved_a", "primals_2"), (0, 0))
+    backward = GraphCode(BACKWARD.replace("buf1", "buf15"), ("primals_1", "saved_a", "tangents_1"),
+                         ("", "", ""), (0, 0, 4096))
+    held = checked_step_peak(forward, backward, "cpu", outputs_held=True)
+    dropped = checked_step_peak(forward, backward, "cpu")
+    assert dropped.forward_peak_bytes == held.forward_peak_bytes
+    assert dropped.backward_peak_bytes == held.backward_peak_bytes - 4096
+    assert dropped.held_output_bytes == 0
 
 
 JUDGE_TABLE = [
@@ -148,9 +161,9 @@ def test_the_judge_repairs_a_wrong_plan_before_the_first_step(scaled_simulator, 
     if len(accepted.judgement.rejected) == 1:
         assert abs(accepted.plan.target_bytes - first.new_target_bytes) <= 1
     assert first_peak <= budget, (first_peak, budget)
-    # the check holds the model's output until the backward (as the simulator does); this step
-    # drops it before (conftest.run_step): 512 x 64 fp32 = 128 KiB, 3.9% of the peak here
-    assert first_peak <= accepted.judgement.checked_peak_bytes <= 1.05 * first_peak, \
+    # this step drops the model's output before its backward (conftest.run_step), as the check assumes
+    # by default (outputs_held=False); what the check cannot see is the eager loss's few bytes
+    assert abs(accepted.judgement.checked_peak_bytes - first_peak) <= 0.01 * first_peak, \
         (accepted.judgement.checked_peak_bytes, first_peak)
     assert_grads_close(first_grads, plain_grads)
     directory = tmp_path / "dump" / accepted.graph_id
@@ -189,7 +202,7 @@ def test_a_budget_no_checked_plan_meets_is_refused_naming_one_that_fits(scaled_s
     (graph,) = backend.compiled_graphs
     (event,) = backend.feedback_events
     assert graph.judgement.action in ("accepted", "accepted over target"), graph.judgement
-    assert event.action == "within budget" and event.measured_peak_bytes <= backend.options.budget_bytes
+    assert event.action == "within budget" and event.measured_peak_bytes <= backend.options.budget_bytes, (event, graph.judgement)
 
 
 def test_a_library_output_of_unstated_size_leaves_the_plan_on_its_simulated_peak():

@@ -92,6 +92,10 @@ class JointGraphFacts:
     bwd_outputs: tuple[str, ...]
     forward_required: frozenset[str]      # forward candidates the forward outputs (or side effects) need
     needed_by_backward: tuple[str, ...]   # forward candidates and primals read by a backward node
+    # Whether the step keeps the forward's outputs alive through the backward (the caller holds them).
+    # False: they die when the forward returns, unless the backward reads them; the usual training step
+    # ``loss_fn(model(x)).backward()`` drops them before its backward starts (``RematOptions.outputs_held``).
+    outputs_held: bool = False
 
     def position(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.order)}
@@ -256,8 +260,10 @@ def _ancestors(roots: list[fx.Node], stop: set[str]) -> set[str]:
     return seen
 
 
-def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_outputs: int) -> JointGraphFacts:
-    """Collect the facts the planner needs; requires ``costs`` for every node name."""
+def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_outputs: int,
+                     outputs_held: bool = False) -> JointGraphFacts:
+    """Collect the facts the planner needs; requires ``costs`` for every node name.
+    ``outputs_held``: see ``JointGraphFacts.outputs_held``."""
     output = graph.find_nodes(op="output")[0]
     flat_outputs = [o for o in torch.utils._pytree.tree_leaves(output.args)]
     fwd_outputs = [o for o in flat_outputs[:num_fwd_outputs] if isinstance(o, fx.Node)]
@@ -320,4 +326,5 @@ def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_out
         bwd_outputs=tuple(o.name for o in bwd_outputs),
         forward_required=frozenset(n for n in forward_required if nodes.get(n) is not None and nodes[n].role == "forward"),
         needed_by_backward=tuple(needed),
+        outputs_held=outputs_held,
     )

@@ -33,6 +33,7 @@ RECOMPUTE_SUFFIX = "@r"          # followed by the instance number: "@r0", "@r1"
 CHANNELS_LAST_SUFFIX = "#cl"
 COPY_SUFFIX = "#copy"
 CHANNELS_LAST = "channels_last"
+FORWARD_RETURNS = "<forward returns>"   # the marker step where the forward hands its outputs to the caller
 _RESHAPES = frozenset({"view", "_unsafe_view", "reshape"})
 _CALLS = (EXTERN, SCATTER)
 
@@ -441,6 +442,10 @@ def forward_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Sequ
     fw_steps, fw_storages = forward.steps("forward", {})
     if copies:
         fw_steps.insert(0, Step("<channels_last>", "forward", tuple(copies.values()), ()))
+    if not facts.outputs_held:
+        # the forward returns: its outputs live to here, and past it only while the backward reads them
+        returned = tuple(dict.fromkeys(s for o in facts.fwd_outputs for s in fw_storages(o)))
+        fw_steps.append(Step(FORWARD_RETURNS, "forward", (), returned))
     return ForwardSteps(fw_steps, fw_storages, copies, tuple(fw_order))
 
 
@@ -466,7 +471,10 @@ def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Seque
             return (copies[name][0],)
         return node.value_storages
 
-    pinned_fw = {s for o in facts.fwd_outputs for s in fw_storages(o)}
+    output_storages = {s for o in facts.fwd_outputs for s in fw_storages(o)}
+    # the caller's outputs: alive to the step's end when it holds them, else from the forward's return
+    # only while the backward reads them (``FORWARD_RETURNS``)
+    pinned_fw = output_storages if facts.outputs_held else set()
     # AOTAutograd donates to the backward every saved tensor whose storage no forward input or
     # output shares (``collect_fw_donated_buffer_idxs``), views of intermediates included; the
     # backward may then overwrite it (``cache.owned``: storages the step allocates; a primal's or
@@ -483,7 +491,7 @@ def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Seque
         storages = set(fw_storages(n))
         if is_view and not storages & cache.owned:
             param_views.add(n)
-        if storages & pinned_fw:
+        if storages & output_storages:
             continue
         if node.allocs or (storages and storages <= cache.owned):
             donated.add(n)
@@ -496,5 +504,9 @@ def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Seque
                       frozenset(param_views))
     bw_steps, bw_storages = backward.steps("backward", regions)
     steps = fw_steps + [Step("<tangents>", "backward", cache.tangent_allocs, (), external=True)] + bw_steps
-    pinned = pinned_fw | {s for o in outputs for s in bw_storages(o)}
+    # the incoming gradients live to the backward's end: the autograd engine holds the tangents it
+    # passed to AOTAutograd's backward node until the node returns (measured: they are freed after the
+    # compiled backward's last allocation, whatever its last reader)
+    held_tangents = {sid for sid, _ in cache.tangent_allocs}
+    pinned = pinned_fw | held_tangents | {s for o in outputs for s in bw_storages(o)}
     return steps, pinned

@@ -421,8 +421,10 @@ class _Liveness:
                 self.bytes_of[sid] = nbytes
                 self.bytes_of[sid + RECOMPUTE_SUFFIX] = nbytes
         self.kind = {n: kernel_kind(facts, n) for n in facts.order}
-        self.pinned = self._pinned_forward()
-        self.tangents_base = sum(self.bytes_of.get(s, 0) for s in self.pinned) + sum(
+        self.pinned = self._pinned_forward()     # live to the forward's end
+        # live through the backward too, when the caller holds them (``JointGraphFacts.outputs_held``)
+        self.held_outputs = self.pinned if facts.outputs_held else frozenset()
+        self.tangents_base = sum(self.bytes_of.get(s, 0) for s in self.held_outputs) + sum(
             facts.nodes[n].alloc_bytes for n in facts.order if facts.nodes[n].role == "tangent")
         self.helper_col: dict[frozenset, int] = {}
         self._setup = None
@@ -465,7 +467,7 @@ class _Liveness:
     # -- which storages a forward value holds when the backward reads it ---------------------------
     def _forward_storages(self, name: str) -> list[str]:
         return [sid for sid in self.facts.nodes[name].value_storages
-                if self._owner_role(sid) == "forward" and sid not in self.pinned]
+                if self._owner_role(sid) == "forward" and sid not in self.held_outputs]
 
     def _buffered_when_recomputed(self, name: str) -> list[Monomial]:
         """Monomials under which the recomputation of ``name`` certainly has a buffer: always for
@@ -516,7 +518,7 @@ class _Liveness:
         elif not node.is_view and not node.is_getitem:
             terms += [
                 (mono, sid + RECOMPUTE_SUFFIX)
-                for mono in self._buffered_when_recomputed(name) for sid, _ in node.allocs if sid not in self.pinned
+                for mono in self._buffered_when_recomputed(name) for sid, _ in node.allocs if sid not in self.held_outputs
             ]
         return terms
 
@@ -572,7 +574,7 @@ class _Liveness:
         backward buffers made before and read after (or gradients), tangents read after."""
         _, _, _, buffered, readers, _, _, _ = self._backward_setup()
         grads = {sid for o in self.facts.bwd_outputs for sid in self.facts.nodes[o].value_storages}
-        total = sum(self.bytes_of.get(s, 0) for s in self.pinned)
+        total = sum(self.bytes_of.get(s, 0) for s in self.held_outputs)
         for sid, maker in buffered.items():
             if maker in before and (sid in grads or any(r in after for r in readers.get(sid, ()))):
                 total += self.bytes_of[sid]
@@ -643,7 +645,7 @@ class _Liveness:
             after = onwards[later[0]] if later else frozenset()
             witnesses = self._live_between(before, after, given)
             node = self.facts.nodes[x]
-            own = [(Monomial(), sid + RECOMPUTE_SUFFIX) for sid, _ in node.allocs if sid not in self.pinned]
+            own = [(Monomial(), sid + RECOMPUTE_SUFFIX) for sid, _ in node.allocs if sid not in self.held_outputs]
             for mono, sid in own + [t for i in node.inputs for t in self.held(i)]:
                 witnesses.setdefault(sid, set()).add(_Witness(mono | given))
             rows.append((witnesses, {r: self._constant(before, after)}, f"{x}{RECOMPUTE_SUFFIX}"))
