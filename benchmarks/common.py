@@ -21,7 +21,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +30,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import remat  # noqa: E402
-from remat.metrics import StepMonitor, timed_step  # noqa: E402
-from models import GPT, GPTConfig, SmallCNN, make_cnn, make_gpt  # noqa: E402  (the zoo lives in tests/)
+import remat
+from remat.metrics import StepMonitor, timed_step
+from remat.testing.zoo import GPT, GPTConfig, SmallCNN, make_cnn, make_gpt
 
 STEP_SEED = 1234
 LOSS_SEED = 4321

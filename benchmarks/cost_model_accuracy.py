@@ -51,18 +51,16 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from remat.testing.zoo import ZOO
+from remat.cost_model.calibrate import calibrate, random_tensor
+from remat.cost_model.costs import annotate_costs, graph_call_s, phase_totals
+from remat.cost_model.flops import EXTRA_FLOP_FORMULAS, TORCH_RULE, node_flops, ops_without_formula
+from remat.cost_model.fusion import find_fusion_groups, is_loop_op
+from remat.cost_model.hardware import get_profile, profile_to_json
+from remat.cost_model.phases import node_phases
+from remat.cost_model.tensors import is_free_op
 
-from models import ZOO  # noqa: E402
-from remat.cost_model.calibrate import calibrate, random_tensor  # noqa: E402
-from remat.cost_model.costs import annotate_costs, graph_call_s, phase_totals  # noqa: E402
-from remat.cost_model.flops import EXTRA_FLOP_FORMULAS, TORCH_RULE, node_flops, ops_without_formula  # noqa: E402
-from remat.cost_model.fusion import find_fusion_groups, is_loop_op  # noqa: E402
-from remat.cost_model.hardware import get_profile, profile_to_json  # noqa: E402
-from remat.cost_model.phases import node_phases  # noqa: E402
-from remat.cost_model.tensors import is_free_op  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def sync(device: torch.device) -> None:
@@ -419,7 +417,7 @@ class Deadline:
         return self.end - time.perf_counter()
 
 
-ZOO_BATCH = {"mlp": 2048, "gpt": 8, "cnn": 16, "llama": 8}    # the zoo's defaults (tests/models.py)
+ZOO_BATCH = {"mlp": 2048, "gpt": 8, "cnn": 16, "llama": 8}    # the zoo's defaults (remat/testing/zoo.py)
 
 
 def model_factory(name: str, device: torch.device, batch_scale: int) -> Callable[[], tuple]:

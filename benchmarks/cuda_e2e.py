@@ -3,7 +3,7 @@
     python benchmarks/cuda_e2e.py                          # all zoo models, on cuda
     python benchmarks/cuda_e2e.py --models gpt --out /tmp  # a subset, results elsewhere
 
-For each zoo model (tests/models.py, same sizes as the CPU tests), in one process:
+For each zoo model (remat/testing/zoo.py, same sizes as the CPU tests), in one process:
 
 1. plain ``backend="inductor"``: the reference gradients, measured peak and step time;
 2. remat with no budget (``budget_gb=None``, the free min-cut);
@@ -37,13 +37,11 @@ from typing import Any, Optional
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+import remat
+from remat.testing.steps import ZERO_GRAD_FRACTION, grads_of, relative_error, run_step, zero_grads
+from remat.testing.zoo import ZOO
 
-import remat  # noqa: E402
-from conftest import ZERO_GRAD_FRACTION, grads_of, relative_error, run_step, zero_grads  # noqa: E402
-from models import ZOO  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 FRACTIONS = (0.7, 0.5)
 GRAD_REL_TOL = 1e-4

@@ -71,7 +71,7 @@ def _compile_and_measure(name: str, budget_gb: Optional[float], reuse: bool) -> 
     from remat.cost_model.memory import simulate_memory
     from remat.errors import BudgetInfeasibleError
     from remat.passes import schedule
-    from models import ZOO
+    from remat.testing.zoo import ZOO
 
     captured: list[Any] = []
     backend_module = sys.modules["remat.backend"]
@@ -211,8 +211,6 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        sys.path.insert(0, str(ROOT))
-        sys.path.insert(0, str(ROOT / "tests"))
         print("ROWS " + json.dumps(run_model(args.worker, args.reuse_off)), flush=True)
         return
     rows: list[dict[str, Any]] = []

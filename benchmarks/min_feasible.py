@@ -3,7 +3,7 @@
     python benchmarks/min_feasible.py                    # all zoo models -> results/min_feasible-cpu.{json,md}
     python benchmarks/min_feasible.py --models mlp gpt   # a subset
 
-For each zoo model (``tests/models.py``): trace it once as ``torch.compile`` with Inductor
+For each zoo model (``remat/testing/zoo.py``): trace it once as ``torch.compile`` with Inductor
 would (``remat.backend.trace_joint_facts``, CPU cost profile, no code generation), then
 find the smallest planning target ``make_plan`` meets by bisection between 15% and 100% of
 the free min-cut's simulated peak (``ROUNDS`` halvings: the answer is within
@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 RESULTS = ROOT / "benchmarks" / "results"
 ROUNDS = 7
 LOW_FRACTION = 0.15
@@ -101,7 +100,7 @@ def _with_schedule(held: bool, run: Callable[[], dict[str, Any]]) -> dict[str, A
 
 
 def measure(name: str) -> dict[str, Any]:
-    from models import ZOO
+    from remat.testing.zoo import ZOO
     from remat.backend import trace_joint_facts
     from remat.passes.plan import make_plan
 

@@ -51,11 +51,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import remat  # noqa: E402
-from remat.metrics import MonitorOptions, StepMetrics, check_step  # noqa: E402
-from common import (  # noqa: E402
+import remat
+from remat.metrics import MonitorOptions, StepMetrics, check_step
+from common import (
     MODELS, STEP_SEED, CountingInductor, ModelSpec, Point, Sweep, has_attention, machine_info, source_info,
     selective_context_fn, with_checkpointed_blocks,
 )

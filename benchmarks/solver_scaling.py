@@ -5,7 +5,7 @@
     python benchmarks/solver_scaling.py --layers 2 12   # a subset
     python benchmarks/solver_scaling.py --gap           # greedy vs MILP -> results/solver_scaling_gap.{json,md}
 
-Scaling: the zoo's GPT (``tests/models.py``, default config, batch 8) with 2, 12 and 48
+Scaling: the zoo's GPT (``remat/testing/zoo.py``, default config, batch 8) with 2, 12 and 48
 layers, traced once to its AOTAutograd joint graph with ``aot_module`` (no Inductor), prepared
 as the backend prepares it (dead code out, dropout split), costed on the H100 datasheet
 profile (deterministic). Timed, each on its own: ``annotate_costs``, ``read_joint_graph``,
@@ -44,23 +44,21 @@ from typing import Any, Callable, Optional
 
 import torch
 
+import remat
+from remat.cost_model import annotate_costs, get_profile
+from remat.errors import BudgetInfeasibleError
+from remat.passes import schedule as schedule_module
+from remat.passes import plan as plan_module
+from remat.passes.solve_greedy import solve_greedy
+from remat.passes.joint_graph import JointGraphFacts, read_joint_graph
+from remat.passes.mincut import min_cut_saved
+from remat.passes.random_ops import split_dropout_outputs
+from remat.passes.solve_exhaustive import best_under, enumerate_plans, exhaustive_candidates
+from remat.passes.solve_milp import solve_min_time
+from common import machine_info, source_info
+from remat.testing.zoo import GPT, GPTConfig
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import remat  # noqa: E402
-from remat.cost_model import annotate_costs, get_profile  # noqa: E402
-from remat.errors import BudgetInfeasibleError  # noqa: E402
-from remat.passes import schedule as schedule_module  # noqa: E402
-from remat.passes import plan as plan_module  # noqa: E402
-from remat.passes.solve_greedy import solve_greedy  # noqa: E402
-from remat.passes.joint_graph import JointGraphFacts, read_joint_graph  # noqa: E402
-from remat.passes.mincut import min_cut_saved  # noqa: E402
-from remat.passes.random_ops import split_dropout_outputs  # noqa: E402
-from remat.passes.solve_exhaustive import best_under, enumerate_plans, exhaustive_candidates  # noqa: E402
-from remat.passes.solve_milp import solve_min_time  # noqa: E402
-from common import machine_info, source_info  # noqa: E402
-from models import GPT, GPTConfig  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BATCH = 8
@@ -308,7 +306,7 @@ def scaling_markdown(result: dict[str, Any]) -> str:
         f"Command: `{result['command']}`. Machine: {result['machine']['processor']}, "
         f"{result['machine']['cpu_count']} cores (shared with other engineers' compiles), "
         f"torch {result['machine']['torch']}, commit {result['source']['commit'][:10]}.",
-        f"Graphs: tests/models.py GPT, default config, batch {BATCH}, traced with aot_module (no Inductor); "
+        f"Graphs: remat/testing/zoo.py GPT, default config, batch {BATCH}, traced with aot_module (no Inductor); "
         f"costs from the {PROFILE} datasheet profile; target = {TARGET_FRACTION:.0%} of the no-remat simulated peak.",
         "",
         "| layers | nodes | annotate_costs ms | read_joint_graph ms | no-remat sim ms | min-cut ms | greedy ms "

@@ -26,8 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import remat
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from models import GPT, GPTConfig  # noqa: E402  (the zoo lives in tests/models.py)
+from remat.testing.zoo import GPT, GPTConfig
 
 
 def fmt(num_bytes: Optional[int]) -> str:

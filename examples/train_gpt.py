@@ -14,7 +14,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Optional, Union
 
 import torch
@@ -22,8 +21,7 @@ import torch.nn.functional as F
 
 import remat
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from models import GPTConfig, make_gpt  # noqa: E402  (the zoo lives in tests/models.py)
+from remat.testing.zoo import GPTConfig, make_gpt
 
 
 def parse_budget(text: str) -> Union[None, str, float]:

@@ -1,7 +1,7 @@
 """Shared helpers for remat's tests.
 
-- ``run_step``: one training step (grads set to None, ``compiled(*inputs).float().sum().backward()``).
-- ``grads_of`` / ``assert_grads_close``: compare each parameter's gradient by relative error.
+- ``run_step``, ``grads_of``, ``assert_grads_close`` and the other step helpers live in
+  ``remat/testing/steps.py`` (the benchmarks use them too) and are imported here.
 - ``fresh_model``: a zoo model and its inputs, with Dynamo reset so compiles do not pile up.
 - ``no_remat_peak``: a session-wide cache, per zoo model, of the run at ``budget_gb=None`` and
   of the run that saves everything (no recomputation); the measured peak of the latter is the
@@ -18,112 +18,22 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import pytest
 import torch
 
 import remat
-from models import ZOO
+from remat.testing.steps import (  # noqa: F401  (the tests import these from conftest too)
+    GRAD_REL_TOL, LOSS_SEED, STEP_SEED, ZERO_GRAD_FRACTION, assert_grads_close, assert_tensors_close, buffers_of,
+    grads_of, loss_weights, relative_error, run_step, zero_grads,
+)
+from remat.testing.zoo import ZOO
 
 # The feedback loop's corrections (remat/feedback_store.py) go to a directory of this session's own:
 # a correction a developer's runs stored under ~/.cache/remat must not change the plans tests check,
 # and tests must not leave corrections behind for the next run.
 os.environ["REMAT_FEEDBACK_DIR"] = tempfile.mkdtemp(prefix="remat_test_feedback_")
-
-STEP_SEED = 1234          # torch.manual_seed before every step, so dropout draws the same masks
-GRAD_REL_TOL = 1e-4       # issue 2: gradients equal eager's within relative error 1e-4
-# A gradient whose reference norm is below this fraction of the model's largest gradient norm
-# is mathematically zero (a conv bias right before BatchNorm: ~1e-15 in float64, ~5e-6 in
-# float32 next to a largest norm of ~20): its float32 value is rounding noise, which differs
-# between eager and Inductor (plain Inductor and remat agree bit for bit on the zoo CNN), so
-# its error is measured against the model's largest gradient norm instead of its own norm.
-ZERO_GRAD_FRACTION = 1e-5
-LOSS_SEED = 4321
-_LOSS_WEIGHTS: dict[tuple[int, ...], torch.Tensor] = {}
-
-
-def zero_grads(model: torch.nn.Module) -> None:
-    model.zero_grad(set_to_none=True)
-
-
-def loss_weights(shape: torch.Size) -> torch.Tensor:
-    """Fixed pseudo-random weights for the output (own generator: the global RNG is untouched)."""
-    key = tuple(shape)
-    if key not in _LOSS_WEIGHTS:
-        generator = torch.Generator().manual_seed(LOSS_SEED)
-        _LOSS_WEIGHTS[key] = torch.randn(key, generator=generator)
-    return _LOSS_WEIGHTS[key]
-
-
-def run_step(compiled: Callable[..., torch.Tensor], model: torch.nn.Module, inputs: Sequence[torch.Tensor],
-             seed: Optional[int] = STEP_SEED) -> torch.Tensor:
-    """One forward + backward of ``compiled`` (the model or its compiled wrapper); returns the loss.
-
-    The loss is ``(out.float() * w).sum()`` (as a dot product) with fixed random weights ``w``, not a plain
-    ``sum()``: a plain sum sends the same gradient to every position of a channel, and
-    BatchNorm's backward then subtracts nearly equal numbers, so the gradients of every
-    layer below it are rounding noise that even plain Inductor does not match to 1e-4.
-    Gradients are set to None first, so the backward allocates them inside the step (the
-    budget covers them). ``seed`` reseeds the global generator so random ops draw the same
-    numbers in every run that is compared.
-    """
-    zero_grads(model)
-    if seed is not None:
-        torch.manual_seed(seed)
-    out = compiled(*inputs).float()
-    # dot, not (out * w).sum(): no output-sized temporary outside the compiled graph
-    loss = torch.dot(out.reshape(-1), loss_weights(out.shape).to(out.device).reshape(-1))
-    del out
-    loss.backward()
-    return loss.detach()
-
-
-def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of every parameter's gradient, by parameter name."""
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-def buffers_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: b.detach().clone() for name, b in model.named_buffers()}
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 0.0) -> float:
-    """||actual - expected|| / max(||expected||, floor) (absolute error if both are 0)."""
-    diff = (actual.double() - expected.double()).norm().item()
-    scale = max(expected.double().norm().item(), floor)
-    return diff / scale if scale > 0 else diff
-
-
-def assert_grads_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                       rel_tol: float = GRAD_REL_TOL, what: str = "gradient") -> None:
-    """Every parameter has a gradient in both, and each one's relative error is below ``rel_tol``."""
-    assert actual.keys() == expected.keys(), (
-        f"parameters with a {what}: only in actual {sorted(actual.keys() - expected.keys())}, "
-        f"only in expected {sorted(expected.keys() - actual.keys())}"
-    )
-    assert expected, f"no parameter has a {what}"
-    largest = max(t.double().norm().item() for t in expected.values())
-    errors = {
-        name: relative_error(actual[name], expected[name],
-                             largest if expected[name].double().norm().item() < ZERO_GRAD_FRACTION * largest else 0.0)
-        for name in expected
-    }
-    bad = {name: err for name, err in errors.items() if not err < rel_tol}
-    assert not bad, f"{what} relative error >= {rel_tol:g} for {len(bad)}/{len(errors)} tensors: " + ", ".join(
-        f"{name}={err:.3g}" for name, err in sorted(bad.items(), key=lambda kv: -kv[1])[:8]
-    )
-
-
-def assert_tensors_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                         rel_tol: float = GRAD_REL_TOL, what: str = "buffer") -> None:
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        if expected[name].is_floating_point():
-            err = relative_error(actual[name], expected[name])
-            assert err < rel_tol, f"{what} {name}: relative error {err:.3g} >= {rel_tol:g}"
-        else:
-            assert torch.equal(actual[name], expected[name]), f"{what} {name}: {actual[name]} != {expected[name]}"
 
 
 def fresh_model(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:

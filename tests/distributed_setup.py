@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from models import GPTConfig
+from remat.testing.zoo import GPTConfig
 
 WORLD_SIZE = 2
 CFG = GPTConfig(dropout=0.0)   # the zoo GPT; no dropout: a single-process reference cannot replay per-rank masks
@@ -73,7 +73,7 @@ MODELS = ("gpt", "postln")   # the zoo GPT (CFG), and PostLNTiedLM
 def make_model(name: str) -> torch.nn.Module:
     """A fresh model, the same on every rank and in the reference (seed 0)."""
     torch.manual_seed(0)
-    from models import GPT
+    from remat.testing.zoo import GPT
 
     return (GPT(CFG) if name == "gpt" else PostLNTiedLM()).train()
 

@@ -18,7 +18,7 @@ from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from models import ZOO, TwoLinear
+from remat.testing.zoo import ZOO, TwoLinear
 from remat.cost_model.costs import (
     COST_KEY,
     NodeCost,

@@ -24,7 +24,7 @@ from conftest import (
     BaselineCache, CompiledRun, assert_grads_close, assert_tensors_close, compile_and_run, fresh_model, grads_of,
     run_step, zero_grads,
 )
-from models import ZOO
+from remat.testing.zoo import ZOO
 from remat.units import format_gb_up
 
 pytestmark = pytest.mark.e2e

@@ -24,7 +24,7 @@ from remat.feedback import MAX_REPLANS, VerifiedGraph, judge
 from remat.feedback_store import Correction, clear_corrections, read_correction, write_correction
 from remat.measure import close_open_window, profiler_running
 from conftest import assert_grads_close, grads_of, run_step, scale_simulated_peaks
-from models import MLP
+from remat.testing.zoo import MLP
 
 SIM_SCALE = 0.7             # the wrong simulator's peaks are 70% of the real simulator's
 BUDGET_FRACTION = 0.8       # of plain Inductor's measured peak: the min-cut plan (~plain's) is over it

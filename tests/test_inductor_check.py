@@ -13,7 +13,7 @@ import remat
 from remat.measure import close_open_window
 from remat.inductor_check import GraphCode, InputStorage, checked_step_peak, judge_plan, replay_wrapper
 from conftest import assert_grads_close, grads_of, run_step, scale_simulated_peaks
-from models import MLP
+from remat.testing.zoo import MLP
 
 MiB = 1 << 20
 

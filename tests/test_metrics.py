@@ -13,7 +13,7 @@ import torch
 
 import remat
 from remat.metrics import MonitorOptions, StepMetrics, StepMonitor, check_step
-from models import MLP
+from remat.testing.zoo import MLP
 
 BUDGET_GB = 0.05            # the tiny MLP's whole step is ~2 MB: this budget is always feasible
 EXTRA_BYTES = 60_000_000    # a tensor the "user" keeps alive across the backward: pushes the step over 0.05 GB

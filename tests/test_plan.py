@@ -137,7 +137,7 @@ def test_zoo_gpt_smallest_peak_is_below_the_old_greedys():
     """The zoo GPT, traced as the backend does (CPU costs, no code generation): the smallest peak
     the planner names is no higher than the old greedy's smallest feasible target, nor than the
     no-budget plan, and planning at it succeeds."""
-    from models import ZOO
+    from remat.testing.zoo import ZOO
     from remat.backend import trace_joint_facts
 
     model, inputs = ZOO["gpt"]()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import remat
-from models import TwoLinear
+from remat.testing.zoo import TwoLinear
 from remat.backend import read_facts, trace_joint_facts
 from remat.passes.plan import make_plan
 from remat.report import render_symbolic_sizes

@@ -5,11 +5,10 @@
 Measured values include the forward's calls; the simulated list is the backward's.
 """
 import sys, torch
-sys.path.insert(0, "/work/main")
 import remat
 from remat.passes.schedule import memory_steps, partition_nodes
 from remat.cost_model.memory import simulate_memory
-from tests.models import ZOO
+from remat.testing.zoo import ZOO
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 captured = []

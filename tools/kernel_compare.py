@@ -11,13 +11,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, "/work/main")
-import torch._inductor.codegen.wrapper as wrapper  # noqa: E402
-from torch._inductor.virtualized import V  # noqa: E402
+import torch._inductor.codegen.wrapper as wrapper
+from torch._inductor.virtualized import V
 
-import remat  # noqa: E402
-from remat.passes.schedule import memory_steps, partition_nodes  # noqa: E402
-from tests.models import ZOO  # noqa: E402
+import remat
+from remat.passes.schedule import memory_steps, partition_nodes
+from remat.testing.zoo import ZOO
 
 graphs = []
 captured = []

@@ -14,8 +14,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, "/work/main")
-import torch._inductor.config as inductor_config  # noqa: E402
+import torch._inductor.config as inductor_config
 
 for kv in filter(None, os.environ.get("INDUCTOR", "").split(",")):  # e.g. INDUCTOR=allow_buffer_reuse=0
     key, value = kv.split("=")
@@ -23,7 +22,7 @@ for kv in filter(None, os.environ.get("INDUCTOR", "").split(",")):  # e.g. INDUC
 import remat  # noqa: E402
 from remat.cost_model.memory import simulate_memory  # noqa: E402
 from remat.passes.schedule import memory_steps, partition_nodes  # noqa: E402
-from tests.models import ZOO  # noqa: E402
+from remat.testing.zoo import ZOO  # noqa: E402
 
 captured = []
 B = sys.modules["remat.backend"]

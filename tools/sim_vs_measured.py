@@ -11,12 +11,12 @@ For reproducible plans run with PYTHONHASHSEED=0.
 """
 import os
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "/work/main")
-sys.path.insert(0, "/work/main/benchmarks")
-import torch._inductor.config as inductor_config  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))   # benchmarks/memory_accuracy.py's _measure
+import torch._inductor.config as inductor_config
 
 if os.environ.get("THREADS"):
     torch.set_num_threads(int(os.environ["THREADS"]))
@@ -28,7 +28,7 @@ import remat  # noqa: E402
 from memory_accuracy import _measure  # noqa: E402
 from remat.cost_model.memory import simulate_memory  # noqa: E402
 from remat.passes.schedule import memory_steps, partition_nodes  # noqa: E402
-from tests.models import ZOO  # noqa: E402
+from remat.testing.zoo import ZOO  # noqa: E402
 
 captured = []
 B = sys.modules["remat.backend"]

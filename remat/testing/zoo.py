@@ -1,4 +1,4 @@
-"""The model zoo the tests and benchmarks run on.
+"""The model zoo the tests, benchmarks, examples and tools run on (``from remat.testing.zoo import ZOO``).
 
 Every model is small enough to compile on two CPU cores in well under a minute,
 and sized so that activations, not parameters, dominate the step's peak memory
