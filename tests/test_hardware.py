@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from remat.cost_model import hardware
+from remat.cost_model import hardware, profile_measure
 from remat.cost_model.loop_costs import LOOP_COST_NAMES
 from remat.cost_model.hardware import (
     CACHE_ENV_VAR,
@@ -137,7 +137,7 @@ def test_two_implausible_measurements_fail_loudly(tmp_path):
 
 def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
-    path = hardware._profile_cache_path(torch.device("cpu"))
+    path = hardware.profile_cache_path(torch.device("cpu"))
     assert path.parent == tmp_path
     assert f"{torch.get_num_threads()}threads" in path.name and f"v{hardware.CACHE_SCHEMA}" in path.name
     path.write_text(json.dumps(profile_to_json(fake_profile(source="from the env dir"))))
@@ -162,9 +162,9 @@ def test_special_ops_time():
 
 def test_cache_levels_are_made_monotone():
     measured = fake_profile(bandwidth_bytes_per_s=1e10, bandwidth_levels=((1 << 20, 5e9), (1 << 24, 4e10)))
-    assert hardware._monotone_levels(measured).bandwidth_levels == ((1 << 20, 4e10), (1 << 24, 4e10))
+    assert profile_measure._monotone_levels(measured).bandwidth_levels == ((1 << 20, 4e10), (1 << 24, 4e10))
     fine = fake_profile(bandwidth_levels=((1 << 20, 8e10), (1 << 24, 4e10)))
-    assert hardware._monotone_levels(fine).bandwidth_levels == fine.bandwidth_levels
+    assert profile_measure._monotone_levels(fine).bandwidth_levels == fine.bandwidth_levels
 
 
 def test_several_threads_also_measure_one_and_keep_the_faster_numbers(monkeypatch):
@@ -173,18 +173,18 @@ def test_several_threads_also_measure_one_and_keep_the_faster_numbers(monkeypatc
                              bandwidth_levels=((1 << 20, 1e8),), transcendentals_per_s=5e6)
     single = fake_profile(flops_per_s={"float32": 7e10}, bandwidth_bytes_per_s=1e10, kernel_launch_s=3e-6,
                           bandwidth_levels=((1 << 20, 6e10),), transcendentals_per_s=5e8)
-    monkeypatch.setattr(hardware, "_measure_once", lambda device: single if torch.get_num_threads() == 1 else contended)
+    monkeypatch.setattr(profile_measure, "_measure_once", lambda device: single if torch.get_num_threads() == 1 else contended)
     probed = []
 
     def probe(threads):
         probed.append(threads)
         return {"bool_load": 1e-9}, ""
 
-    monkeypatch.setattr(hardware, "measure_loop_costs", probe)
+    monkeypatch.setattr(profile_measure, "measure_loop_costs", probe)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        profile = hardware._measure_profile(torch.device("cpu"))
+        profile = profile_measure.measure_profile(torch.device("cpu"))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -202,8 +202,8 @@ def test_a_loop_probe_that_cannot_run_is_not_fatal(monkeypatch):
     monkeypatch.setattr(loop_costs.sys, "executable", "/nonexistent/python")
     costs, note = loop_costs.measure_loop_costs(1)
     assert costs == {} and note.startswith("generated-loop costs not measured: FileNotFoundError")
-    monkeypatch.setattr(hardware, "_measure_once", lambda device: fake_profile())
-    profile = hardware._measure_profile(torch.device("cpu"))
+    monkeypatch.setattr(profile_measure, "_measure_once", lambda device: fake_profile())
+    profile = profile_measure.measure_profile(torch.device("cpu"))
     assert profile.loop_costs_s == {} and "generated-loop costs not measured" in profile.source
 
 
@@ -268,7 +268,7 @@ def test_eager_families_round_trip_through_the_cache(tmp_path):
 def test_faster_of_keeps_each_familys_faster_fit():
     slow = fake_profile(eager_classes=(("welford", 1e-6, 9e-9), ("select", 0.0, 1e-9)))
     fast = fake_profile(eager_classes=(("welford", 2e-6, 4e-9), ("convert", 2e-5, 1e-9)))
-    merged = dict((n, (f, p)) for n, f, p in hardware._faster_of(slow, fast).eager_classes)
+    merged = dict((n, (f, p)) for n, f, p in profile_measure._faster_of(slow, fast).eager_classes)
     assert merged == {"welford": (2e-6, 4e-9), "select": (0.0, 1e-9), "convert": (2e-5, 1e-9)}
 
 
@@ -291,3 +291,33 @@ def test_graph_device_is_the_accelerator_even_after_cpu_inputs():
     assert _device_of([seed, on_device]) == torch.device("meta")
     assert _device_of([seed, 3, torch.zeros(2)]) == torch.device("cpu")
     assert _device_of([]) == torch.device("cpu")
+
+
+def test_a_new_machine_plans_with_its_familys_default_until_measured(tmp_path, monkeypatch):
+    """Issue 16: no profile cached, an x86-64 CPU: the first compile takes the family's default and
+    measures nothing; ``measure_cpu_profile`` (or REMAT_MEASURE_HARDWARE=1) measures and caches."""
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(hardware, "cpu_family", lambda: "x86_64")
+    measure = Counting(fake_profile(source="measured here"))
+    monkeypatch.setattr(profile_measure, "_measure_once", lambda device: pytest.fail("measured"))
+    assert get_profile("cpu") is get_profile("auto") is hardware.DEFAULT_CPU_PROFILES["x86_64"]
+    check_plausible(hardware.DEFAULT_CPU_PROFILES["x86_64"], 1)
+    monkeypatch.setattr(hardware, "measured_profile", lambda device, path=None: measure(device))
+    monkeypatch.setenv(hardware.MEASURE_ENV_VAR, "1")
+    assert get_profile("cpu").source == "measured here" and measure.calls == 1
+
+
+def test_measured_profile_replaces_the_default_once_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(hardware, "cpu_family", lambda: "x86_64")
+    monkeypatch.setattr(hardware, "measured_profile",
+                        lambda device, path=None: measured_profile(device, path, measure=lambda d: fake_profile()))
+    assert hardware.measure_cpu_profile() == fake_profile()
+    assert get_profile("cpu") == fake_profile() and hardware.profile_cache_path(torch.device("cpu")).exists()
+
+
+def test_a_family_without_a_default_is_measured_at_first_use(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(hardware, "cpu_family", lambda: "riscv64")
+    monkeypatch.setattr(hardware, "measured_profile", lambda device, path=None: fake_profile(source="measured"))
+    assert get_profile("cpu").source == "measured"
