@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import itertools
 import logging
 import os
@@ -41,6 +40,8 @@ import torch
 from torch import fx
 
 from .cost_model.calibrate import measure_node_times
+from . import _torch_cache
+from .compile_cache import CallCache, cached_plan, call_cacheable, partitioner_uuid
 from .cost_model.costs import annotate_costs
 from .cost_model.hardware import get_profile
 from .distributed import DistributedGraphRecord, GraphShare, StepLedger
@@ -60,17 +61,6 @@ from .step_loop import StepHooks
 
 log = logging.getLogger("remat")
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
-
-
-def _planner_source_hash() -> str:
-    digest = hashlib.sha256()
-    for path in sorted(_PACKAGE_DIR.rglob("*.py")):
-        digest.update(path.relative_to(_PACKAGE_DIR).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 @dataclass(frozen=True)
 class CompiledGraph:
     """What remat decided for one joint graph it partitioned."""
@@ -86,6 +76,9 @@ class CompiledGraph:
     correction: Optional[Correction] = None  # the feedback loop's correction the plan was made with
     judgement: Optional[Judgement] = None    # Inductor's verdict on the plan (remat/inductor_check.py)
     step_share: Optional[GraphShare] = None  # its share of a step split at graph breaks (remat/step_budget.py)
+    # "" (solved in this compile), "plan cache: <entry>" (the plan re-used, the rest made now) or
+    # "autograd-cache hit: <entry>" (AOTAutograd's cache served the compile; this record restored)
+    cache: str = ""
 
 
 def _passthrough_error_class(cls: type) -> type:
@@ -327,27 +320,40 @@ class RematBackend:
         self._replan_rounds: dict[str, int] = {}           # re-plans made so far, by first graph id (ids _r1, _r2, ...)
 
     def cache_key(self) -> str:
-        """Changes whenever the budget, options, hardware profile or planner source change."""
-        profile = get_profile(self.options.hardware) if self.options.hardware != "auto" else None
-        profile_key = repr(profile) if profile else "auto"
-        return f"remat:{self.options.cache_key()}:{profile_key}:{_planner_source_hash()}"
+        """The partitioner's uuid: changes whenever the budget, options, hardware profile, planner source,
+        a feedback correction or the dump's settings change (``compile_cache.partitioner_uuid``)."""
+        return partitioner_uuid(self.options, dict(self._corrections))
+
+    @property
+    def step_account(self) -> StepAccount:
+        """The account of the step's graphs (remat/step_budget.py)."""
+        return self._step_hooks.account
+
+    def new_graph_id(self) -> str:
+        """The next graph id of this backend: ``graph_000``, ``graph_001``, ..."""
+        with self._lock:
+            return f"graph_{next(self._counter):03d}"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        from torch._functorch import config as functorch_config
         from torch._inductor.compile_fx import compile_fx
 
         verify = self.options.verify_peak > 0
         judge = self.options.inductor_check and self.options.budget_bytes is not None
         budget = self.options.budget_bytes is not None   # the step's account re-plans graphs (remat/step_budget.py)
-        pristine = _copy_or_none(gm) if verify or judge or budget else None   # compile_fx's pre-grad passes rewrite gm in place
-        before = len(self.compiled_graphs)
+        # AOTAutograd's cache skips the partitioner on a hit: its record and dump are restored from the
+        # entry stored with the compile that made them (remat/compile_cache.py), where that is safe
+        call_cache = CallCache(gm, example_inputs, self.cache_key()) if call_cacheable(self, example_inputs) else None
+        pristine = _copy_or_none(gm) if verify or judge or budget or call_cache else None   # compile_fx's pre-grad passes rewrite gm in place
+        before, hits = len(self.compiled_graphs), _torch_cache.autograd_cache_hits()
         capture = _CodeCapture()
-        # AOTAutograd's cache would skip the partitioner on a hit, and with it the plan record and the
-        # dump; Inductor's own per-graph code cache stays on. The backward is compiled now, not at its
-        # first call, so a measured step's window holds no compilation and Inductor can judge the plan.
-        with functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=verify or judge):
+        # The backward is compiled now, not at its first call, so a measured step's window holds no
+        # compilation and Inductor can judge the plan.
+        with _torch_cache.autograd_cache(call_cache is not None, non_lazy_backward=verify or judge):
             fn = compile_fx(gm, example_inputs, inner_compile=capture.inner_compile,
                             config_patches={"custom_partitioner_fn": self.partitioner})
+        if call_cache is not None:
+            fn = self._through_call_cache(fn, call_cache, before, _torch_cache.autograd_cache_hits() > hits,
+                                          pristine, example_inputs)
         records = self.compiled_graphs[before:]
         if len(records) != 1:
             return fn       # an inference graph (no plan)
@@ -374,6 +380,28 @@ class RematBackend:
         if verify:
             self.verified_graphs.append(wrapper)
         return wrapper
+
+    def _through_call_cache(self, fn: Callable[..., Any], call_cache: CallCache, before: int, hit: bool,
+                            pristine: Optional[fx.GraphModule], example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """After a compile with AOTAutograd's cache on: store what the partitioner left (a miss), or restore
+        it (a hit). A hit with nothing stored (remat's cache cleared, Inductor's not) compiles ``pristine``
+        again with the cache off, so the record and the dump are made; returns the callable to run."""
+        from torch._inductor.compile_fx import compile_fx
+
+        if not hit:
+            record = self.compiled_graphs[before] if len(self.compiled_graphs) > before else None
+            step_graph = self.step_account.plan_of(record.graph_id) if record is not None else None
+            call_cache.store(record, step_graph)
+            return fn
+        if call_cache.restore(self, _current_compile_id()) is not None or pristine is None:
+            return fn
+        log.info("remat: AOTAutograd cache hit with no stored record; compiling again without it")
+        with _torch_cache.autograd_cache(False, non_lazy_backward=self.options.verify_peak > 0):
+            fn = compile_fx(copy.deepcopy(pristine), example_inputs, inner_compile=_CodeCapture().inner_compile,
+                            config_patches={"custom_partitioner_fn": self.partitioner})
+        record = self.compiled_graphs[before] if len(self.compiled_graphs) > before else None
+        call_cache.store(record, self.step_account.plan_of(record.graph_id) if record is not None else None)
+        return fn
 
     def _judged(self, fn: Callable[..., Any], capture: _CodeCapture, gm: fx.GraphModule,
                 args: list) -> Callable[..., Any]:
@@ -450,10 +478,9 @@ class RematBackend:
         else one this backend or an earlier process measured (``feedback_store``)."""
         correction = getattr(self._replan, "correction", None)
         key = self._replan.key if correction is not None else graph_key(code, joint_inputs, self.options)
+        if correction is None:
+            return self.new_graph_id(), key, self._corrections.get(key) or read_correction(key)
         with self._lock:
-            if correction is None:
-                graph_id = f"graph_{next(self._counter):03d}"
-                return graph_id, key, self._corrections.get(key) or read_correction(key)
             first = correction.graph_id.split("_r")[0]
             self._replan_rounds[first] = rounds = self._replan_rounds.get(first, 0) + 1
         return f"{first}_r{rounds}", key, correction
@@ -500,9 +527,11 @@ class RematBackend:
                 target_for_budget=step_target_for,
             )
 
+        cache = ""
         try:
-            if share is None:
-                plan = plan_at(target_bytes)
+            if share is None:   # alone in its step: the same graph, options and target plan the same
+                plan, cache = cached_plan(key, self.options, profile, target_bytes, correction, device_type, modeled,
+                                          lambda: plan_at(target_bytes))
             else:  # the largest target the step's ledger admits (remat/distributed.py)
                 plan, share = fit_in_step(share, lambda share: fit_plan(
                     share, held_of, plan_at,
@@ -536,7 +565,7 @@ class RematBackend:
             note_step_plan(self._step_hooks.account, graph_id, step_share, plan, plan_at, joint, facts,
                            num_fwd_outputs, static_indices, target_bytes, dump_path)
         record = CompiledGraph(graph_id, _current_compile_id(), plan, regions, dump_path, distributed, key,
-                               base_target_bytes, correction, step_share=step_share)
+                               base_target_bytes, correction, step_share=step_share, cache=cache)
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw

@@ -159,6 +159,11 @@ class StepAccount:
             self._plans[graph.graph_id] = graph
             self._running[graph.slot] = graph.graph_id
 
+    def plan_of(self, graph_id: str) -> Optional[StepGraph]:
+        """The numbers noted for plan ``graph_id`` (``note_plan``), or None."""
+        with self._lock:
+            return self._plans.get(graph_id)
+
     def _graph(self, slot: str) -> Optional[StepGraph]:
         graph_id = self._running.get(slot)
         return None if graph_id is None else self._plans.get(graph_id)

@@ -34,6 +34,10 @@ from remat.testing.zoo import ZOO
 # a correction a developer's runs stored under ~/.cache/remat must not change the plans tests check,
 # and tests must not leave corrections behind for the next run.
 os.environ["REMAT_FEEDBACK_DIR"] = tempfile.mkdtemp(prefix="remat_test_feedback_")
+# remat's compile cache (remat/plan_cache.py) and AOTAutograd's are off: a test that changes the planner
+# at run time (a monkeypatched simulator) must plan, not re-use a plan cached by an earlier test or run.
+# tests/test_compile_cache.py turns them on in a directory of its own.
+os.environ["REMAT_COMPILE_CACHE"] = "0"
 
 
 def fresh_model(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:

@@ -1,0 +1,172 @@
+"""The backend's side of the compile cache: plans re-used by graph, and AOTAutograd's cache on.
+
+Two things, both stored by ``remat/plan_cache.py`` (``$REMAT_CACHE_DIR/compile``, atomic writes,
+``REMAT_COMPILE_CACHE=0`` turns both off, ``python -m remat.plan_cache clear`` empties them):
+
+- ``cached_plan``: the partitioner asks for a plan by ``plan_cache.plan_key``; a stored plan is
+  re-used without solving. Everything after the solve (the forward/backward split, the recompute
+  regions, the dump) runs as for a fresh plan, so the record and the dump are the same.
+- ``CallCache``: AOTAutograd's cache of whole compiles. A hit skips the partitioner, so what the
+  partitioner would have left behind is stored with each compile it did run, keyed by what the
+  backend is handed (Dynamo's graph code, its inputs' shapes, strides, dtypes, devices and
+  ``requires_grad``, grad mode and the partitioner's ``uuid``), and restored on a hit: the
+  ``CompiledGraph`` record (with this compile's graph id, compile id and dump path, and
+  ``cache="autograd-cache hit: ..."``), the dump's files (the stored graph id replaced by the new
+  one where they differ) and the plan's numbers on the step's account. A hit with no stored record
+  (remat's cache cleared, Inductor's not) is compiled again with AOTAutograd's cache off.
+
+``partitioner_uuid`` is what AOTAutograd's key sees of remat: the options with the budget and the
+headroom, the hardware profile, remat's source, the thread count, the feedback corrections stored
+on disk and held by the backend, whether a dump is written and with how many Pareto points.
+AOTAutograd's cache is used only where that covers every input of the plan (``call_cacheable``):
+not under torch.distributed (a piece's share depends on the other pieces' plans), not for a graph
+that shares its step's budget with graphs already planned (graph breaks), not with
+``inductor_check`` (it reads the code Inductor generates, which a hit does not generate), not with
+symbolic shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+
+from . import plan_cache
+from .cost_model.hardware import get_profile
+from .feedback_store import store_dir
+
+if TYPE_CHECKING:
+    from torch import fx
+
+    from .backend import CompiledGraph, RematBackend
+    from .options import RematOptions
+    from .passes.plan import Plan
+    from .step_budget import StepGraph
+
+_TEXT_SUFFIXES = (".py", ".json", ".md", ".txt", ".csv")
+
+
+def cached_plan(graph_key: str, options: "RematOptions", profile: object, target_bytes: Optional[int],
+                correction: object, device_type: str, modeled: bool, solve: Callable[[], "Plan"]) -> tuple["Plan", str]:
+    """The plan ``solve()`` would return, read from the plan cache when stored (then ``solve`` is not
+    called), else solved and stored. Returns it and where it came from: "" (solved now) or
+    "plan cache: <path>". A solve that raises stores nothing."""
+    key = plan_cache.plan_key(graph_key, options.cache_key(), profile, target_bytes, correction, device_type, modeled)
+    stored = plan_cache.read_entry("plans", key)
+    if stored is not None:
+        return stored, f"plan cache: {plan_cache.entry_path('plans', key)}"
+    plan = solve()
+    plan_cache.write_entry("plans", key, plan)
+    return plan, ""
+
+
+def _profiles_key(hardware: str) -> str:
+    """The profiles a graph may be planned with: the named one, or for "auto" the CPU's and each
+    visible GPU's (``get_profile("auto", device)``)."""
+    if hardware != "auto":
+        return repr(get_profile(hardware))
+    devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return ";".join(repr(get_profile("auto", device)) for device in devices)
+
+
+def _stored_corrections_digest() -> str:
+    directory = store_dir()
+    digest = hashlib.sha256()
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
+        try:
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        except OSError:
+            digest.update(path.name.encode() + b"\0unreadable\0")
+    return digest.hexdigest()[:16]
+
+
+def partitioner_uuid(options: "RematOptions", corrections: dict[str, Any]) -> str:
+    """Changes whenever the budget, options, hardware profile, planner source, thread count, a feedback
+    correction (stored or held: ``corrections``) or what the dump holds change."""
+    return (f"remat:{options.cache_key()}:dump={options.dump_dir is not None},pareto={options.pareto_points}:"
+            f"threads={torch.get_num_threads()}:{_profiles_key(options.hardware)}:{plan_cache.planner_source_hash()}:"
+            f"corrections={_stored_corrections_digest()}/{sorted((k, repr(c)) for k, c in corrections.items())}")
+
+
+def call_cacheable(backend: "RematBackend", example_inputs: Sequence[Any]) -> bool:
+    """Whether AOTAutograd's cache may serve this compile (see the module docstring)."""
+    if not plan_cache.caching_enabled() or backend.options.inductor_check:
+        return False
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return False
+    if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
+                                                                               for d in v.shape))
+           for v in example_inputs):
+        return False
+    return backend.options.budget_bytes is None or not backend.compiled_graphs
+
+
+def _input_meta(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"T{tuple(value.shape)}{tuple(value.stride())}{value.dtype}{value.device}{value.requires_grad}"
+    return f"{type(value).__name__}:{value!r}" if isinstance(value, (int, float, bool)) else type(value).__name__
+
+
+@dataclass(frozen=True)
+class CachedCompile:
+    """What one compile's partitioner left behind, stored to be restored on an AOTAutograd hit."""
+
+    record: Optional["CompiledGraph"]             # None: a graph the partitioner made no plan for
+    step_graph: Optional["StepGraph"]             # its numbers on the step's account, if noted
+    dump_files: tuple[tuple[str, bytes], ...]     # (path relative to the graph's dump directory, bytes)
+
+
+def _read_dump(dump_path: Optional[str]) -> tuple[tuple[str, bytes], ...]:
+    if dump_path is None:
+        return ()
+    root = Path(dump_path)
+    return tuple((p.relative_to(root).as_posix(), p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file())
+
+
+def _write_dump(root: Path, files: tuple[tuple[str, bytes], ...], old_id: str, new_id: str) -> None:
+    for name, data in files:
+        if old_id != new_id and name.endswith(_TEXT_SUFFIXES):
+            data = data.replace(old_id.encode(), new_id.encode())
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+class CallCache:
+    """One backend call's entry: ``store`` after a compile whose partitioner ran, ``restore`` after an
+    AOTAutograd hit. Keyed by Dynamo's graph (``gm.code``, before Inductor's pre-grad passes edit it)."""
+
+    def __init__(self, gm: "fx.GraphModule", example_inputs: Sequence[Any], uuid: str) -> None:
+        self.key = plan_cache.digest_of("call", gm.code, ",".join(map(_input_meta, example_inputs)),
+                                        torch.is_grad_enabled(), torch.__version__, uuid)
+
+    def store(self, record: Optional["CompiledGraph"], step_graph: Optional["StepGraph"]) -> None:
+        dump = _read_dump(record.dump_path) if record is not None else ()
+        plan_cache.write_entry("graphs", self.key, CachedCompile(record, step_graph, dump))
+
+    def restore(self, backend: "RematBackend", compile_id: str) -> Optional["CachedCompile"]:
+        """The stored entry with its record re-issued for this compile (new graph id, compile id and dump
+        path, ``cache`` saying where it came from), its dump written and its step numbers noted; the
+        record is appended to ``backend.compiled_graphs``. None when nothing is stored."""
+        from .step_budget import slot_of
+
+        entry = plan_cache.read_entry("graphs", self.key)
+        if entry is None or entry.record is None:
+            return entry
+        old = entry.record
+        graph_id = backend.new_graph_id()
+        dump_path = None
+        if backend.options.dump_dir is not None and old.dump_path is not None:
+            dump_path = str(Path(backend.options.dump_dir) / graph_id)
+            _write_dump(Path(dump_path), entry.dump_files, old.graph_id, graph_id)
+        record = dataclasses.replace(old, graph_id=graph_id, compile_id=compile_id, dump_path=dump_path,
+                                     cache=f"autograd-cache hit: {plan_cache.entry_path('graphs', self.key)}")
+        if entry.step_graph is not None:
+            backend.step_account.note_plan(dataclasses.replace(entry.step_graph, graph_id=graph_id,
+                                                               slot=slot_of(graph_id)))
+        backend.compiled_graphs.append(record)
+        return dataclasses.replace(entry, record=record)

@@ -1,0 +1,110 @@
+"""remat's compile cache (remat/plan_cache.py, remat/compile_cache.py): an AOTAutograd cache hit restores
+the plan record and the dump; a plan re-used from the plan cache gives the record and dump a fresh solve
+gives; changing the budget, the headroom or the planner's code misses both caches.
+
+Runs in a cache directory of its own (``REMAT_CACHE_DIR``, the measured CPU profile copied into it so
+nothing is measured again) and an Inductor cache directory of its own (``TORCHINDUCTOR_CACHE_DIR``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import remat
+from models import MLP
+from remat import compile_cache, plan_cache
+from remat.cost_model.hardware import cache_dir, get_profile
+
+BUDGET_GB = 0.004
+
+
+@pytest.fixture
+def caches(tmp_path, monkeypatch):
+    get_profile("cpu")      # measured (or read) in the developer's cache, then copied into the test's
+    profiles = list(cache_dir().glob("profile_*.json"))
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "remat_cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    monkeypatch.setenv("REMAT_COMPILE_CACHE", "1")
+    (tmp_path / "remat_cache").mkdir()
+    for profile in profiles:
+        shutil.copy(profile, tmp_path / "remat_cache" / profile.name)
+    yield tmp_path
+    torch._dynamo.reset()
+
+
+def _compile(dump_dir: Path, budget_gb: float = BUDGET_GB, headroom: Optional[float] = None):
+    """One fresh compile and step of a small MLP; its record and AOTAutograd's (hits, misses) in it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = MLP(d_in=64, d_hidden=128, n_layers=3), torch.randn(256, 64)
+    backend = remat.backend(budget_gb, dump_dir=dump_dir, verify_peak=0, headroom_fraction=headroom)
+    hits, misses = (counters["aot_autograd"][k] for k in ("autograd_cache_hit", "autograd_cache_miss"))
+    torch.compile(model, backend=backend)(x).sum().backward()
+    (record,) = backend.compiled_graphs
+    return record, (counters["aot_autograd"]["autograd_cache_hit"] - hits,
+                    counters["aot_autograd"]["autograd_cache_miss"] - misses)
+
+
+def _files(directory: str) -> dict[str, bytes]:
+    root = Path(directory)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _same_plan(a, b) -> None:
+    volatile = dict(compile_id="", dump_path="", cache="")
+    assert dataclasses.replace(a, **volatile) == dataclasses.replace(b, **volatile)
+    assert _files(a.dump_path) == _files(b.dump_path)
+    assert set(_files(a.dump_path)) >= {"forward.py", "backward.py", "plan.json", "report.md"}
+
+
+def test_a_hit_restores_the_record_and_the_dump_and_changes_miss(caches, monkeypatch):
+    fresh, (hits, misses) = _compile(caches / "cold")
+    assert (hits, misses, fresh.cache) == (0, 1, "")
+    assert fresh.plan.fits_budget and fresh.plan.recomputed, "the budget must make the planner recompute"
+
+    warm, (hits, misses) = _compile(caches / "warm")
+    assert (hits, misses) == (1, 0)
+    assert warm.cache.startswith("autograd-cache hit: ") and warm.dump_path == str(caches / "warm" / "graph_000")
+    _same_plan(fresh, warm)
+
+    # remat's records cleared, Inductor's cache kept: the hit is compiled again without AOTAutograd's
+    # cache, and the plan comes from the plan cache, with the same record and dump as the fresh solve
+    shutil.rmtree(plan_cache.compile_cache_dir() / "graphs")
+    replanned, _ = _compile(caches / "replanned")
+    assert replanned.cache.startswith("plan cache: ")
+    _same_plan(fresh, replanned)
+
+    other_budget, (hits, misses) = _compile(caches / "budget", budget_gb=2 * BUDGET_GB)
+    assert (hits, misses, other_budget.cache) == (0, 1, "")
+    other_headroom, (hits, misses) = _compile(caches / "headroom", headroom=0.2)
+    assert (hits, misses, other_headroom.cache) == (0, 1, "")
+    monkeypatch.setattr(plan_cache, "planner_source_hash", lambda: "an edited planner")
+    edited, (hits, misses) = _compile(caches / "edited")
+    assert (hits, misses, edited.cache) == (0, 1, "")
+
+
+def test_the_cache_can_be_turned_off_and_cleared(caches, monkeypatch):
+    monkeypatch.setenv("REMAT_COMPILE_CACHE", "0")
+    assert plan_cache.write_entry("plans", "k", 1) is None and plan_cache.read_entry("plans", "k") is None
+    monkeypatch.setenv("REMAT_COMPILE_CACHE", "1")
+    assert plan_cache.write_entry("plans", "k", 1) is not None and plan_cache.read_entry("plans", "k") == 1
+    plan_cache.entry_path("plans", "torn").write_bytes(b"\x80\x05truncated")   # a torn write reads as a miss
+    assert plan_cache.read_entry("plans", "torn") is None
+    assert plan_cache.main(["clear"]) == 0 and plan_cache.read_entry("plans", "k") is None
+
+
+def test_the_partitioner_uuid_covers_what_changes_a_plan(caches):
+    options = remat.backend(BUDGET_GB).options
+    base = compile_cache.partitioner_uuid(options, {})
+    assert base == compile_cache.partitioner_uuid(options, {})
+    changed = [remat.backend(2 * BUDGET_GB).options, remat.backend(BUDGET_GB, headroom_fraction=0.2).options,
+               remat.backend(BUDGET_GB, solver="milp").options, remat.backend(BUDGET_GB, dump_dir=caches / "d").options]
+    assert len({base} | {compile_cache.partitioner_uuid(o, {}) for o in changed}) == 1 + len(changed)
+    assert compile_cache.partitioner_uuid(options, {"key": "a correction"}) != base
