@@ -56,7 +56,7 @@ from remat.cost_model.calibrate import calibrate, random_tensor
 from remat.cost_model.costs import annotate_costs, graph_call_s, phase_totals
 from remat.cost_model.flops import EXTRA_FLOP_FORMULAS, TORCH_RULE, node_flops, ops_without_formula
 from remat.cost_model.fusion import find_fusion_groups, is_loop_op
-from remat.cost_model.hardware import get_profile, profile_to_json
+from remat.cost_model.hardware import DEFAULT_CPU_PROFILES, cpu_family, get_profile, profile_to_json
 from remat.cost_model.phases import node_phases
 from remat.cost_model.tensors import is_free_op
 
@@ -427,6 +427,12 @@ def model_factory(name: str, device: torch.device, batch_scale: int) -> Callable
     return make_model
 
 
+def resolve_profile(name: str, device: torch.device) -> Any:
+    """``get_profile(name, device)``, or with ``name="default"`` the CPU family's default profile (the one a
+    machine with no measured profile plans with; remat/cost_model/profiles.py)."""
+    return DEFAULT_CPU_PROFILES[cpu_family()] if name == "default" else get_profile(name, device)
+
+
 def run_model(name: str, device: torch.device, profile_name: str, repeats: int, compiled: bool,
               batch_scale: int = 1, deadline: Deadline | None = None, compile_reserve_s: float = 0.0) -> dict[str, Any]:
     make_model = model_factory(name, device, batch_scale)
@@ -436,7 +442,7 @@ def run_model(name: str, device: torch.device, profile_name: str, repeats: int, 
     t0 = time.perf_counter()
     joint, joint_args = capture_joint(*make_model())
     graph, trace_s = joint.graph, time.perf_counter() - t0
-    profile = get_profile(profile_name, device)
+    profile = resolve_profile(profile_name, device)
 
     print(f"[{name}] calibrating {len(graph.nodes)} nodes", flush=True)
     t0 = time.perf_counter()
@@ -665,7 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--models", nargs="+", default=["gpt", "cnn"], choices=sorted(ZOO))
-    parser.add_argument("--profile", default="auto", help="hardware profile: auto, cpu, cuda, a100, h100, h200")
+    parser.add_argument("--profile", default="auto", help="hardware profile: auto, cpu, cuda, a100, h100, h200, default (the CPU family's default)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--batch-scale", type=int, default=None,
@@ -694,7 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reserve_s = args.compile_reserve_s if args.compile_reserve_s is not None else (75.0 if on_cuda else 20.0)
     deadline = Deadline(max_minutes)
     start = time.perf_counter()
-    profile = get_profile(args.profile, device)
+    profile = resolve_profile(args.profile, device)
     payload: dict[str, Any] = {
         "device": args.device, "machine": machine(device), "profile": profile_to_json(profile),
         "command": " ".join(["python", "benchmarks/cost_model_accuracy.py"] + list(argv if argv is not None else sys.argv[1:])),

@@ -531,7 +531,7 @@ class RematBackend:
         try:
             if share is None:   # alone in its step: the same graph, options and target plan the same
                 plan, cache = cached_plan(key, self.options, profile, target_bytes, correction, device_type, modeled,
-                                          lambda: plan_at(target_bytes))
+                                          joint_inputs, lambda: plan_at(target_bytes))
             else:  # the largest target the step's ledger admits (remat/distributed.py)
                 plan, share = fit_in_step(share, lambda share: fit_plan(
                     share, held_of, plan_at,

@@ -51,10 +51,14 @@ _TEXT_SUFFIXES = (".py", ".json", ".md", ".txt", ".csv")
 
 
 def cached_plan(graph_key: str, options: "RematOptions", profile: object, target_bytes: Optional[int],
-                correction: object, device_type: str, modeled: bool, solve: Callable[[], "Plan"]) -> tuple["Plan", str]:
+                correction: object, device_type: str, modeled: bool, joint_inputs: Sequence[Any],
+                solve: Callable[[], "Plan"]) -> tuple["Plan", str]:
     """The plan ``solve()`` would return, read from the plan cache when stored (then ``solve`` is not
     called), else solved and stored. Returns it and where it came from: "" (solved now) or
-    "plan cache: <path>". A solve that raises stores nothing."""
+    "plan cache: <path>". A solve that raises stores nothing. A graph with symbolic shapes is always
+    solved: its plan depends on the sizes it is planned at (remat/dynamic.py), which the key does not hold."""
+    if _has_symbolic_shapes(joint_inputs):
+        return solve(), ""
     key = plan_cache.plan_key(graph_key, options.cache_key(), profile, target_bytes, correction, device_type, modeled)
     stored = plan_cache.read_entry("plans", key)
     if stored is not None:
@@ -62,6 +66,12 @@ def cached_plan(graph_key: str, options: "RematOptions", profile: object, target
     plan = solve()
     plan_cache.write_entry("plans", key, plan)
     return plan, ""
+
+
+def _has_symbolic_shapes(values: Sequence[Any]) -> bool:
+    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
+                                                                                  for d in v.shape))
+               for v in values)
 
 
 def _profiles_key(hardware: str) -> str:
@@ -98,9 +108,7 @@ def call_cacheable(backend: "RematBackend", example_inputs: Sequence[Any]) -> bo
         return False
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return False
-    if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
-                                                                               for d in v.shape))
-           for v in example_inputs):
+    if _has_symbolic_shapes(example_inputs):
         return False
     return backend.options.budget_bytes is None or not backend.compiled_graphs
 

@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import remat
-from models import MLP
+from remat.testing.zoo import MLP
 from remat import compile_cache, plan_cache
 from remat.cost_model.hardware import cache_dir, get_profile
 

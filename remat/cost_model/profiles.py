@@ -215,7 +215,7 @@ DEFAULT_CPU_PROFILES: dict[str, HardwareProfile] = {
         flops_per_s={"float32": 2.042e+11, "bfloat16": 5.344e+11, "float16": 1.661e+11, "float64": 7.853e+10},
         bandwidth_bytes_per_s=2.712e+10,
         kernel_launch_s=6.543e-06,
-        source="default for x86-64 CPUs: measured on a 2-core Intel Xeon VM (AVX-512, 2 torch threads), "
+        source="default for x86-64 CPUs: measured on a 2-core x86-64 cloud VM (host vm, 2 torch threads), "
                "torch 2.13.0; not this machine's own numbers",
         bandwidth_levels=((262144, 8.196e+10), (2097152, 8.196e+10), (16777216, 4.173e+10)),
         transcendentals_per_s=3.832e+09,
