@@ -597,7 +597,7 @@ def backend(
     pareto_points: int = 0,
     estimator: str = "roofline",
     verify_peak: int = 1,
-    inductor_check: bool = False,
+    inductor_check: bool = True,
     outputs_held: bool = False,
 ) -> RematBackend:
     """A torch.compile backend that fits each compiled forward+backward under ``budget_gb``.
@@ -618,10 +618,10 @@ def backend(
     ``estimator="profile"`` times each graph's real kernels once instead of the roofline.
     ``verify_peak``: the steps measured after each compile; a graph measured over its budget is
     re-planned with the simulator's error it now knows (remat/feedback.py); 0 turns that off.
-    ``inductor_check=True``: before its first step, each plan's peak is read from the code Inductor
-    generated for it and a plan over its target is re-planned (remat/inductor_check.py); the
-    plan is then accepted on that Inductor-checked peak. Off by default: the simulated peak
-    stands and the feedback loop corrects it from the measured step.
+    ``inductor_check`` (default True): before its first step, each plan's peak is read from the code
+    Inductor generated for it and a plan over its target is re-planned (remat/inductor_check.py); the
+    plan is accepted on that Inductor-checked peak. False: the simulated peak stands and the feedback
+    loop corrects it from the measured step.
     ``outputs_held=True``: the training step keeps the model's outputs alive through its backward
     (``out = step(x); loss_fn(out).backward(); print(out)``); by default they are planned to die
     when the forward returns, as in ``loss_fn(step(x)).backward()``, unless the backward reads them.

@@ -58,10 +58,10 @@ class RematOptions:
     estimator: str = "roofline"     # "profile": time each graph's real kernels once (cached) instead
     # Steps measured after each compile by the feedback loop (remat/feedback.py); 0 turns it off.
     verify_peak: int = DEFAULT_VERIFY_PEAK
-    # Inductor judges each plan before its first step (remat/inductor_check.py); off by default: it counts
-    # the model's outputs live through the backward, and refused budgets the measured step fitted (the zoo
-    # GPT at 50% of plain Inductor's peak). False: the simulated peak stands and the feedback loop corrects it.
-    inductor_check: bool = False
+    # Inductor judges each plan before its first step (remat/inductor_check.py): the peak of the code it
+    # generated is the number the plan is accepted on. False: the simulated peak stands and only the
+    # feedback loop corrects it, from the measured step.
+    inductor_check: bool = True
     # Whether the training step keeps the model's outputs alive through its backward (``out = step(x);
     # loss_fn(out).backward(); use(out)``). False (the usual ``loss_fn(step(x)).backward()``): they are
     # planned to die when the forward returns unless the backward reads them; a step that does hold them
@@ -236,7 +236,7 @@ def make_options(
     estimator: str = "roofline",
     free_bytes_for_auto: Optional[int] = None,
     verify_peak: int = DEFAULT_VERIFY_PEAK,
-    inductor_check: bool = False,
+    inductor_check: bool = True,
     outputs_held: bool = False,
 ) -> RematOptions:
     """Validate every user-facing argument and build the frozen options record (``dump_dir``
