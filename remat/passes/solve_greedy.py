@@ -8,7 +8,7 @@ From each start it works in rounds, each ending in one simulation
 
 1. Descent. The steps whose simulated live bytes exceed the target form the
    excess. Dropping a saved value frees its storages between its last forward use
-   and its first backward use; it costs the recompute time of the value and of
+   and its first backward use (``solve_drops.py``); it costs the recompute time of the value and of
    every ancestor not already saved or recomputed (a walk up the graph, not a
    re-partition). A covering knapsack picks the drops: for the step with the
    most excess left, the cheapest set of drops that covers it (greedy by time per
@@ -42,7 +42,8 @@ only a few drops are needed, and the fitting start is polished), else only from
 the other starts.
 
 Every choice is ordered by numbers, then by joint-graph position: the result does
-not depend on hash seeds or set iteration order.
+not depend on hash seeds or set iteration order. Each solve builds one ``SearchContext``
+(``solve_context.py``) and passes it to the descent, the polish and the local search.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .evaluate import Evaluated, evaluate
+from .evaluate import Evaluated
 from .joint_graph import JointGraphFacts
 from .kernel_steps import RECOMPUTE_SUFFIX
-from .schedule import why_not_recomputable
-from .solve_local import LOCAL_SEARCH_MAX_STEPS, LOCAL_SEARCH_STEPS, local_search
+from .solve_context import SearchContext
+from .solve_drops import drop_options
+from .solve_local import LOCAL_SEARCH_MAX_STEPS, local_search
 
 RECOMPUTE_FLOOR_S = 5e-6        # every recomputation costs at least a kernel launch
 MAX_DESCENT_ROUNDS = 64
@@ -78,101 +80,7 @@ class GreedyResult:
     smallest: Optional[Evaluated] = None   # smallest_peak's plan, when the search needed it
 
 
-class _Graph:
-    """Per-graph constants the rounds read."""
-
-    def __init__(self, facts: JointGraphFacts) -> None:
-        self.facts = facts
-        self.position = facts.position()
-        self.ban = {name: why_not_recomputable(facts, name) for name in facts.nodes
-                    if facts.nodes[name].role == "forward"}
-        self.evaluations = 0
-        self.local_steps_left = LOCAL_SEARCH_STEPS     # the target search's; smallest_peak sets its own
-
-    def evaluate(self, chosen: frozenset[str]) -> Evaluated:
-        self.evaluations += 1
-        return evaluate(self.facts, chosen)
-
-    def save_all(self) -> frozenset[str]:
-        return frozenset(n for n in self.facts.needed_by_backward if self.facts.nodes[n].role == "forward")
-
-
-@dataclass(frozen=True)
-class _Option:
-    """Dropping ``members`` (saved values sharing storages) frees ``spans``: (first step, last step, bytes)."""
-
-    members: tuple[str, ...]
-    spans: tuple[tuple[int, int, int], ...]
-    position: int
-
-    def freed_at(self, step: int) -> int:
-        return sum(nbytes for lo, hi, nbytes in self.spans if lo <= step <= hi)
-
-
-def _storage_steps(current: Evaluated) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """Per storage: its bytes, the last forward step that touches it, the first backward step that reads it."""
-    nbytes: dict[str, int] = {}
-    last_forward: dict[str, int] = {}
-    first_backward: dict[str, int] = {}
-    for index, step in enumerate(current.steps):
-        if step.phase == "forward":
-            for sid, size in step.allocs:
-                nbytes[sid] = size
-                last_forward[sid] = index
-            for sid in step.uses:
-                last_forward[sid] = index
-        else:
-            for sid, size in step.allocs:
-                nbytes.setdefault(sid, size)
-                first_backward.setdefault(sid, index)
-            for sid in step.uses:
-                first_backward.setdefault(sid, index)
-    return nbytes, last_forward, first_backward
-
-
-def _drop_options(g: _Graph, current: Evaluated) -> list[_Option]:
-    """Groups of chosen values that can stop being saved, with the bytes that frees and where."""
-    facts, part = g.facts, current.partition
-    holders: dict[str, list[str]] = {}
-    for name in sorted(part.saved, key=g.position.__getitem__):
-        for sid in facts.nodes[name].value_storages:
-            holders.setdefault(sid, []).append(name)
-    # saved values that share a storage are dropped together (a view keeps its base alive)
-    group_of: dict[str, str] = {}
-
-    def find(name: str) -> str:
-        while group_of.get(name, name) != name:
-            name = group_of[name]
-        return name
-
-    for names in holders.values():
-        root = find(names[0])
-        for other in names[1:]:
-            other_root = find(other)
-            if other_root != root:
-                group_of[other_root] = root
-    groups: dict[str, list[str]] = {}
-    for name in sorted(part.saved, key=g.position.__getitem__):
-        groups.setdefault(find(name), []).append(name)
-    nbytes, last_forward, first_backward = _storage_steps(current)
-    options = []
-    for members in groups.values():
-        if any(m not in current.chosen or g.ban.get(m) is not None or facts.nodes[m].is_multi_output for m in members):
-            continue
-        spans = []
-        for sid in sorted({s for m in members for s in facts.nodes[m].value_storages}):
-            owner = facts.nodes.get(sid.split("#")[0])
-            if owner is None or owner.role != "forward" or sid in current.pinned or sid not in nbytes:
-                continue
-            lo, hi = last_forward.get(sid, -1) + 1, first_backward.get(sid, len(current.steps)) - 1
-            if lo <= hi and nbytes[sid] > 0:
-                spans.append((lo, hi, nbytes[sid]))
-        if spans:
-            options.append(_Option(tuple(members), tuple(spans), g.position[members[0]]))
-    return options
-
-
-def _added_time(g: _Graph, members: tuple[str, ...], saved: set[str],
+def _added_time(g: SearchContext, members: tuple[str, ...], saved: set[str],
                 recomputed: set[str]) -> Optional[tuple[float, list[str], list[str]]]:
     """Recompute time dropping ``members`` adds, the values it newly recomputes, and the ancestors
     that may not be recomputed it reaches (the partition saves those: ``forced``); None when a
@@ -232,11 +140,11 @@ def _cheapest_cover(priced: list[tuple[float, int, int]], need: int) -> list[int
     return best[1]
 
 
-def _descent_round(g: _Graph, current: Evaluated, target_bytes: int) -> frozenset[str]:
+def _descent_round(g: SearchContext, current: Evaluated, target_bytes: int) -> frozenset[str]:
     """The drops one round applies (see the module docstring); empty when none spans an excess step."""
     timeline = current.simulation.timeline_bytes
     left = {i: live - target_bytes for i, live in enumerate(timeline) if live > target_bytes}
-    options = _drop_options(g, current)
+    options = drop_options(g, current)
     saved = set(current.partition.saved)
     recomputed = set(current.partition.recomputed)
     picked: list[int] = []
@@ -279,7 +187,7 @@ def _descent_round(g: _Graph, current: Evaluated, target_bytes: int) -> frozense
     return frozenset(m for index in picked for m in options[index].members)
 
 
-def _descend(g: _Graph, start: Evaluated, target_bytes: int) -> tuple[Evaluated, list[str], Evaluated]:
+def _descend(g: SearchContext, start: Evaluated, target_bytes: int) -> tuple[Evaluated, list[str], Evaluated]:
     """Drop rounds until the peak fits or no drop helps; returns the last plan, the values
     dropped, and the lowest-peak plan seen."""
     current, dropped, lowest = start, [], start
@@ -299,7 +207,7 @@ def _descend(g: _Graph, start: Evaluated, target_bytes: int) -> tuple[Evaluated,
     return current, dropped, lowest
 
 
-def _resave_options(g: _Graph, current: Evaluated) -> list[tuple[float, str, int, int, int]]:
+def _resave_options(g: SearchContext, current: Evaluated) -> list[tuple[float, str, int, int, int]]:
     """Recomputed values that could be saved again: (time saved per byte, name, bytes, first step, last step)."""
     facts = g.facts
     forward_index = {step.name: i for i, step in enumerate(current.steps) if step.phase == "forward"}
@@ -337,7 +245,7 @@ def _resave_options(g: _Graph, current: Evaluated) -> list[tuple[float, str, int
     return options
 
 
-def _polish(g: _Graph, current: Evaluated, target_bytes: int) -> Evaluated:
+def _polish(g: SearchContext, current: Evaluated, target_bytes: int) -> Evaluated:
     """Save recomputed values again: first a batch that fits the estimated timeline (halved while
     the simulation says it does not fit), then one value at a time, most time saved first, for
     what the estimate refused; within MAX_POLISH_EVALUATIONS simulations and POLISH_STEPS simulated steps."""
@@ -379,7 +287,7 @@ def _polish(g: _Graph, current: Evaluated, target_bytes: int) -> Evaluated:
     return current
 
 
-def _lowest_from(g: _Graph, start: Evaluated) -> Evaluated:
+def _lowest_from(g: SearchContext, start: Evaluated) -> Evaluated:
     """The lowest-peak plan of a descent from ``start`` that aims 1/SMALLEST_PEAK_STEP lower each round."""
     current, best = start, start
     for _ in range(MAX_SMALLEST_PEAK_ROUNDS):
@@ -393,11 +301,10 @@ def _lowest_from(g: _Graph, start: Evaluated) -> Evaluated:
     return best
 
 
-def smallest_peak(g: _Graph, starts: tuple[Evaluated, ...]) -> Evaluated:
+def smallest_peak(g: SearchContext, starts: tuple[Evaluated, ...]) -> Evaluated:
     """The lowest-peak plan of ``_lowest_from`` over ``starts`` (saving everything, then the
     caller's: the min-cut has the free savings made, and its peak bounds the answer), ties to the
     earlier start, refined by the local search on small graphs; does not depend on any target."""
-    g.local_steps_left = LOCAL_SEARCH_STEPS      # its own budget: the same plan whoever asks
     lowest = [_lowest_from(g, start) for start in starts]
     index = min(range(len(lowest)), key=lambda i: (lowest[i].peak_bytes, lowest[i].extra_time_s, i))
     best = lowest[index]
@@ -412,7 +319,7 @@ def smallest_peak(g: _Graph, starts: tuple[Evaluated, ...]) -> Evaluated:
     return local_search(g, best, None)
 
 
-def _from(g: _Graph, start: Evaluated, target_bytes: int) -> tuple[Optional[Evaluated], tuple[str, ...]]:
+def _from(g: SearchContext, start: Evaluated, target_bytes: int) -> tuple[Optional[Evaluated], tuple[str, ...]]:
     """Descent then polish from ``start``; None when the descent gets stuck."""
     current, dropped, _ = _descend(g, start, target_bytes)
     if current.peak_bytes > target_bytes:
@@ -443,7 +350,7 @@ def solve_greedy(facts: JointGraphFacts, target_bytes: int, starts: tuple[Evalua
     may not be recomputed are never dropped (the partition saves them); whenever
     ``smallest_peak``'s plan meets the target a plan is returned.
     """
-    g = _Graph(facts)
+    g = SearchContext(facts)
     first = save_all if save_all is not None and save_all.chosen == g.save_all() else g.evaluate(g.save_all())
     if first.peak_bytes <= target_bytes:
         return GreedyResult(first, (), g.evaluations)
@@ -458,9 +365,6 @@ def solve_greedy(facts: JointGraphFacts, target_bytes: int, starts: tuple[Evalua
         if fallback.peak_bytes > target_bytes:
             return GreedyResult(None, (), g.evaluations, fallback)
         dropped = tuple(sorted(g.save_all() - fallback.chosen, key=g.position.__getitem__))
-        # smallest_peak spent its own local-search budget on the least peak; the least time
-        # under this target is another search, with a budget of its own
-        g.local_steps_left = LOCAL_SEARCH_STEPS
         plan = _polish(g, fallback, target_bytes)
         found.append((plan.extra_time_s, plan.peak_bytes, 0, plan, dropped))
     _, _, _, plan, dropped = min(found, key=lambda f: f[:3])
@@ -473,6 +377,6 @@ def solve_greedy(facts: JointGraphFacts, target_bytes: int, starts: tuple[Evalua
 def smallest_peak_plan(facts: JointGraphFacts, starts: tuple[Evaluated, ...] = ()) -> tuple[Evaluated, int]:
     """``smallest_peak`` from saving everything and ``starts`` (pass what ``solve_greedy`` was
     given: the same plan), and the simulations it took."""
-    g = _Graph(facts)
+    g = SearchContext(facts)
     best = smallest_peak(g, (g.evaluate(g.save_all()), *starts))
     return best, g.evaluations

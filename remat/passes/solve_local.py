@@ -23,25 +23,23 @@ than ``LOCAL_SEARCH_MAX_STEPS`` steps are left as they are.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from .evaluate import Evaluated
 from .schedule import forward_ancestors
+from .solve_context import SearchContext
 
-if TYPE_CHECKING:
-    from .solve_greedy import _Graph
-
-LOCAL_SEARCH_STEPS = 8_000      # simulated steps a local search may spend (smallest_peak's has its own)
+LOCAL_SEARCH_STEPS = 8_000      # simulated steps each local search may spend
 LOCAL_SEARCH_MAX_STEPS = 300    # graphs with more steps get no local search
 REPAIR_DROPS = 2                # values dropped after saving one more (_save_and_repair)
 
 
-def _relevant(g: _Graph) -> list[str]:
+def _relevant(g: SearchContext) -> list[str]:
     """Forward values the backward reads, or that a recomputation of those could read; in graph order."""
     return sorted(forward_ancestors(g.facts, g.facts.needed_by_backward), key=g.position.__getitem__)
 
 
-def _neighbours(g: _Graph, name: str, chosen: frozenset[str]) -> list[str]:
+def _neighbours(g: SearchContext, name: str, chosen: frozenset[str]) -> list[str]:
     """Chosen values next to ``name`` (its inputs, its users, and theirs): the drops worth pairing with saving it."""
     facts = g.facts
     near: set[str] = set()
@@ -52,7 +50,7 @@ def _neighbours(g: _Graph, name: str, chosen: frozenset[str]) -> list[str]:
     return sorted((n for n in near if n in chosen and n != name), key=g.position.__getitem__)
 
 
-def _moves(g: _Graph, relevant: list[str], chosen: frozenset[str]) -> list[frozenset[str]]:
+def _moves(g: SearchContext, relevant: list[str], chosen: frozenset[str]) -> list[frozenset[str]]:
     """Saved sets one step from ``chosen``: save one more value, save one and drop a neighbour,
     or drop one."""
     moves: list[frozenset[str]] = []
@@ -65,7 +63,7 @@ def _moves(g: _Graph, relevant: list[str], chosen: frozenset[str]) -> list[froze
     return moves
 
 
-def _save_and_repair(g: _Graph, relevant: list[str], current: Evaluated, target_bytes: int,
+def _save_and_repair(g: SearchContext, relevant: list[str], current: Evaluated, target_bytes: int,
                      simulated: Callable[[frozenset[str]], Optional[Evaluated]],
                      better: Callable[[Evaluated, Evaluated], bool]) -> Optional[Evaluated]:
     """The first plan better than ``current`` made by saving one more value and, when that goes
@@ -91,7 +89,7 @@ def _save_and_repair(g: _Graph, relevant: list[str], current: Evaluated, target_
     return None
 
 
-def _best_drop(g: _Graph, plan: Evaluated, keep: str, time_limit_s: float, target_bytes: int,
+def _best_drop(g: SearchContext, plan: Evaluated, keep: str, time_limit_s: float, target_bytes: int,
                simulated: Callable[[frozenset[str]], Optional[Evaluated]]) -> Optional[Evaluated]:
     """Of ``plan`` less one chosen value live at its simulated peak (never ``keep``), each
     simulated: the fastest that fits, else the most peak lowered per second added; only plans
@@ -117,7 +115,7 @@ def _best_drop(g: _Graph, plan: Evaluated, keep: str, time_limit_s: float, targe
     return None if best_step is None else best_step[1]
 
 
-def _at_peak(g: _Graph, plan: Evaluated, keep: str = "") -> list[str]:
+def _at_peak(g: SearchContext, plan: Evaluated, keep: str = "") -> list[str]:
     """Values ``plan`` saves by choice whose storages are live at its simulated peak (not ``keep``), in graph order."""
     live = {sid for sid, _ in plan.simulation.live_at_peak}
     nodes = g.facts.nodes
@@ -125,7 +123,7 @@ def _at_peak(g: _Graph, plan: Evaluated, keep: str = "") -> list[str]:
             if n != keep and n in plan.partition.saved and live.intersection(nodes[n].value_storages)]
 
 
-def _drop_two_at_peak(g: _Graph, current: Evaluated, simulated: Callable[[frozenset[str]], Optional[Evaluated]],
+def _drop_two_at_peak(g: SearchContext, current: Evaluated, simulated: Callable[[frozenset[str]], Optional[Evaluated]],
                       better: Callable[[Evaluated, Evaluated], bool]) -> Optional[Evaluated]:
     """The first plan better than ``current`` (which is over its goal) made by dropping two values live
     at its peak: when two values are held at the peak and one's drop alone moves the peak to the other,
@@ -141,7 +139,7 @@ def _drop_two_at_peak(g: _Graph, current: Evaluated, simulated: Callable[[frozen
     return None
 
 
-def _drop_and_refill(g: _Graph, relevant: list[str], current: Evaluated,
+def _drop_and_refill(g: SearchContext, relevant: list[str], current: Evaluated,
                      simulated: Callable[[frozenset[str]], Optional[Evaluated]],
                      better: Callable[[Evaluated, Evaluated], bool]) -> Optional[Evaluated]:
     """The first plan better than ``current`` made by dropping one saved value (a kick) and then
@@ -180,17 +178,16 @@ def _drop_and_refill(g: _Graph, relevant: list[str], current: Evaluated,
     return None
 
 
-def local_search(g: _Graph, current: Evaluated, target_bytes: Optional[int]) -> Evaluated:
+def local_search(g: SearchContext, current: Evaluated, target_bytes: Optional[int]) -> Evaluated:
     """First-improvement search over the ``_moves`` of the current plan, each simulated, within
-    the simulated steps left to this solve (``g.local_steps_left``); when no single move improves,
+    ``LOCAL_SEARCH_STEPS`` simulated steps (each call its own); when no single move improves,
     the ejection chains of the module docstring, then pairs of moves (the second from the plan
     the first makes, which may be over the target in between). With a target: least (bytes over
     the target, extra time); without (``None``): least (peak, extra time), the chains aiming one
     byte under the current peak. Returns a simulated plan no worse than ``current`` by that order."""
     if len(current.steps) > LOCAL_SEARCH_MAX_STEPS:
         return current
-    budget = [g.local_steps_left // max(len(current.steps), 1)]
-    spent_from = budget[0]
+    budget = [LOCAL_SEARCH_STEPS // max(len(current.steps), 1)]
     relevant = _relevant(g)
     cache: dict[frozenset[str], Evaluated] = {current.chosen: current}
 
@@ -241,5 +238,4 @@ def local_search(g: _Graph, current: Evaluated, target_bytes: Optional[int]) -> 
         if step is None:
             break
         current = step
-    g.local_steps_left -= (spent_from - budget[0]) * len(current.steps)
     return current
