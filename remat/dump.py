@@ -9,6 +9,7 @@ from torch import fx
 
 from .cost_model.hardware import HardwareProfile
 from .feedback_store import Correction
+from .pareto_curve import curve_for_graph, plot_curve, render_table
 from .passes.joint_graph import JointGraphFacts
 from .passes.plan import Plan
 from .passes.rewrite import REMAT_KEY, RecomputeTag, RegionSummary, describe_region
@@ -70,8 +71,6 @@ def write_dump(
     report = render_report(plan, graph_id, regions, profile, correction)
     report += render_symbolic_sizes(plan, facts, (fw.graph, bw.graph))
     if pareto_points > 0:
-        from .pareto import curve_for_graph, plot_curve, render_table
-
         curve = curve_for_graph(facts, 0, n_points=pareto_points)
         png = plot_curve(curve, directory / "pareto.png")
         report += "\n## Pareto curve\n\n" + render_table(curve)

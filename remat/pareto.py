@@ -1,84 +1,17 @@
-"""The memory/time trade-off of a model: predicted peak vs predicted extra time per budget.
+"""The memory/time trade-off of a model: ``pareto(model, example_inputs)``.
 
-``pareto(model, example_inputs)`` traces the model once (no code generation, no
-recompilation per point), plans every joint graph at a range of budgets and
-returns one ``ParetoCurve`` per graph, with the knee marked: the point farthest
-from the straight line between the cheapest and the smallest-peak plan, in
-coordinates normalised to each axis's range.
+Traces the model once (no code generation, no recompilation per point), plans every joint
+graph at a range of budgets and returns one ``ParetoCurve`` per graph
+(``remat/pareto_curve.py``: the curve of one graph's facts, its knee, its table and plot).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .errors import BudgetInfeasibleError
-from .passes.joint_graph import JointGraphFacts
-from .passes.plan import make_plan
-from .units import format_bytes, format_seconds
-
-
-@dataclass(frozen=True)
-class ParetoPoint:
-    budget_bytes: int
-    predicted_peak_bytes: int
-    est_extra_time_s: float
-    recompute_flops: int
-    is_knee: bool = False
-
-
-@dataclass(frozen=True)
-class ParetoCurve:
-    graph_index: int
-    no_remat_peak_bytes: int
-    min_feasible_bytes: int
-    points: tuple[ParetoPoint, ...]       # largest budget first
-
-    @property
-    def knee(self) -> Optional[ParetoPoint]:
-        return next((p for p in self.points if p.is_knee), None)
-
-
-def _mark_knee(points: list[ParetoPoint]) -> list[ParetoPoint]:
-    if len(points) < 3:
-        return points
-    peaks = [p.predicted_peak_bytes for p in points]
-    times = [p.est_extra_time_s for p in points]
-    span_m = (max(peaks) - min(peaks)) or 1
-    span_t = (max(times) - min(times)) or 1.0
-    xs = [(m - min(peaks)) / span_m for m in peaks]
-    ys = [(t - min(times)) / span_t for t in times]
-    (x0, y0), (x1, y1) = (xs[0], ys[0]), (xs[-1], ys[-1])
-    norm = ((x1 - x0) ** 2 + (y1 - y0) ** 2) ** 0.5 or 1.0
-    distance = [abs((y1 - y0) * x - (x1 - x0) * y + x1 * y0 - y1 * x0) / norm for x, y in zip(xs, ys)]
-    knee = max(range(1, len(points) - 1), key=distance.__getitem__)
-    return [ParetoPoint(**{**p.__dict__, "is_knee": i == knee}) for i, p in enumerate(points)]
-
-
-def curve_for_graph(facts: JointGraphFacts, graph_index: int, budgets_bytes: Optional[Sequence[int]] = None,
-                    n_points: int = 8) -> ParetoCurve:
-    """Plan ``facts`` at each budget (default: ``n_points`` evenly from the smallest peak the
-    planner reaches to the peak of the free min-cut, above which every budget gets the same
-    plan); budgets no plan meets are left out."""
-    smallest = make_plan(facts, 1, best_effort=True)
-    low, high = smallest.predicted_peak_bytes, smallest.mincut_peak_bytes
-    if budgets_bytes is None:
-        steps = max(n_points - 1, 1)
-        budgets_bytes = [int(high - (high - low) * i / steps) for i in range(n_points)]
-    points = []
-    seen_peaks: set[tuple[int, float]] = set()
-    for budget in sorted(set(budgets_bytes), reverse=True):
-        try:
-            plan = make_plan(facts, budget)
-        except BudgetInfeasibleError:
-            continue
-        key = (plan.predicted_peak_bytes, plan.est_extra_time_s)
-        if key in seen_peaks:
-            continue
-        seen_peaks.add(key)
-        points.append(ParetoPoint(budget, plan.predicted_peak_bytes, plan.est_extra_time_s, plan.recompute_flops))
-    return ParetoCurve(graph_index, smallest.no_remat_peak_bytes, low, tuple(_mark_knee(points)))
+from .backend import trace_joint_facts
+from .pareto_curve import ParetoCurve, ParetoPoint, curve_for_graph
+from .units import gb_to_bytes
 
 
 def pareto(model: Callable[..., Any], example_inputs: Sequence[Any], *, budgets_gb: Optional[Sequence[float]] = None,
@@ -89,48 +22,10 @@ def pareto(model: Callable[..., Any], example_inputs: Sequence[Any], *, budgets_
     smallest reachable peak to the peak of its free min-cut plan. Points are predictions (simulated peak,
     estimated time on the hardware profile), not measurements.
     """
-    from .backend import trace_joint_facts
-    from .units import gb_to_bytes
-
     budgets = None if budgets_gb is None else [gb_to_bytes(b) for b in budgets_gb]
     graphs = trace_joint_facts(model, example_inputs, hardware=hardware)
     return [curve_for_graph(facts, i, budgets, n_points) for i, facts in enumerate(graphs)
             if any(n.role == "backward" for n in facts.nodes.values())]
 
 
-def render_table(curve: ParetoCurve) -> str:
-    lines = [
-        f"Pareto curve of graph {curve.graph_index}: no-remat peak {format_bytes(curve.no_remat_peak_bytes)}, "
-        f"smallest feasible peak {format_bytes(curve.min_feasible_bytes)} (1 GB = 1e9 bytes; predicted, not measured)",
-        "",
-        "| budget | predicted peak | est. extra time | recompute FLOPs | |",
-        "|---:|---:|---:|---:|---|",
-    ]
-    for p in curve.points:
-        lines.append(f"| {format_bytes(p.budget_bytes)} | {format_bytes(p.predicted_peak_bytes)} | "
-                     f"{format_seconds(p.est_extra_time_s)} | {p.recompute_flops:,} | {'knee' if p.is_knee else ''} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_curve(curve: ParetoCurve, path: Path) -> Optional[Path]:
-    """Write a PNG of the curve if matplotlib is installed; return its path, or None."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p.predicted_peak_bytes / 1e6 for p in curve.points], [p.est_extra_time_s * 1e3 for p in curve.points], "o-")
-    knee = curve.knee
-    if knee is not None:
-        ax.plot([knee.predicted_peak_bytes / 1e6], [knee.est_extra_time_s * 1e3], "r*", markersize=14, label="knee")
-        ax.legend()
-    ax.set_xlabel("predicted peak (MB, 1 MB = 1e6 bytes)")
-    ax.set_ylabel("estimated extra time (ms)")
-    ax.set_title(f"remat: graph {curve.graph_index}")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+__all__ = ["ParetoCurve", "ParetoPoint", "pareto"]

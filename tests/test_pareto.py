@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.pareto import render_table
+from remat.pareto_curve import render_table
 
 
 class Tanh8(nn.Module):
