@@ -5,7 +5,7 @@ values that a plan may choose to save: not forced (random ops, mutations,
 symbolic sizes are saved whenever needed), not tuple-valued, and holding bytes
 (a value aliasing a parameter costs nothing to save or to recompute, so it is
 left to the closure). Every subset of the candidates is closed into a partition
-and simulated with ``plan.evaluate``; ``2**n`` simulations, so ``n`` is capped.
+and simulated with ``evaluate.evaluate``; ``2**n`` simulations, so ``n`` is capped.
 """
 
 from __future__ import annotations
