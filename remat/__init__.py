@@ -6,7 +6,7 @@
 
 from .backend import CompiledGraph, RematBackend, backend
 from .backend import register as _register
-from .errors import BudgetInfeasibleError, RematError, UnsupportedGraphError
+from .errors import BudgetInfeasibleError, RematError
 from .measure import PeakMeasurement, measure_peak_bytes
 from .metrics import MonitorOptions, StepMetrics, StepMonitor
 from .options import BUDGET_ENV_VAR, RematOptions
@@ -29,7 +29,6 @@ __all__ = [
     "SizeFit",
     "StepMetrics",
     "StepMonitor",
-    "UnsupportedGraphError",
     "backend",
     "max_size_that_fits",
     "measure_peak_bytes",

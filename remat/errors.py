@@ -1,8 +1,7 @@
 """The exceptions remat raises.
 
     RematError                      base of everything remat raises on purpose
-    ├── BudgetInfeasibleError       no plan's simulated peak fits the budget
-    └── UnsupportedGraphError       the joint graph holds something remat cannot plan
+    └── BudgetInfeasibleError       no plan's simulated peak fits the budget
 
 Bad arguments at the API boundary raise the builtin ``ValueError`` / ``TypeError``
 before any tracing, so they read like any other Python argument error.
@@ -52,6 +51,3 @@ def raise_budget_hint(min_budget_bytes: int) -> str:
     return (f"Raise the budget to at least {format_gb_up(min_budget_bytes)} GB (1 GB = 1e9 bytes; "
             f"{min_budget_bytes:,} bytes), or pass best_effort=True to run the smallest-peak plan anyway.")
 
-
-class UnsupportedGraphError(RematError):
-    """The joint graph contains a construct the planner does not handle."""

@@ -25,7 +25,6 @@ EXPECTED_PUBLIC = {
     "SizeFit",
     "StepMetrics",
     "StepMonitor",
-    "UnsupportedGraphError",
     "backend",
     "max_size_that_fits",
     "measure_peak_bytes",
@@ -64,7 +63,6 @@ def test_exported_members_say_where_they_live():
 
 def test_error_tree():
     assert issubclass(remat.BudgetInfeasibleError, remat.RematError)
-    assert issubclass(remat.UnsupportedGraphError, remat.RematError)
     assert issubclass(remat.RematError, RuntimeError)
 
 
