@@ -46,11 +46,11 @@ from .cost_model.costs import annotate_costs
 from .cost_model.hardware import get_profile
 from .distributed import DistributedGraphRecord, GraphShare, StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
-from .errors import BudgetInfeasibleError
+from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
-from .inductor_check import GraphCode, Judgement, activation_itemsize, annotate_dump, checked_peak_of, graph_code, \
-    judge_plan
+from .inductor_check import GraphCode, Judgement, Refusal, activation_itemsize, annotate_dump, checked_peak_of, \
+    graph_code, judge_plan, named_budget_after_check, overrule_refusal
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
 from .passes.plan import Plan, make_plan
@@ -58,6 +58,7 @@ from .passes.random_ops import split_dropout_outputs
 from .passes.rewrite import RegionSummary, place_recompute_regions
 from .step_budget import StepAccount, fit_in_step, need_of, note_step_plan, slot_of
 from .step_loop import StepHooks
+from .units import format_gb_up
 
 log = logging.getLogger("remat")
 
@@ -79,6 +80,9 @@ class CompiledGraph:
     # "" (solved in this compile), "plan cache: <entry>" (the plan re-used, the rest made now) or
     # "autograd-cache hit: <entry>" (AOTAutograd's cache served the compile; this record restored)
     cache: str = ""
+    # the simulator refused the budget and this is its smallest-peak plan, compiled for Inductor's check to
+    # overrule the refusal or let it stand (``RematBackend._overruled_or_refused``)
+    refusal: Optional[Refusal] = None
 
 
 def _passthrough_error_class(cls: type) -> type:
@@ -358,6 +362,9 @@ class RematBackend:
         if len(records) != 1:
             return fn       # an inference graph (no plan)
         in_place = pristine is not None and not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
+        if records[0].refusal is not None and not (judge and in_place):
+            self.compiled_graphs.pop()      # no check to overrule the simulator's refusal: it stands
+            raise _passthrough_error_class(BudgetInfeasibleError)(records[0].refusal.error)
         if judge and in_place:
             fn = self._judged(fn, capture, pristine, list(example_inputs))
         in_step = budget and records[0].distributed is None   # DDP / FSDP2 pieces: their own ledger
@@ -421,6 +428,8 @@ class RematBackend:
                 self.compiled_graphs.pop()      # the plan this one replaces
             self.compiled_graphs.append(record)
             checked = checked_peak_of(capture.graphs, _device_of(args).type, self.options.outputs_held)
+            if record.refusal is not None:
+                return self._overruled_or_refused(fn, record, None if checked is None else checked.peak_bytes)
             verdict = judge_plan(record.plan.predicted_peak_bytes, None if checked is None else checked.peak_bytes,
                                  record.base_target_bytes, record.plan.budget_bytes,
                                  may_replan=record.plan.fits_budget and round_ < MAX_JUDGED_REPLANS,
@@ -449,6 +458,44 @@ class RematBackend:
                 annotate_dump(record.dump_path, kept)
                 return fn
         raise AssertionError("unreachable")
+
+    def _check_may_overrule(self, share: Optional[GraphShare], joint_inputs: Sequence[object]) -> bool:
+        """Whether a budget the simulator refused goes to Inductor's check first (the smallest-peak plan
+        is compiled and judged in ``__call__``): the check is on, the graph is alone in its step with
+        static shapes (the graphs ``_judged`` judges), it is not a re-plan (whose refusal the re-planning
+        caller handles) and the user did not ask for best effort."""
+        return (self.options.inductor_check and self.options.budget_bytes is not None and not self.options.best_effort
+                and share is None and not _has_symbolic_shapes(joint_inputs)
+                and getattr(self._replan, "correction", None) is None)
+
+    def _overruled_or_refused(self, fn: Callable[..., Any], record: CompiledGraph,
+                              checked_peak_bytes: Optional[int]) -> Callable[..., Any]:
+        """Inductor's verdict on the smallest-peak plan of a budget the simulator refused: at or under
+        the planning target, the plan runs (the simulator over-predicted it); otherwise the refusal is
+        raised, naming the budget at which this same check accepts that plan when that is below the
+        simulator's figure (``inductor_check.named_budget_after_check``)."""
+        assert record.refusal is not None and record.base_target_bytes is not None
+        error = record.refusal.error
+        assert isinstance(error, BudgetInfeasibleError)
+        verdict = overrule_refusal(record.plan.predicted_peak_bytes, checked_peak_bytes, record.base_target_bytes,
+                                   error.budget_bytes, record.graph_id)
+        self.compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
+        annotate_dump(record.dump_path, verdict)
+        if verdict.action != "refused":
+            log.info("remat %s: %s (simulated %d bytes, checked %s)", record.graph_id, verdict.action,
+                     record.plan.predicted_peak_bytes, checked_peak_bytes)
+            return fn
+        self.compiled_graphs.pop()
+        named = named_budget_after_check(record.refusal, checked_peak_bytes, error.min_feasible_bytes)
+        if named is not None and named < error.min_budget_bytes:
+            error = BudgetInfeasibleError(
+                f"budget {format_gb_up(error.budget_bytes)} GB is below the smallest feasible budget "
+                f"{format_gb_up(named)} GB: the smallest-peak plan's generated code peaks at {checked_peak_bytes:,} "
+                f"bytes as Inductor compiled it (the simulator predicted {record.plan.predicted_peak_bytes:,}), "
+                f"over the planning target of {record.base_target_bytes:,} bytes (the budget less headroom). "
+                + raise_budget_hint(named), budget_bytes=error.budget_bytes, min_feasible_bytes=checked_peak_bytes,
+                min_budget_bytes=named, reasons=error.reasons)
+        raise _passthrough_error_class(BudgetInfeasibleError)(error)
 
     def _remember(self, key: str, correction: Correction) -> Optional[str]:
         self._corrections[key] = correction
@@ -515,19 +562,20 @@ class RematBackend:
             target = self.options.planning_target_for(budget_bytes, device_type, modeled)
             return target if correction is None else correction.corrected_target(target)
 
-        def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None) -> Plan:
+        def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
+                    best_effort: bool = self.options.best_effort) -> Plan:
             return make_plan(
                 facts,
                 self.options.budget_bytes,
                 target_bytes=target_bytes,
-                best_effort=self.options.best_effort,
+                best_effort=best_effort,
                 solver=self.options.solver,
                 milp_time_limit_s=self.options.milp_time_limit_s,
                 saved_cap_bytes=saved_cap_bytes,
                 target_for_budget=step_target_for,
             )
 
-        cache = ""
+        cache, refusal = "", None
         try:
             if share is None:   # alone in its step: the same graph, options and target plan the same
                 plan, cache = cached_plan(key, self.options, profile, target_bytes, correction, device_type, modeled,
@@ -542,8 +590,11 @@ class RematBackend:
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
                               f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "
                               f"{correction.factor:.3f}x ({correction.source}).",) + error.args[1:]
-            raise _passthrough_error_class(BudgetInfeasibleError)(error) from None
-        if not plan.fits_budget:
+            if not self._check_may_overrule(share, joint_inputs):
+                raise _passthrough_error_class(BudgetInfeasibleError)(error) from None
+            refusal = Refusal(error, lambda b: self.options.planning_target_for(b, device_type, modeled))
+            plan = plan_at(target_bytes, best_effort=True)
+        if not plan.fits_budget and refusal is None:
             warnings.warn(
                 f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the "
                 f"smallest-peak plan found, predicted peak {plan.predicted_peak_bytes / 1e9:.4f} GB (best_effort=True).",
@@ -565,7 +616,7 @@ class RematBackend:
             note_step_plan(self._step_hooks.account, graph_id, step_share, plan, plan_at, joint, facts,
                            num_fwd_outputs, static_indices, target_bytes, dump_path)
         record = CompiledGraph(graph_id, _current_compile_id(), plan, regions, dump_path, distributed, key,
-                               base_target_bytes, correction, step_share=step_share, cache=cache)
+                               base_target_bytes, correction, step_share=step_share, cache=cache, refusal=refusal)
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw

@@ -34,7 +34,7 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -343,8 +343,10 @@ class Judgement:
     ``action``: "accepted" (checked peak at or under the target), "re-plan" (over the target:
     plan again at ``new_target_bytes``), "accepted over target" (over the target, within the
     budget, and no further re-plan is allowed), "over budget" (over the budget and no further
-    re-plan is allowed) or "unchecked" (the code could not be read: the simulated peak stands).
-    ``factor`` = checked / simulated peak of this plan."""
+    re-plan is allowed) or "unchecked" (the code could not be read: the simulated peak stands);
+    for the smallest-peak plan of a budget the simulator refused (``overrule_refusal``): "accepted:
+    Inductor's check overrules the simulator" or "refused". ``factor`` = checked / simulated peak
+    of this plan."""
 
     action: str
     simulated_peak_bytes: int
@@ -385,6 +387,46 @@ def judge_plan(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], tar
         return Judgement("re-plan", *record, factor, new_target, **named)
     within = budget_bytes is not None and checked_peak_bytes <= budget_bytes
     return Judgement("accepted over target" if within else "over budget", *record, factor, **named)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The simulator refused a budget, and Inductor has the last word: the smallest-peak plan is
+    compiled and checked before the refusal stands (``overrule_refusal``).
+
+    ``error``: the simulator's ``BudgetInfeasibleError``; ``target_for(budget_bytes)``: the planning
+    target the backend gives a budget (the rule the error's named budget comes from)."""
+
+    error: Exception
+    target_for: Callable[[int], int]
+
+
+def overrule_refusal(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], target_bytes: int,
+                     budget_bytes: int, graph_id: str = "") -> Judgement:
+    """The verdict on the smallest-peak plan of a graph whose budget the simulator refused (pure).
+
+    "accepted: Inductor's check overrules the simulator" when the generated code peaks at or under
+    ``target_bytes`` (the simulator over-predicted that plan: the budget fits after all); otherwise
+    "refused", and the refusal stands (``named_budget_after_check`` says which budget to name)."""
+    record = (simulated_peak_bytes, checked_peak_bytes, target_bytes, budget_bytes)
+    if checked_peak_bytes is not None and checked_peak_bytes <= target_bytes:
+        return Judgement("accepted: Inductor's check overrules the simulator", *record,
+                         checked_peak_bytes / max(simulated_peak_bytes, 1), graph_id=graph_id)
+    return Judgement("refused", *record, None if checked_peak_bytes is None else
+                     checked_peak_bytes / max(simulated_peak_bytes, 1), graph_id=graph_id)
+
+
+def named_budget_after_check(refusal: Refusal, checked_peak_bytes: Optional[int], min_simulated_bytes: int) -> Optional[int]:
+    """The budget a refused graph's error names once Inductor checked its smallest-peak plan: the
+    smallest budget whose planning target holds the checked peak, when that peak is under the
+    simulator's smallest (a retry there is refused by the simulator again, and that same plan then
+    checks under its target: accepted); None (keep the simulator's figure) otherwise: above it, the
+    simulator accepts plans at such a target and Inductor's verdict on them decides, as for any plan."""
+    from .options import smallest_budget_bytes
+
+    if checked_peak_bytes is None or checked_peak_bytes >= min_simulated_bytes:
+        return None
+    return smallest_budget_bytes(lambda b: refusal.target_for(b) >= checked_peak_bytes, checked_peak_bytes)
 
 
 def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str,

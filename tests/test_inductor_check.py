@@ -215,3 +215,50 @@ def test_a_library_output_of_unstated_size_leaves_the_plan_on_its_simulated_peak
     assert checked_step_peak(forward, unstated, "cpu").unsized == 1
     assert checked_peak_of([(False, forward, 4), (True, unstated, 4)], "cpu") is None
     assert checked_peak_of([(False, forward, 4)], "cpu") is None     # no backward compiled
+
+
+OVER_SCALE = 1.4            # a simulator that over-predicts: its peaks are 140% of the real simulator's
+
+
+def test_a_budget_the_simulator_refuses_runs_when_inductors_check_fits_it(tmp_path, monkeypatch):
+    """A simulator that over-predicts refuses a budget the plan fits: Inductor's check of the
+    smallest-peak plan overrules it (the plan runs, and its first step measures under the budget);
+    a budget the check refuses too names one the check accepts, which then fits. Without the
+    check (``inductor_check=False``) the simulator's refusal stands."""
+    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    with pytest.raises(remat.BudgetInfeasibleError) as real_floor:
+        run_step(torch.compile(model, backend=remat.backend(1e-6, inductor_check=False)), model, inputs)
+    scale_simulated_peaks(monkeypatch, OVER_SCALE)
+    budget_gb = 1.1 * real_floor.value.min_budget_gb     # above the real floor, below the over-predicted one
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    with pytest.raises(remat.BudgetInfeasibleError):
+        run_step(torch.compile(model, backend=remat.backend(budget_gb, inductor_check=False)), model, inputs)
+
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    backend = remat.backend(budget_gb, dump_dir=str(tmp_path / "dump"))
+    run_step(torch.compile(model, backend=backend), model, inputs)
+    close_open_window()
+    (graph,) = backend.compiled_graphs
+    assert graph.judgement.action == "accepted: Inductor's check overrules the simulator", graph.judgement
+    assert graph.judgement.checked_peak_bytes <= graph.base_target_bytes < graph.plan.predicted_peak_bytes
+    (event,) = backend.feedback_events
+    assert event.measured_peak_bytes <= backend.options.budget_bytes, event
+    assert "overrules the simulator" in (tmp_path / "dump" / graph.graph_id / "report.md").read_text()
+
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    with pytest.raises(remat.BudgetInfeasibleError) as refused:
+        run_step(torch.compile(model, backend=remat.backend(1e-6)), model, inputs)
+    assert "as Inductor compiled it" in str(refused.value)
+    assert refused.value.min_budget_gb <= real_floor.value.min_budget_gb * 1.01
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    backend = remat.backend(refused.value.min_budget_gb)
+    run_step(torch.compile(model, backend=backend), model, inputs)
+    close_open_window()
+    (event,) = backend.feedback_events
+    assert event.measured_peak_bytes <= backend.options.budget_bytes, event
