@@ -1,4 +1,5 @@
-"""The package's layout: no import cycle among ``remat/`` modules, no module over ~450 lines.
+"""The package's layout: no import cycle among ``remat/`` modules, no module over ~450 lines, no
+script reaching the zoo through ``sys.path``.
 
 Imports are read with ``ast`` (nothing is imported). An import is one of three kinds:
 
@@ -199,3 +200,28 @@ def test_no_module_over_the_line_limit_but_the_known_ones() -> None:
     assert not over, f"modules over {MAX_LINES} lines: {over}"
     under = sorted(name for name in KNOWN_LONG_MODULES if lengths.get(name, 0) <= MAX_LINES)
     assert not under, f"now at most {MAX_LINES} lines, remove them from KNOWN_LONG_MODULES: {under}"
+
+
+# Scripts that still edit sys.path, with why: the zoo and the step helpers are importable
+# (remat.testing.zoo, remat.testing.steps), so none of these is for the models.
+KNOWN_SYS_PATH_EDITS: dict[str, str] = {
+    "examples/pareto_sweep.py": "runs benchmarks/pareto.py's sweep (the benchmark harness is not a package)",
+    "benchmarks/distributed_budget.py": "tests/distributed_setup.py, the ranks' harness test_distributed.py shares",
+    "benchmarks/fidelity.py": "its own folder, which Python puts first anyway (another helper's file this session)",
+    "benchmarks/fidelity_diagnose.py": "its own folder, which Python puts first anyway (another helper's file)",
+    "tools/sim_vs_measured.py": "benchmarks/memory_accuracy.py's _measure",
+    "tests/test_distributed.py": "its own folder, for the ranks it spawns (another helper's file this session)",
+    "tests/test_solvers.py": "the determinism check's subprocess imports test_solvers itself",
+}
+
+
+def test_no_sys_path_edits_but_the_known_ones() -> None:
+    root = PACKAGE.parent
+    editing = {str(p.relative_to(root)) for folder in ("examples", "benchmarks", "tools", "tests")
+               for p in sorted((root / folder).rglob("*.py"))
+               if p.name != "test_layout.py" and ("sys.path.insert" in p.read_text() or "sys.path.append" in p.read_text())}
+    assert not editing - KNOWN_SYS_PATH_EDITS.keys(), (
+        f"scripts editing sys.path: {sorted(editing - KNOWN_SYS_PATH_EDITS.keys())}; "
+        "import the zoo from remat.testing.zoo and the step helpers from remat.testing.steps")
+    stale = sorted(KNOWN_SYS_PATH_EDITS.keys() - editing)
+    assert not stale, f"no longer editing sys.path, remove them from KNOWN_SYS_PATH_EDITS: {stale}"
