@@ -1,7 +1,7 @@
 """The backend's side of the compile cache: plans re-used by graph, and AOTAutograd's cache on.
 
 Two things, both stored by ``remat/plan_cache.py`` (``$REMAT_CACHE_DIR/compile``, atomic writes,
-``REMAT_COMPILE_CACHE=0`` turns both off, ``python -m remat.plan_cache clear`` empties them):
+``REMAT_COMPILE_CACHE=0`` turns both off, ``python -m remat.caches clear`` empties them):
 
 - ``cached_plan``: the partitioner asks for a plan by ``plan_cache.plan_key``; a stored plan is
   re-used without solving. Everything after the solve (the forward/backward split, the recompute

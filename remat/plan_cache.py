@@ -16,7 +16,7 @@ keyed, and so a plan made next to other graphs' plans (a DDP/FSDP2 piece, a grap
 with others at graph breaks) is never cached: ``RematBackend.partition`` solves those every time.
 
 Turning it off: ``REMAT_COMPILE_CACHE=0`` (this cache and AOTAutograd's, as before issue 16).
-Clearing it: ``clear_compile_cache()`` or ``python -m remat.plan_cache clear``.
+Clearing it: ``clear_compile_cache()`` or ``python -m remat.caches clear``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import hashlib
 import os
 import pickle
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -110,20 +109,3 @@ def clear_compile_cache() -> int:
     count = len(list(root.glob("*/*.pkl"))) if root.is_dir() else 0
     shutil.rmtree(root, ignore_errors=True)
     return count
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m remat.plan_cache clear`` deletes the cache; ``... where`` prints its directory."""
-    args = sys.argv[1:] if argv is None else argv
-    if args == ["where"]:
-        print(compile_cache_dir())
-        return 0
-    if args == ["clear"]:
-        print(f"removed {clear_compile_cache()} entries from {compile_cache_dir()}")
-        return 0
-    print("usage: python -m remat.plan_cache {clear|where}", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 import remat
 from remat.testing.zoo import MLP
-from remat import compile_cache, plan_cache
+from remat import caches as caches_cli, compile_cache, plan_cache
 from remat.cost_model.hardware import cache_dir, get_profile
 
 BUDGET_GB = 0.004
@@ -97,7 +97,7 @@ def test_the_cache_can_be_turned_off_and_cleared(caches, monkeypatch):
     assert plan_cache.write_entry("plans", "k", 1) is not None and plan_cache.read_entry("plans", "k") == 1
     plan_cache.entry_path("plans", "torn").write_bytes(b"\x80\x05truncated")   # a torn write reads as a miss
     assert plan_cache.read_entry("plans", "torn") is None
-    assert plan_cache.main(["clear"]) == 0 and plan_cache.read_entry("plans", "k") is None
+    assert caches_cli.main(["clear"]) == 0 and plan_cache.read_entry("plans", "k") is None
 
 
 def test_the_partitioner_uuid_covers_what_changes_a_plan(caches):

@@ -7,7 +7,7 @@ The profile itself, the datasheet and default profiles: ``profiles.py``; how a d
 - ``a100``, ``h100``, ``h200``: datasheet numbers (SXM, dense, no sparsity).
 - ``cpu``: this machine's measured profile when one is cached. Otherwise, on a CPU family with a
   default (``DEFAULT_CPU_PROFILES``: x86-64), that default, so the first compile on a new machine
-  does not spend 20-60 s measuring (issue 16); ``python -m remat.cost_model.hardware measure``
+  does not spend 20-60 s measuring (issue 16); ``python -m remat.caches measure``
   (or ``measure_cpu_profile()``) measures and caches this machine's own, which every later compile
   then uses, and ``REMAT_MEASURE_HARDWARE=1`` measures at the first compile, as before. A family
   with no default is measured at its first compile. ``cuda``: the current CUDA device, measured.
@@ -19,7 +19,6 @@ The profile itself, the datasheet and default profiles: ``profiles.py``; how a d
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Optional, Union
 
@@ -80,25 +79,6 @@ def get_profile(name: str = "auto", device: Optional[Union[str, torch.device]] =
         known = datasheet_name_for(torch.cuda.get_device_name(device))
         return DATASHEET_PROFILES[known] if known else measured_profile(device)
     return cpu_profile()
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m remat.cost_model.hardware measure``: measure and cache this machine's CPU profile;
-    ``... show``: print the profile compiles use now and where it comes from."""
-    args = sys.argv[1:] if argv is None else argv
-    if args == ["measure"]:
-        profile = measure_cpu_profile()
-        print(f"measured and cached in {profile_cache_path(torch.device('cpu'))}: {profile.source}")
-        return 0
-    if args == ["show"]:
-        print(get_profile("cpu"))
-        return 0
-    print("usage: python -m remat.cost_model.hardware {measure|show}", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 __all__ = [

@@ -207,7 +207,7 @@ def datasheet_name_for(device_name: str) -> Optional[str]:
 
 # Used until this machine's CPU is measured (remat/cost_model/hardware.py): one measurement per CPU
 # family, of a real machine of it, rounded to 4 digits. Another machine of the family differs by its
-# core count, clock and caches; ``python -m remat.cost_model.hardware measure`` replaces it with this
+# core count, clock and caches; ``python -m remat.caches measure`` replaces it with this
 # machine's own numbers (docs/caches.md says what the default costs the cost model).
 DEFAULT_CPU_PROFILES: dict[str, HardwareProfile] = {
     "x86_64": HardwareProfile(
