@@ -414,14 +414,23 @@ def write_share_to_dump(dump_path: str, share: GraphShare) -> None:
     directory = Path(dump_path)
     report = directory / "report.md"
     if report.exists():
-        with report.open("a") as f:
-            title = "Step budget split" if share.kind.startswith("break") else "Distributed budget split"
-            f.write(f"\n## {title}\n\n" + share.explain() + "\n")
+        title = "Step budget split" if share.kind.startswith("break") else "Distributed budget split"
+        # report.md was rendered before the share was known: its planning-target line would call
+        # the share's cut "headroom"; it names the split instead.
+        lines = [_share_target_line(line, title) if line.startswith("- planning target:") else line
+                 for line in report.read_text().split("\n")]
+        report.write_text("\n".join(lines) + f"\n## {title}\n\n" + share.explain() + "\n")
     plan_json = directory / "plan.json"
     if plan_json.exists():
         payload = json.loads(plan_json.read_text())
         payload["step_share" if share.kind.startswith("break") else "distributed"] = share.to_json()
         plan_json.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def _share_target_line(line: str, title: str) -> str:
+    """report.md's planning-target line for a graph planned under a share of the step."""
+    head = line.split(" (", 1)[0]
+    return f"{head} (this graph's share of the step's target: see \"{title}\" below)"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 ``tests/test_distributed.py`` and ``benchmarks/distributed_budget.py`` run the same two-rank
 training on 127.0.0.1 (gloo): the zoo GPT (its default 4 layers) without dropout, batch 4 per rank,
 3 steps, DDP with 1 MiB buckets or FSDP2 ``fully_shard`` on each block and the model.
-``tests/test_distributed.py`` also runs DDP on ``PostLNTiedLM`` (``--model postln``), a model
+``tests/test_distributed.py`` also runs DDP and FSDP2 on ``PostLNTiedLM`` (``--model postln``), a model
 unlike the zoo GPT: 3 post-LN blocks, hand-written attention, a tied head.
 """
 

@@ -92,6 +92,21 @@ def test_account_tracks_pending_graphs_and_the_sequence():
     assert account.step_peak_bytes(account.sequence) == max(60, 30 + 5 + 66)
 
 
+def test_the_report_names_the_share_not_headroom_as_the_planning_targets_cut(tmp_path):
+    """report.md is rendered before the share is known; the split's writer restates its
+    planning-target line (it called the share's cut "71% headroom" on GPT-2's loss graph)."""
+    from remat.distributed import write_share_to_dump
+
+    (tmp_path / "report.md").write_text("# remat report: graph_001\n\n- planning target: 1.67 MB (the budget less "
+                                        "71% headroom, kept for what the memory simulator may miss)\n- solver: greedy\n")
+    share = share_in_step((graph("g0", held=30, peak=60),), (), 100, 5, 6, 10, False)
+    write_share_to_dump(str(tmp_path), share)
+    report = (tmp_path / "report.md").read_text()
+    assert "headroom" not in report.split("## Step budget split")[0]
+    assert "- planning target: 1.67 MB (this graph's share of the step's target: see \"Step budget split\" below)" \
+        in report and "- solver: greedy" in report and report.count("## Step budget split") == 1
+
+
 def test_a_graph_run_twice_before_its_backward_is_not_a_sequence():
     account = StepAccount()
     account.note_plan(graph("g0", held=1, peak=1))
