@@ -49,8 +49,8 @@ from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_gr
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
-from .inductor_check import GraphCode, Judgement, Refusal, activation_itemsize, annotate_dump, checked_peak_of, \
-    graph_code, judge_plan, named_budget_after_check, overrule_refusal
+from .inductor_check import GraphCode, activation_itemsize, checked_peak_of, graph_code
+from .inductor_verdict import Judgement, Refusal, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
 from .passes.plan import Plan, make_plan
@@ -75,7 +75,7 @@ class CompiledGraph:
     graph_key: str = ""                      # the feedback store's key for this graph (remat/feedback_store.py)
     base_target_bytes: Optional[int] = None  # the planning target before any correction
     correction: Optional[Correction] = None  # the feedback loop's correction the plan was made with
-    judgement: Optional[Judgement] = None    # Inductor's verdict on the plan (remat/inductor_check.py)
+    judgement: Optional[Judgement] = None    # Inductor's verdict on the plan (remat/inductor_verdict.py)
     step_share: Optional[GraphShare] = None  # its share of a step split at graph breaks (remat/step_budget.py)
     # "" (solved in this compile), "plan cache: <entry>" (the plan re-used, the rest made now) or
     # "autograd-cache hit: <entry>" (AOTAutograd's cache served the compile; this record restored)

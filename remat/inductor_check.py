@@ -25,16 +25,15 @@ call allocates inside itself (workspaces of matmul or convolution libraries), wh
 code between the forward and the backward allocates (the loss), and the autograd engine's
 own buffers. It does not model allocator rounding beyond CUDA's 512-byte blocks. A wrapper it
 cannot read (symbolic sizes, graph partitions) gives ``None``, and the plan keeps its
-simulated peak as the authority.
+simulated peak as the authority. What the backend decides from the number is in
+``remat/inductor_verdict.py``.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -336,99 +335,6 @@ def graph_code(gm: torch.fx.GraphModule, source_code: str) -> GraphCode:
                      tuple(_nbytes(n.meta.get("val")) for n in placeholders))
 
 
-@dataclass(frozen=True)
-class Judgement:
-    """Inductor's verdict on one compiled plan (bytes; 1 GB = 1e9 bytes).
-
-    ``action``: "accepted" (checked peak at or under the target), "re-plan" (over the target:
-    plan again at ``new_target_bytes``), "accepted over target" (over the target, within the
-    budget, and no further re-plan is allowed), "over budget" (over the budget and no further
-    re-plan is allowed) or "unchecked" (the code could not be read: the simulated peak stands);
-    for the smallest-peak plan of a budget the simulator refused (``overrule_refusal``): "accepted:
-    Inductor's check overrules the simulator" or "refused". ``factor`` = checked / simulated peak
-    of this plan."""
-
-    action: str
-    simulated_peak_bytes: int
-    checked_peak_bytes: Optional[int]
-    target_bytes: Optional[int]
-    budget_bytes: Optional[int]
-    factor: Optional[float] = None
-    new_target_bytes: Optional[int] = None
-    graph_id: str = ""
-    rejected: tuple["Judgement", ...] = ()    # verdicts on the plans this one replaced, oldest first
-
-    @property
-    def accepted_on(self) -> str:
-        """Which number the plan stands on: "Inductor-checked peak" or "simulated peak"."""
-        return "simulated peak" if self.checked_peak_bytes is None else "Inductor-checked peak"
-
-
-def judge_plan(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], target_bytes: Optional[int],
-               budget_bytes: Optional[int], may_replan: bool, graph_id: str = "",
-               rejected: tuple[Judgement, ...] = ()) -> Judgement:
-    """The verdict on a plan (pure: numbers in, a verdict out). ``target_bytes`` is the planning
-    target in real bytes (the budget less its headroom, before any correction of the simulator):
-    the checked peak must be at or under it.
-
-    Over it, ``factor = checked / simulated`` and the new target, in the simulator's units, is
-    ``target / factor``: a plan simulated at that peak checks at about ``target`` if the simulator
-    errs by the same factor. It is below the simulated peak of the plan judged, so each re-plan
-    asks for less."""
-    record = (simulated_peak_bytes, checked_peak_bytes, target_bytes, budget_bytes)
-    named = {"graph_id": graph_id, "rejected": rejected}
-    if checked_peak_bytes is None:
-        return Judgement("unchecked", *record, **named)
-    if target_bytes is None or checked_peak_bytes <= target_bytes:
-        return Judgement("accepted", *record, **named)
-    factor = checked_peak_bytes / max(simulated_peak_bytes, 1)
-    new_target = int(target_bytes / factor)
-    if may_replan:
-        return Judgement("re-plan", *record, factor, new_target, **named)
-    within = budget_bytes is not None and checked_peak_bytes <= budget_bytes
-    return Judgement("accepted over target" if within else "over budget", *record, factor, **named)
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """The simulator refused a budget, and Inductor has the last word: the smallest-peak plan is
-    compiled and checked before the refusal stands (``overrule_refusal``).
-
-    ``error``: the simulator's ``BudgetInfeasibleError``; ``target_for(budget_bytes)``: the planning
-    target the backend gives a budget (the rule the error's named budget comes from)."""
-
-    error: Exception
-    target_for: Callable[[int], int]
-
-
-def overrule_refusal(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], target_bytes: int,
-                     budget_bytes: int, graph_id: str = "") -> Judgement:
-    """The verdict on the smallest-peak plan of a graph whose budget the simulator refused (pure).
-
-    "accepted: Inductor's check overrules the simulator" when the generated code peaks at or under
-    ``target_bytes`` (the simulator over-predicted that plan: the budget fits after all); otherwise
-    "refused", and the refusal stands (``named_budget_after_check`` says which budget to name)."""
-    record = (simulated_peak_bytes, checked_peak_bytes, target_bytes, budget_bytes)
-    if checked_peak_bytes is not None and checked_peak_bytes <= target_bytes:
-        return Judgement("accepted: Inductor's check overrules the simulator", *record,
-                         checked_peak_bytes / max(simulated_peak_bytes, 1), graph_id=graph_id)
-    return Judgement("refused", *record, None if checked_peak_bytes is None else
-                     checked_peak_bytes / max(simulated_peak_bytes, 1), graph_id=graph_id)
-
-
-def named_budget_after_check(refusal: Refusal, checked_peak_bytes: Optional[int], min_simulated_bytes: int) -> Optional[int]:
-    """The budget a refused graph's error names once Inductor checked its smallest-peak plan: the
-    smallest budget whose planning target holds the checked peak, when that peak is under the
-    simulator's smallest (a retry there is refused by the simulator again, and that same plan then
-    checks under its target: accepted); None (keep the simulator's figure) otherwise: above it, the
-    simulator accepts plans at such a target and Inductor's verdict on them decides, as for any plan."""
-    from .options import smallest_budget_bytes
-
-    if checked_peak_bytes is None or checked_peak_bytes >= min_simulated_bytes:
-        return None
-    return smallest_budget_bytes(lambda b: refusal.target_for(b) >= checked_peak_bytes, checked_peak_bytes)
-
-
 def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str,
                     outputs_held: bool = False) -> Optional[CheckedPeak]:
     """The step's Inductor-checked peak from the graphs one compile produced, as
@@ -441,40 +347,3 @@ def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: 
         return None
     checked = checked_step_peak(forwards[0][0], backwards[0], device_type, forwards[0][1], outputs_held)
     return None if checked is None or checked.unsized else checked
-
-
-def annotate_dump(dump_path: Optional[str], judgement: Judgement) -> None:
-    """Write the verdict into a plan's dump: ``plan.json`` gets ``accepted_on`` and
-    ``inductor_check``; ``report.md`` a line after its summary saying which number the plan was
-    accepted on. Nothing without a dump."""
-    if dump_path is None:
-        return
-    directory = Path(dump_path)
-    plan_path, report_path = directory / "plan.json", directory / "report.md"
-    if plan_path.exists():
-        data = json.loads(plan_path.read_text())
-        data["accepted_on"] = judgement.accepted_on
-        data["inductor_check"] = {**asdict(judgement), "units": "bytes; factor = checked / simulated peak"}
-        plan_path.write_text(json.dumps(data, indent=1) + "\n")
-    if report_path.exists():
-        lines = report_path.read_text().splitlines()
-        if len(lines) > 2 and lines[2].startswith(("accepted on ", "rejected by ")):
-            lines[2] = judgement_line(judgement)       # a later verdict on the same plan
-        else:
-            lines[1:1] = ["", judgement_line(judgement)]
-        report_path.write_text("\n".join(lines) + "\n")
-
-
-def judgement_line(judgement: Judgement) -> str:
-    """The report's sentence on which number the plan was accepted on (or why it was replaced)."""
-    gb = 1e9
-    if judgement.checked_peak_bytes is None:
-        return (f"accepted on the simulated peak {judgement.simulated_peak_bytes / gb:.6f} GB: Inductor's generated "
-                f"code could not be read (1 GB = 1e9 bytes)")
-    read = (f"{judgement.checked_peak_bytes / gb:.6f} GB read from Inductor's generated forward and backward "
-            f"(simulated {judgement.simulated_peak_bytes / gb:.6f} GB")
-    if judgement.action == "re-plan":
-        assert judgement.target_bytes is not None and judgement.new_target_bytes is not None
-        return (f"rejected by Inductor's check: {read}), over the target {judgement.target_bytes / gb:.6f} GB; "
-                f"re-planned at a simulated target of {judgement.new_target_bytes / gb:.6f} GB (1 GB = 1e9 bytes)")
-    return f"accepted on the Inductor-checked peak: {read}); verdict: {judgement.action} (1 GB = 1e9 bytes)"

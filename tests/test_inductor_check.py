@@ -11,7 +11,8 @@ import torch
 
 import remat
 from remat.measure import close_open_window
-from remat.inductor_check import GraphCode, InputStorage, checked_step_peak, judge_plan, replay_wrapper
+from remat.inductor_check import GraphCode, InputStorage, checked_step_peak, replay_wrapper
+from remat.inductor_verdict import judge_plan
 from conftest import assert_grads_close, grads_of, run_step, scale_simulated_peaks
 from remat.testing.zoo import MLP
 

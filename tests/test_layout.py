@@ -52,7 +52,6 @@ KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {
 KNOWN_LONG_MODULES: dict[str, str] = {
     "remat/backend.py": "another helper's file this session (issue 13: the pipeline module takes its planning)",
     "remat/distributed.py": "not split yet (issue 13)",
-    "remat/inductor_check.py": "the lead's file this session (480 lines since 43105da)",
     "remat/passes/kernel_steps.py": "the lead's file this session (issue 13: the simulator package)",
     "remat/cost_model/kernel_schedule.py": "not split yet (issue 13: the simulator package)",
 }
