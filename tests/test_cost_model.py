@@ -14,6 +14,7 @@ import pytest
 import sympy
 import torch
 import torch.nn.functional as F
+from torch._inductor import config as inductor_settings
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode
@@ -38,7 +39,8 @@ from remat.cost_model.flops import (
     node_special_ops,
     ops_without_formula,
 )
-from remat.cost_model.fusion import MAX_GROUP_SIZE, find_fusion_groups
+from remat._torch_inductor import inductor_config
+from remat.cost_model.fusion import find_fusion_groups
 from remat.cost_model.hardware import DATASHEET_PROFILES, HardwareProfile
 from remat.cost_model.loop_charges import split_kernel_loads
 from remat.cost_model.phases import node_phases
@@ -407,13 +409,19 @@ def test_forward_and_backward_never_share_a_kernel():
 
 
 def test_groups_stop_at_the_size_limit():
+    """The limit is Inductor's ``max_fusion_size``, read when the graph is grouped, or the one given."""
+    limit = inductor_config().max_fusion_size
+
     def chain(x):
-        for _ in range(MAX_GROUP_SIZE + 6):
+        for _ in range(limit + 6):
             x = x * 1.5
         return x
 
-    groups = find_fusion_groups(trace(chain, m(8, 8)))
-    assert sorted(len(ms) for ms in groups.members.values()) == [6, MAX_GROUP_SIZE]
+    graph = trace(chain, m(8, 8))
+    assert sorted(len(ms) for ms in find_fusion_groups(graph).members.values()) == [6, limit]
+    assert sorted(len(ms) for ms in find_fusion_groups(graph, max_group_size=30).members.values()) == [10, 30, 30]
+    with inductor_settings.patch(max_fusion_size=40):
+        assert sorted(len(ms) for ms in find_fusion_groups(graph).members.values()) == [30, 40]
 
 
 def test_annotate_writes_meta_and_fusion_can_be_turned_off():

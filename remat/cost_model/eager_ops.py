@@ -22,12 +22,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
+from .inductor_rules import WELFORD_OPS
 from .tensors import concrete_int, iter_tensors, node_val, op_name, touched_numel
 
 _LOW, _HIGH = 1 << 10, 1 << 16          # elements at the two sizes the families are timed
 _ROW = 128                              # reductions run over rows of this many elements
 
-_WELFORD = {"var_mean", "var", "std", "std_mean"}
 _SELECT = {"where", "masked_fill"}
 _BOOL_REDUCTIONS = {"any", "all"}
 _CONVERTS = {"convert_element_type"}
@@ -96,7 +96,7 @@ def eager_class(node: fx.Node) -> Optional[str]:
     if node.op != "call_function":
         return None
     name = op_name(node)
-    if name in _WELFORD:
+    if name in WELFORD_OPS:
         return "welford"
     if name in _SELECT:
         return "select"

@@ -17,8 +17,8 @@ the way Inductor's scheduler fuses producer into consumer:
   outer loop),
   (c) the merged group would not depend on itself through an outside node
   (that would be a cycle: Inductor cannot fuse across an extern kernel that
-  sits between them) and (d) it stays under ``MAX_GROUP_SIZE`` nodes
-  (Inductor's ``max_fusion_size``).
+  sits between them) and (d) it stays within Inductor's ``max_fusion_size``
+  nodes (its config, read when the graph is grouped).
 - A loop node also joins the groups of earlier loop nodes that read the same
   full-size tensor over the same number of elements, where that makes no cycle
   (horizontal fusion: q and k scaled in one kernel, both reading the qkv matmul).
@@ -42,24 +42,15 @@ from typing import Any, Mapping
 import torch
 from torch import fx
 
-from .flops import COMPOSITE_FLOPS_PER_ELEMENT, DATA_MOVEMENT_OPS, REDUCTION_OPS
+from .._torch_inductor import inductor_config
+from .flops import COMPOSITE_FLOPS_PER_ELEMENT, DATA_MOVEMENT_OPS
+from .inductor_rules import ALWAYS_STORED_LOOPS, LOOP_OPS, MUTATIONS, REDUCTION_OPS, SCATTER_OPS
 from .phases import node_phases
 from .tensors import concrete_int, is_free_op, iter_tensors, node_val, op_name, op_tags, tensor_nbytes, touched_nbytes
 
-MAX_GROUP_SIZE = 64
-
-# Ops Inductor lowers to a loop of its own that a consumer can absorb (beyond
-# pointwise-tagged ops, reductions and the composites it decomposes).
-_LOOP_OPS = frozenset({
-    "clone", "_to_copy", "convert_element_type", "full", "full_like", "zeros", "ones", "zeros_like",
-    "ones_like", "scalar_tensor", "iota", "arange", "where", "constant_pad_nd", "slice_scatter",
-    "select_scatter", "index", "gather", "embedding", "tril", "triu", "rand", "rand_like", "randn",
-    "inductor_random", "cat", "slice_backward", "select_backward", "masked_fill", "repeat", "flip",
-    "_low_memory_max_pool_with_offsets", "_low_memory_max_pool_offsets_to_indices", "inductor_lookup_seed",
-})
-# Ops that write scattered outputs: their inputs can fuse in, nothing fuses after them.
-_SCATTER_OPS = frozenset({"index_put", "_unsafe_masked_index_put_accumulate", "scatter_add", "scatter",
-                          "embedding_dense_backward", "index_add", "scatter_reduce"})
+# Plain copies the time model charges as kernels of their own (``lift_fresh_copy`` of a constant,
+# ``copy`` into a fresh tensor).
+_COPIES_CHARGED_ALONE = frozenset({"copy", "lift_fresh_copy"})
 
 
 def is_loop_op(node: fx.Node) -> bool:
@@ -67,14 +58,17 @@ def is_loop_op(node: fx.Node) -> bool:
     if node.op != "call_function" or is_free_op(node):
         return False
     name = op_name(node)
-    if name in _SCATTER_OPS:
+    # MUTATIONS (copy_) are loops in Inductor too (``lowering.copy_``) and in the memory model;
+    # the time model has always charged them as kernels of their own: kept so plans stay as they were.
+    if name in SCATTER_OPS or name in MUTATIONS or name in _COPIES_CHARGED_ALONE:
         return False
     return (
         torch.Tag.pointwise in op_tags(node)
         or name in REDUCTION_OPS
-        or name in COMPOSITE_FLOPS_PER_ELEMENT
-        or name in _LOOP_OPS
-        or (name in DATA_MOVEMENT_OPS and name not in {"copy_", "copy", "lift_fresh_copy"})
+        or name in COMPOSITE_FLOPS_PER_ELEMENT     # composites Inductor decomposes into loops
+        or name in LOOP_OPS
+        or name in ALWAYS_STORED_LOOPS
+        or name in DATA_MOVEMENT_OPS
     )
 
 
@@ -133,7 +127,8 @@ class _Kinds:
 
 
 class _Grouper:
-    def __init__(self, graph: fx.Graph) -> None:
+    def __init__(self, graph: fx.Graph, max_group_size: int) -> None:
+        self.max_group_size = max_group_size
         self.nodes = list(graph.nodes)
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self.phase = node_phases(graph)
@@ -206,7 +201,7 @@ class _Grouper:
                         or self.phase[reader.name] != self.phase[node.name] or kinds.loop_numel[reader] != loop):
                     continue
                 merged = [m for g in chosen + extra + [gid] for m in self.members[g]] + [node]
-                if len(merged) <= MAX_GROUP_SIZE and not self._creates_cycle(merged):
+                if len(merged) <= self.max_group_size and not self._creates_cycle(merged):
                     extra.append(gid)
         return extra
 
@@ -214,7 +209,7 @@ class _Grouper:
         """All candidate groups if they merge without a cycle, else the largest single one that does."""
         def fits(groups: list[int]) -> bool:
             merged = [m for g in groups for m in self.members[g]] + [node]
-            return len(merged) <= MAX_GROUP_SIZE and not self._creates_cycle(merged)
+            return len(merged) <= self.max_group_size and not self._creates_cycle(merged)
 
         if candidates and fits(candidates):
             return candidates
@@ -245,9 +240,14 @@ def _output_slots(node: fx.Node, kinds: _Kinds) -> list[tuple[Any, list[fx.Node]
     return out
 
 
-def find_fusion_groups(graph: fx.Graph) -> FusionGroups:
-    """Group the graph's kernel nodes as Inductor would fuse them; see the module docstring."""
-    grouper = _Grouper(graph)
+def find_fusion_groups(graph: fx.Graph, max_group_size: int | None = None) -> FusionGroups:
+    """Group the graph's kernel nodes as Inductor would fuse them; see the module docstring.
+
+    ``max_group_size``: the most nodes in one group; None reads Inductor's ``max_fusion_size`` now.
+    """
+    if max_group_size is None:
+        max_group_size = inductor_config().max_fusion_size
+    grouper = _Grouper(graph, max_group_size)
     for node in graph.nodes:
         grouper.add(node)
     group = {n.name: grouper.members[gid][0].name for n, gid in grouper.group.items()}
@@ -280,4 +280,4 @@ def find_fusion_groups(graph: fx.Graph) -> FusionGroups:
     return FusionGroups(group, members, bytes_read, bytes_written, launches)
 
 
-__all__ = ["MAX_GROUP_SIZE", "FusionGroups", "find_fusion_groups", "is_loop_op"]
+__all__ = ["FusionGroups", "find_fusion_groups", "is_loop_op"]

@@ -12,17 +12,19 @@ it. ``schedule_kernels`` reproduces those decisions on plain records
    get a buffer and need realized inputs. Reductions get a buffer. A pointwise
    value is inlined into its readers unless it is a graph output read in the
    graph too, or has several readers and is expensive to recompute (its inlined
-   expression calls exp/log/sigmoid/tanh, reads more than 4 buffers or has more
-   than 50 ops), or reads more than 12 buffers. A value realized only because an
+   expression calls exp/log/sigmoid/tanh, reads more than ``realize_reads_threshold``
+   buffers or has more than ``realize_cpu_opcount_threshold`` ops), or reads more than
+   ``realize_cpu_acc_reads_threshold`` buffers (Inductor's config: 4, 50, 12 in torch 2.13). A value realized only because an
    extern reads it is registered where that extern is.
 2. *Fuse* (``Scheduler.fuse_nodes``): realized loop nodes that share a buffer
    fuse, most shared bytes first, when their loops match (same elements; a loop
    over a reduction's result; or a row reduction and a loop over the same rows:
-   a column reduction's loop order differs), the kernel stays under 64
-   nodes, and no path leaves one and re-enters the other (a cycle).
+   a column reduction's loop order differs), the kernel stays within
+   ``max_fusion_size`` nodes, and no path leaves one and re-enters the other (a cycle).
 3. *Order* (``topological_sort_schedule``): kernels by their earliest member,
    each preceded by what it needs, so a fused kernel pulls its producers forward.
-   Inductor's ``reorder_for_peak_memory`` keeps that order on the zoo's graphs.
+   Inductor's ``reorder_for_peak_memory`` is not modelled (``remat._torch_inductor``): it kept
+   that order on the zoo's graphs, and lowered a small LM head's measured peak by 512 KiB.
 4. *Call* (``CppScheduling``): consecutive loop kernels run as one C++ call, so
    they allocate together; each extern is a call of its own.
 
@@ -37,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
+from .._torch_inductor import InductorConfig, inductor_config
+
 POINTWISE = "pointwise"    # a loop Inductor may inline into its readers
 REDUCTION = "reduction"    # a loop with a reduction: always gets a buffer
 EXTERN = "extern"          # a library call (mm, conv, attention, fallbacks): buffer in, buffer out
@@ -44,11 +48,6 @@ SCATTER = "scatter"        # copies its first input into a new buffer, then scat
 ALIAS = "alias"            # a view or getitem: the memory of its first input
 LOOP_KINDS = (POINTWISE, REDUCTION)
 
-HEAVY_READ_REUSE = 4       # config.realize_reads_threshold
-MAX_READS = 12             # config.realize_cpu_acc_reads_threshold
-MAX_INLINE_OPS = 50        # config.realize_cpu_opcount_threshold
-MAX_FUSION_SIZE = 64       # config.max_fusion_size
-PAIR_WINDOW = 64           # config.max_fusion_buffer_group_pairwise_attempts
 
 
 class GraphOp(NamedTuple):
@@ -91,7 +90,8 @@ class KernelSchedule:
 class _Lowering:
     """Step 1: which ops get a buffer, where each is registered, and what each loads."""
 
-    def __init__(self, ops: Sequence[GraphOp]) -> None:
+    def __init__(self, ops: Sequence[GraphOp], config: InductorConfig) -> None:
+        self.config = config
         self.op = {o.name: o for o in ops}
         self.base: dict[str, str] = {}
         self.position: dict[str, float] = {}          # realized op -> registration position
@@ -116,7 +116,9 @@ class _Lowering:
         op = self.op.get(name)
         if op is None or op.kind != POINTWISE or name in self.position or users <= 1:
             return
-        if self.heavy[name] or self.opcount[name] > MAX_INLINE_OPS or len(self.loads[name]) > HEAVY_READ_REUSE:
+        limits = self.config
+        if (self.heavy[name] or self.opcount[name] > limits.cpu_opcount_threshold
+                or len(self.loads[name]) > limits.realize_reads_threshold):
             self.position[name] = at
 
     def lower(self, index: int, op: GraphOp) -> None:
@@ -142,7 +144,7 @@ class _Lowering:
         if op.users > 1 and op.extern_user and len(sources) > 1:
             self.position[op.name] = index   # realize_hint: an extern will need it anyway
         self.mark_reuse(op.name, op.users, index)
-        if len(sources) > MAX_READS:
+        if len(sources) > self.config.cpu_acc_reads_threshold:
             self.position[op.name] = index
 
     def finish(self, end: int) -> None:
@@ -194,7 +196,7 @@ def _loops_match(a: GraphOp, b: GraphOp) -> bool:
 
 
 def _fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, frozenset[str]],
-          sizes: Mapping[str, int]) -> tuple[_UnionFind, dict[str, int], dict[str, int]]:
+          sizes: Mapping[str, int], config: InductorConfig) -> tuple[_UnionFind, dict[str, int], dict[str, int]]:
     """Step 2: greedy fusion of loop nodes that share buffers, most shared bytes first."""
     index = {n: i for i, n in enumerate(nodes)}
     deps = {n: [d for d in loads[n] if d in index] for n in nodes}
@@ -216,7 +218,7 @@ def _fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froz
     scored: dict[tuple[str, str], int] = {}
     for buffer, group in touching.items():
         for i, a in enumerate(group):
-            for b in group[i + 1:i + 1 + PAIR_WINDOW]:
+            for b in group[i + 1:i + 1 + config.max_fusion_buffer_group_pairwise_attempts]:
                 key = (a, b) if index[a] < index[b] else (b, a)
                 if key not in scored:
                     shared = (loads[a] | {a}) & (loads[b] | {b})
@@ -229,7 +231,7 @@ def _fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froz
     desc = dict(descendants)
     for a, b in pairs:
         ra, rb = sets.find(a), sets.find(b)
-        if ra == rb or len(sets.members[ra]) + len(sets.members[rb]) > MAX_FUSION_SIZE:
+        if ra == rb or len(sets.members[ra]) + len(sets.members[rb]) > config.max_fusion_size:
             continue
         if not _loops_match(ops[a], ops[b]):
             continue
@@ -295,7 +297,8 @@ def _phantoms(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, 
 
 
 def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
-                     donated: frozenset[str] = frozenset(), input_layouts: Mapping[str, str] = {}) -> KernelSchedule:
+                     donated: frozenset[str] = frozenset(), input_layouts: Mapping[str, str] = {},
+                     config: InductorConfig | None = None) -> KernelSchedule:
     """Inductor's kernels for one graph whose ops are given in graph order.
 
     ``input_bytes``: bytes of each graph input (for fusion scores); ``donated``:
@@ -303,8 +306,11 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
     the backward). Guarantees: every realized op is in exactly one kernel, and
     each kernel comes after the kernels that produce what it loads (up to cycles
     the approximate fusion check misses, which keep the earlier kernel first).
+    ``config``: Inductor's thresholds and switches (``remat._torch_inductor``); None reads them now.
     """
-    lowering = _Lowering(ops)
+    if config is None:
+        config = inductor_config()
+    lowering = _Lowering(ops, config)
     for index, op in enumerate(ops):
         lowering.lower(index, op)
     lowering.finish(len(ops))
@@ -313,7 +319,7 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
     loads = {n: lowering.loads[n] for n in nodes}
     sizes = dict(input_bytes)
     sizes.update((n, by_name[n].nbytes) for n in nodes)
-    sets, ancestors, position = _fuse(nodes, by_name, loads, sizes)
+    sets, ancestors, position = _fuse(nodes, by_name, loads, sizes, config)
     roots = {n: sets.find(n) for n in nodes}
     removed = _phantoms(nodes, by_name, loads, roots)
     expanded: dict[str, frozenset[str]] = {}
@@ -331,7 +337,8 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
     rank = {root: k for k, root in enumerate(order)}
     layouts = dict(input_layouts)
     layouts.update((o.name, o.layout) for o in ops)
-    inplace = _inplace(order, sets, by_name, reads, removed, rank, roots, sizes, donated, ancestors, position, layouts)
+    inplace = (_inplace(order, sets, by_name, reads, removed, rank, roots, sizes, donated, ancestors, position, layouts)
+               if config.inplace_buffers else {})
     kernels: list[Kernel] = []
     current: list[str] = []
 

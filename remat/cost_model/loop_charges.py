@@ -15,16 +15,14 @@ from typing import TYPE_CHECKING, Mapping, Optional
 import torch
 from torch import fx
 
-from .flops import REDUCTION_OPS, node_special_ops
+from .flops import node_special_ops
 from .fusion import FusionGroups, is_loop_op
+from .inductor_rules import REDUCTION_OPS, WELFORD_OPS
 from .loop_costs import LONG_REDUCTION
 from .tensors import concrete_int, is_free_op, iter_tensors, node_val, op_name, op_tags
 
 if TYPE_CHECKING:   # hardware imports loop_costs, which must not import hardware back
     from .hardware import HardwareProfile
-
-
-_WELFORD_OPS = frozenset({"var_mean", "var", "std", "std_mean"})
 
 
 def _numel(value: object) -> int:
@@ -75,7 +73,7 @@ def loop_extra_s(graph: fx.Graph, groups: FusionGroups, profile: HardwareProfile
             for tensor in iter_tensors(node_val(arg)):
                 if tensor.dtype == torch.bool:
                     seconds += profile.loop_cost_s("bool_load", max(concrete_int(tensor.numel()), out_numel))
-        if op_name(node) in _WELFORD_OPS:
+        if op_name(node) in WELFORD_OPS:
             reduced = max((_numel(node_val(a)) for a in node.all_input_nodes), default=0)
             outputs_numel = max((concrete_int(t.numel()) for t in outputs), default=1)
             if reduced >= LONG_REDUCTION * max(outputs_numel, 1):

@@ -24,6 +24,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..cost_model.costs import NodeCost
+from ..cost_model.inductor_rules import CHEAP_TO_RECOMPUTE_OPS, COLLECTIVE_NAMESPACES, INLINABLE_OPS, REDUCTION_OPS
 from ..cost_model.tensors import (
     aliases_input,
     concrete_int,
@@ -35,22 +36,6 @@ from ..cost_model.tensors import (
     op_tags,
     tensor_nbytes,
 )
-
-# Operator namespaces whose ops communicate between ranks (checked on torch 2.13.0):
-# functional collectives and their waits (``_c10d_functional.all_gather_into_tensor``,
-# ``.reduce_scatter_tensor``, ``.all_reduce``, ``.wait_tensor``, ...), their differentiable
-# variants (``_c10d_functional_autograd``), the in-place c10d ops (``c10d.allreduce_``),
-# the legacy ``c10d_functional`` namespace, DTensor's redistribution ops and symmetric memory.
-COLLECTIVE_NAMESPACES = (
-    "_c10d_functional", "_c10d_functional_autograd", "c10d", "c10d_functional", "_dtensor", "symm_mem",
-)
-_FREE_TO_RECOMPUTE_NAMES = {
-    "full", "iota", "arange", "zeros", "ones", "empty", "scalar_tensor", "full_like", "zeros_like",
-    "ones_like", "empty_like", "clone", "_to_copy", "convert_element_type", "inductor_random",
-    "inductor_lookup_seed", "inductor_randint", "expand", "sum", "mean", "amax", "amin", "var_mean",
-    "any", "all", "where", "cat", "constant_pad_nd", "slice_scatter", "select_scatter", "squeeze",
-    "unsqueeze", "permute", "view", "reshape", "alias",
-}
 
 
 @dataclass(frozen=True)
@@ -163,14 +148,7 @@ def _is_free_to_recompute(node: fx.Node) -> bool:
     if torch.Tag.pointwise in op_tags(node):
         return True
     packet = getattr(node.target, "overloadpacket", None)
-    return packet is not None and packet.__name__.split(".")[-1] in _FREE_TO_RECOMPUTE_NAMES
-
-
-_INLINABLE_NAMES = {
-    "full", "iota", "arange", "scalar_tensor", "inductor_random", "inductor_lookup_seed", "inductor_randint",
-    "convert_element_type", "_to_copy", "where", "clone", "expand",
-}
-_REDUCTION_NAMES = {"sum", "mean", "amax", "amin", "var_mean", "var", "any", "all", "max", "min", "prod", "argmax", "argmin"}
+    return packet is not None and packet.__name__.split(".")[-1] in CHEAP_TO_RECOMPUTE_OPS
 
 
 def _op_name(node: fx.Node) -> str:
@@ -182,7 +160,7 @@ def _is_inlinable(node: fx.Node) -> bool:
     """Pointwise-like ops Inductor evaluates inside the consumer's loop instead of writing a buffer."""
     if node.op != "call_function" or isinstance(node_val(node), (list, tuple)) or aliases_input(node):
         return False
-    return torch.Tag.pointwise in op_tags(node) or _op_name(node) in _INLINABLE_NAMES
+    return torch.Tag.pointwise in op_tags(node) or _op_name(node) in INLINABLE_OPS
 
 
 def _is_fusible_consumer(node: fx.Node) -> bool:
@@ -190,7 +168,7 @@ def _is_fusible_consumer(node: fx.Node) -> bool:
         return False
     if node.target is operator.getitem or aliases_input(node) or _is_inlinable(node):
         return True
-    return torch.Tag.reduction in op_tags(node) or _op_name(node) in _REDUCTION_NAMES
+    return torch.Tag.reduction in op_tags(node) or _op_name(node) in REDUCTION_OPS
 
 
 def _is_inner_reduction(node: fx.Node) -> bool:

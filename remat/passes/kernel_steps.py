@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..cost_model.kernel_schedule import ALIAS, EXTERN, POINTWISE, REDUCTION, SCATTER, GraphOp, schedule_kernels
+from .._torch_inductor import InductorConfig, inductor_config
+from ..cost_model.inductor_rules import ALWAYS_STORED_LOOPS, HEAVY_OPS, LOOP_OPS, MUTATIONS, SCATTER_OPS
 from ..cost_model.memory import Step
 from .joint_graph import JointGraphFacts, NodeFacts
 
@@ -36,29 +38,6 @@ CHANNELS_LAST = "channels_last"
 FORWARD_RETURNS = "<forward returns>"   # the marker step where the forward hands its outputs to the caller
 _RESHAPES = frozenset({"view", "_unsafe_view", "reshape"})
 _CALLS = (EXTERN, SCATTER)
-
-# Ops Inductor lowers to loops (beyond pointwise-tagged ones and reductions).
-_LOOP_OPS = frozenset({
-    "cat", "constant_pad_nd", "slice_scatter", "select_scatter", "index", "gather", "embedding", "tril", "triu",
-    "slice_backward", "select_backward", "masked_fill", "repeat", "flip", "roll", "index_select",
-    "_low_memory_max_pool_offsets_to_indices", "clone", "_to_copy", "full", "full_like", "zeros", "ones",
-    "zeros_like", "ones_like", "scalar_tensor", "iota", "arange", "where", "inductor_random",
-    "inductor_lookup_seed", "convert_element_type", "rand", "rand_like", "randn",
-})
-# Loops whose values are always stored, never inlined: windowed reductions, and random
-# numbers (lowering.inductor_random realizes them so every reader sees the same draw).
-_ALWAYS_STORED_LOOPS = frozenset({
-    "_low_memory_max_pool_with_offsets", "max_pool2d_with_indices", "inductor_random", "inductor_randint",
-})
-# Ops lowered as a copy of their first input that a fallback then scatters into in place.
-_SCATTER_OPS = frozenset({
-    "index_put", "_unsafe_masked_index_put_accumulate", "scatter_add", "scatter", "index_add",
-    "scatter_reduce", "embedding_dense_backward",
-})
-# Mutations write into an existing buffer (BatchNorm's running stats): a kernel, no allocation.
-_MUTATIONS = frozenset({"copy_"})
-# Inductor's CPU backend stores a reused value rather than recompute these (StorageBox.should_realize_on_reuse).
-_HEAVY_OPS = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh", "silu", "softplus", "logsigmoid"})
 
 
 def storage_owner(sid: str) -> str:
@@ -85,11 +64,11 @@ def kernel_kind(facts: JointGraphFacts, name: str) -> str:
     if node.is_view:
         return ALIAS
     short = op_short_name(node)
-    if short in _SCATTER_OPS:
+    if short in SCATTER_OPS:
         return SCATTER
-    if short in _ALWAYS_STORED_LOOPS:
+    if short in ALWAYS_STORED_LOOPS:
         return REDUCTION
-    if node.inlinable or short in _LOOP_OPS or short in _MUTATIONS:
+    if node.inlinable or short in LOOP_OPS or short in MUTATIONS:
         return POINTWISE
     if node.fusible_consumer:
         return REDUCTION
@@ -120,7 +99,7 @@ def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layo
     allocs = node.allocs
     loop = node.numel
     inner = node.inner_reduction
-    if short in _MUTATIONS or (node.is_multi_output and kind in (POINTWISE, REDUCTION)):
+    if short in MUTATIONS or (node.is_multi_output and kind in (POINTWISE, REDUCTION)):
         allocs = ()   # a multi-output loop's buffers are allocated by its getitems
     elif node.is_getitem:
         parent = facts.nodes[node.inputs[0]]
@@ -141,8 +120,8 @@ def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layo
         numel=node.numel,
         nbytes=sum(n for _, n in allocs),
         loop_numel=loop,
-        heavy=short in _HEAVY_OPS,
-        mutation=short in _MUTATIONS,
+        heavy=short in HEAVY_OPS,
+        mutation=short in MUTATIONS,
         inner_reduction=inner,
         layout=layouts.get(name, ""),
     )
@@ -215,6 +194,7 @@ class _FactsCache:
     """Per-joint-graph constants, computed once: the planner simulates one graph many times."""
 
     def __init__(self, facts: JointGraphFacts) -> None:
+        self.inductor = inductor_config()      # read once per graph, when it is first simulated
         kinds: dict[str, str] = {}
         for name in facts.order:
             kinds[name] = kernel_kind(facts, name)
@@ -234,6 +214,11 @@ _CACHE: dict[int, tuple[weakref.ref, _FactsCache]] = {}
 def kernel_kinds(facts: JointGraphFacts) -> Mapping[str, str]:
     """``kernel_kind`` of every node of the graph (with CPU layout copies), worked out once per graph."""
     return {name: info.kind for name, info in _cache(facts).static.items()}
+
+
+def graph_inductor_config(facts: JointGraphFacts) -> InductorConfig:
+    """Inductor's config as this graph's simulation reads it: read when the graph is first simulated."""
+    return _cache(facts).inductor
 
 
 def _cache(facts: JointGraphFacts) -> _FactsCache:
@@ -331,7 +316,7 @@ class _Graph:
     def steps(self, phase: str, regions: Mapping[str, int]) -> tuple[list[Step], Callable[[str], tuple[str, ...]]]:
         """Steps in kernel order, and the storages of an instance or input, by name."""
         layouts = self.cache.layouts
-        schedule = schedule_kernels(self.ops(), self.input_bytes(), self.donated, layouts)
+        schedule = schedule_kernels(self.ops(), self.input_bytes(), self.donated, layouts, self.cache.inductor)
         stands_for = schedule.stands_for
         memo: dict[str, tuple[str, ...]] = {}
 

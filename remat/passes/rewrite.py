@@ -18,12 +18,11 @@ from torch import fx
 
 from ..cost_model.tensors import is_mutating_op
 from ..units import format_bytes
-from .joint_graph import JointGraphFacts
+from .joint_graph import JointGraphFacts, is_collective
 from .plan import Plan
 from .schedule import Scheduled, backward_order, partition_nodes
 
 REMAT_KEY = "remat"
-_EFFECT_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional", "_dtensor")
 
 
 @dataclass(frozen=True)
@@ -148,7 +147,7 @@ def _live_nodes(graph: fx.Graph, output: fx.Node) -> set[fx.Node]:
     """
     roots = [output] + [
         n for n in graph.nodes
-        if n.op == "call_function" and (is_mutating_op(n) or getattr(n.target, "namespace", "") in _EFFECT_NAMESPACES)
+        if n.op == "call_function" and (is_mutating_op(n) or is_collective(n))
     ]
     live: set[fx.Node] = set()
     stack = list(roots)

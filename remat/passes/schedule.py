@@ -19,9 +19,10 @@ from typing import AbstractSet, Any, Callable, Iterable, Mapping
 
 from ..cost_model.memory import MemorySimulation, Step, simulate_memory
 from .joint_graph import JointGraphFacts
+from ..cost_model.inductor_rules import INDEX_REDUCTIONS, REDUCTION_OPS
 from ..cost_model.kernel_schedule import EXTERN, SCATTER
 from .shared_storage import one_value_per_storage, shared_storage_groups
-from .kernel_steps import RECOMPUTE_SUFFIX, forward_steps, kernel_kinds, kernel_steps
+from .kernel_steps import RECOMPUTE_SUFFIX, forward_steps, graph_inductor_config, kernel_kinds, kernel_steps
 
 # The simulator no longer reads these: it follows Inductor's realization rules
 # (cost_model/kernel_schedule.py). solve_milp's linear memory model still does.
@@ -37,7 +38,9 @@ class Partition:
     forced: Mapping[str, str]              # saved although not chosen: name -> reason
 
 
-_REDUCTIONS = {"sum", "mean", "var_mean", "var", "amax", "amin", "max", "min", "prod", "any", "all", "logsumexp"}
+# Reductions whose result may round differently when recomputed in another kernel (all but the
+# index ones, which are exact).
+_ROUNDING_REDUCTIONS = REDUCTION_OPS - INDEX_REDUCTIONS
 
 
 def _why_not_recomputable_uncached(facts: JointGraphFacts, name: str) -> str | None:
@@ -51,7 +54,7 @@ def _why_not_recomputable_uncached(facts: JointGraphFacts, name: str) -> str | N
         if facts.nodes[source].is_multi_output:
             return _why_not_recomputable_uncached(facts, source)  # save this output, never the tuple
     op_name = node.op.split(".")[1] if node.op.startswith("aten.") else ""
-    if op_name in _REDUCTIONS and 4 * node.cost.bytes_written <= node.cost.bytes_read:
+    if op_name in _ROUNDING_REDUCTIONS and 4 * node.cost.bytes_written <= node.cost.bytes_read:
         # A reduction recomputed in another kernel may round differently (another
         # reduction order), and normalisation backwards amplify the difference; its
         # output is small, so saving it costs little.
@@ -368,18 +371,19 @@ def simulate_partition(facts: JointGraphFacts, partition: Partition) -> Simulate
     """
     known = _rebuild_memo(facts)
     key = (partition.saved, partition.recomputed)
+    reuse = graph_inductor_config(facts).allow_buffer_reuse
     fw_order = forward_order(facts, partition)
     if key in known:
         order = backward_order(facts, partition, known[key])
         steps, pinned = kernel_steps(facts, partition, fw_order, order)
-        return Simulated(order, steps, pinned, simulate_memory(steps, pinned))
+        return Simulated(order, steps, pinned, simulate_memory(steps, pinned, reuse_freed=reuse))
     held = backward_order(facts, partition, False)
     rebuilt = backward_order(facts, partition, True)
     forward = forward_steps(facts, partition, fw_order)     # the same for both schedules
     runs = []
     for order in ((held,) if rebuilt == held else (held, rebuilt)):
         steps, pinned = kernel_steps(facts, partition, fw_order, order, forward)
-        runs.append(Simulated(order, steps, pinned, simulate_memory(steps, pinned)))
+        runs.append(Simulated(order, steps, pinned, simulate_memory(steps, pinned, reuse_freed=reuse)))
     rebuild = len(runs) == 2 and runs[1].simulation.peak_bytes < runs[0].simulation.peak_bytes
     if len(known) >= _REBUILD_ENTRIES:
         known.clear()

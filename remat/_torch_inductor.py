@@ -1,0 +1,90 @@
+"""Inductor's configuration the simulator follows, read in one place (checked on torch 2.13.0).
+
+Every value is an attribute of ``torch._inductor.config`` (a private module): read when a graph
+is planned (``inductor_config()``), never frozen at import, so a user's
+``torch._inductor.config.patch(...)`` around a compile reaches the planner too. Where each one acts
+in Inductor (torch 2.13.0):
+
+- ``realize_reads_threshold``: a pointwise value with several readers is stored, not inlined,
+  when it loads more than this many buffers (``ir.StorageBox.should_realize_on_reuse``).
+- ``realize_opcount_threshold`` (None: ``realize_cpu_opcount_threshold`` on CPU,
+  ``_realize_opcount_threshold_default`` elsewhere): ... or when its inlined expression has more
+  ops than this (``ir.Loops.has_large_inner_fn``).
+- ``realize_acc_reads_threshold`` (None: ``realize_cpu_acc_reads_threshold`` on CPU,
+  ``_realize_acc_reads_threshold_default`` elsewhere): any pointwise value loading more buffers
+  than this is stored (``ir.StorageBox.has_exceeded_max_reads``).
+- ``max_fusion_size``: the most nodes one fused kernel may hold (``choices.py: can_fuse``).
+- ``max_fusion_buffer_group_pairwise_attempts``: how many later readers of a buffer each reader
+  is tried against as a fusion pair (``Scheduler.get_possible_fusions.check_all_pairs``).
+- ``inplace_buffers``: a loop may write its output over an input whose last reader it is
+  (``scheduler.SchedulerNode.decide_inplace_update``).
+- ``allow_buffer_reuse``: a freed buffer is reused by a later allocation of its size
+  (``codegen/wrapper.py: AllocateLine.plan``).
+- ``reorder_for_peak_memory``: Inductor reorders each graph's kernels to lower its peak
+  (``memory.reorder_for_peak_memory``). The simulator does not model this reordering; it keeps
+  ``topological_sort_schedule``'s order. A known over-prediction source: measured by the lead at
+  512 KiB on a small LM head's backward.
+
+The simulator models Inductor's CPU backend: ``InductorConfig.cpu_*`` resolve the thresholds for CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHECKED_ON_TORCH = ("2.13.0",)   # torch versions these names and meanings were checked on
+
+
+@dataclass(frozen=True)
+class InductorConfig:
+    """The ``torch._inductor.config`` values the simulator follows (see the module docstring)."""
+
+    realize_reads_threshold: int
+    realize_opcount_threshold: int | None           # None: the device's default below
+    realize_cpu_opcount_threshold: int
+    realize_gpu_opcount_threshold: int              # ``_realize_opcount_threshold_default``
+    realize_acc_reads_threshold: int | None         # None: the device's default below
+    realize_cpu_acc_reads_threshold: int
+    realize_gpu_acc_reads_threshold: int            # ``_realize_acc_reads_threshold_default``
+    max_fusion_size: int
+    max_fusion_buffer_group_pairwise_attempts: int
+    inplace_buffers: bool
+    allow_buffer_reuse: bool
+    reorder_for_peak_memory: bool                   # not modelled (see the module docstring)
+
+    @property
+    def cpu_opcount_threshold(self) -> int:
+        """Ops an inlined CPU expression may have before a reused value is stored."""
+        if self.realize_opcount_threshold is not None:
+            return self.realize_opcount_threshold
+        return self.realize_cpu_opcount_threshold
+
+    @property
+    def cpu_acc_reads_threshold(self) -> int:
+        """Buffers a CPU pointwise value may load before it is stored."""
+        if self.realize_acc_reads_threshold is not None:
+            return self.realize_acc_reads_threshold
+        return self.realize_cpu_acc_reads_threshold
+
+
+def inductor_config() -> InductorConfig:
+    """The current ``torch._inductor.config`` values, as a frozen record (read now, every call)."""
+    from torch._inductor import config
+
+    return InductorConfig(
+        realize_reads_threshold=int(config.realize_reads_threshold),
+        realize_opcount_threshold=config.realize_opcount_threshold,
+        realize_cpu_opcount_threshold=int(config.realize_cpu_opcount_threshold),
+        realize_gpu_opcount_threshold=int(config._realize_opcount_threshold_default),
+        realize_acc_reads_threshold=config.realize_acc_reads_threshold,
+        realize_cpu_acc_reads_threshold=int(config.realize_cpu_acc_reads_threshold),
+        realize_gpu_acc_reads_threshold=int(config._realize_acc_reads_threshold_default),
+        max_fusion_size=int(config.max_fusion_size),
+        max_fusion_buffer_group_pairwise_attempts=int(config.max_fusion_buffer_group_pairwise_attempts),
+        inplace_buffers=bool(config.inplace_buffers),
+        allow_buffer_reuse=bool(config.allow_buffer_reuse),
+        reorder_for_peak_memory=bool(config.reorder_for_peak_memory),
+    )
+
+
+__all__ = ["CHECKED_ON_TORCH", "InductorConfig", "inductor_config"]
