@@ -31,8 +31,8 @@ corrects):
   share sees the earlier graphs' plans of step 2). At each forward entry a graph whose plan no longer
   fits next to what the pending graphs hold is re-planned before it runs (``check_entry``). So from
   step 2 on the step fits in simulation; step 2 itself may still measure over, since the re-plans
-  compile inside it after earlier graphs ran their forward (measured: 1.02x of a budget at the
-  step's floor, tests/test_graph_breaks.py), and so may step 1 (measured 1.13x-1.64x there). A
+  compile inside it after earlier graphs ran their forward (measured: 1.04x-1.10x, the latter at a
+  budget at the step's floor, tests/test_graph_breaks.py), and so may step 1 (measured 1.13x-1.64x). A
   re-plan no plan meets raises ``BudgetInfeasibleError`` at that call (step 2), naming a budget;
 - a graph that enters its forward again before its backward ran (a compiled block run several times
   per step, or a forward whose backward never ran) ends the accounting of that step: it is not
