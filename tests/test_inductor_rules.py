@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_random & co.)
+import torch._inductor.inductor_prims  # registers prims.inductor_random & co.
 from torch._inductor import config as inductor_settings
 
 from remat._torch_inductor import InductorConfig, inductor_config

@@ -32,9 +32,6 @@ KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {
     ("remat.passes.kernel_steps", "remat.passes.schedule"):
         "type-only (Partition, Scheduled); schedule.py and kernel_steps.py are the lead's this session "
         "(issue 13: the simulator package)",
-    ("remat.passes.schedule", "remat.passes.mincut"):
-        "function-level: schedule's register_only runs min_cut_saved, while mincut imports schedule's "
-        "_memo and why_not_recomputable (issue 13: one analysis object per graph replaces the memo)",
     ("remat.dynamic", "remat.backend"):
         "function-level and type-only (RematBackend, _device_of, _passthrough_error_class): the backend "
         "calls dynamic, which reaches back into it; dynamic.py and backend.py are not the layout's to edit "

@@ -16,7 +16,7 @@ in the backward if the plan says so.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 import torch
@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..cost_model.costs import NodeCost
 from ..cost_model.inductor_rules import CHEAP_TO_RECOMPUTE_OPS, COLLECTIVE_NAMESPACES, INLINABLE_OPS, REDUCTION_OPS
+from .graph_analysis import GraphAnalysis
 from ..cost_model.tensors import (
     aliases_input,
     concrete_int,
@@ -81,6 +82,9 @@ class JointGraphFacts:
     # False: they die when the forward returns, unless the backward reads them; the usual training step
     # ``loss_fn(model(x)).backward()`` drops them before its backward starts (``RematOptions.outputs_held``).
     outputs_held: bool = False
+    # What the planner works out once for this graph (bans, min-cut, kernel constants, ...), filled
+    # lazily by the modules that own each part; a new one for every facts object, ``replace`` included.
+    analysis: GraphAnalysis = field(default_factory=GraphAnalysis, init=False, compare=False, repr=False)
 
     def position(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.order)}

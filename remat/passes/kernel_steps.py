@@ -18,7 +18,6 @@ storages it is made of.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -208,9 +207,6 @@ class _FactsCache:
                                     for alloc in facts.nodes[name].allocs)
 
 
-_CACHE: dict[int, tuple[weakref.ref, _FactsCache]] = {}
-
-
 def kernel_kinds(facts: JointGraphFacts) -> Mapping[str, str]:
     """``kernel_kind`` of every node of the graph (with CPU layout copies), worked out once per graph."""
     return {name: info.kind for name, info in _cache(facts).static.items()}
@@ -222,14 +218,12 @@ def graph_inductor_config(facts: JointGraphFacts) -> InductorConfig:
 
 
 def _cache(facts: JointGraphFacts) -> _FactsCache:
-    entry = _CACHE.get(id(facts))
-    if entry is not None and entry[0]() is facts:
-        return entry[1]
-    for key in [k for k, (ref, _) in _CACHE.items() if ref() is None]:
-        del _CACHE[key]
-    made = _FactsCache(facts)
-    _CACHE[id(facts)] = (weakref.ref(facts), made)
-    return made
+    """This graph's ``_FactsCache``, made when the graph is first simulated and kept in its
+    ``GraphAnalysis``."""
+    analysis = facts.analysis
+    if analysis.kernel_facts is None:
+        analysis.kernel_facts = _FactsCache(facts)
+    return analysis.kernel_facts
 
 
 class _Graph:

@@ -19,7 +19,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from .joint_graph import JointGraphFacts
-from .schedule import _memo, why_not_recomputable
+from .recompute_bans import why_not_recomputable
 
 
 def saved_cost_bytes(facts: JointGraphFacts, name: str) -> int:
@@ -59,9 +59,13 @@ def min_cut_saved(facts: JointGraphFacts) -> frozenset[str]:
     least up to that rounding. The network is built in graph order and the cut is
     read from the residual graph (the least cut nearest the backward), so the same
     graph gives the same cut whatever the hash seed. Worked out once per joint graph
-    (``facts`` is immutable; the planner and ``schedule.register_only`` both ask).
+    (``facts`` is immutable; the planner and ``schedule.register_only`` both ask), kept in its
+    ``GraphAnalysis``.
     """
-    return _memo("min_cut_saved", facts, _min_cut_saved_uncached)
+    analysis = facts.analysis
+    if analysis.min_cut_saved is None:
+        analysis.min_cut_saved = _min_cut_saved_uncached(facts)
+    return analysis.min_cut_saved
 
 
 def _min_cut_saved_uncached(facts: JointGraphFacts) -> frozenset[str]:

@@ -13,13 +13,15 @@ that was simulated, and ``recompute_time_s`` charges every instance.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Callable, Iterable, Mapping
+from typing import AbstractSet, Iterable, Mapping
 
 from ..cost_model.memory import MemorySimulation, Step, simulate_memory
+from .graph_analysis import REBUILD_ENTRIES
 from .joint_graph import JointGraphFacts
-from ..cost_model.inductor_rules import INDEX_REDUCTIONS, REDUCTION_OPS
+from .mincut import min_cut_saved
+from .recompute_bans import node_positions, recompute_bans
+from .recompute_bans import why_not_recomputable  # noqa: F401  (the solvers ask it here)
 from ..cost_model.kernel_schedule import EXTERN, SCATTER
 from .shared_storage import one_value_per_storage, shared_storage_groups
 from .kernel_steps import RECOMPUTE_SUFFIX, forward_steps, graph_inductor_config, kernel_kinds, kernel_steps
@@ -38,57 +40,8 @@ class Partition:
     forced: Mapping[str, str]              # saved although not chosen: name -> reason
 
 
-# Reductions whose result may round differently when recomputed in another kernel (all but the
-# index ones, which are exact).
-_ROUNDING_REDUCTIONS = REDUCTION_OPS - INDEX_REDUCTIONS
-
-
-def _why_not_recomputable_uncached(facts: JointGraphFacts, name: str) -> str | None:
-    node = facts.nodes[name]
-    if node.recompute_ban is not None:
-        return node.recompute_ban
-    if node.is_sym:
-        return "symbolic size: saved as an int"
-    if node.is_getitem:
-        source = node.inputs[0]
-        if facts.nodes[source].is_multi_output:
-            return _why_not_recomputable_uncached(facts, source)  # save this output, never the tuple
-    op_name = node.op.split(".")[1] if node.op.startswith("aten.") else ""
-    if op_name in _ROUNDING_REDUCTIONS and 4 * node.cost.bytes_written <= node.cost.bytes_read:
-        # A reduction recomputed in another kernel may round differently (another
-        # reduction order), and normalisation backwards amplify the difference; its
-        # output is small, so saving it costs little.
-        return "reduction: saving its small output keeps recomputation bit-identical"
-    return None
-
-
-# Per joint graph (keyed by id, checked through a weak reference): the planner asks
-# about the same nodes millions of times on a large graph.
-_PER_GRAPH: dict[tuple[str, int], tuple[weakref.ref, Any]] = {}
-
-
-def _memo(kind: str, facts: JointGraphFacts, compute: Callable[[JointGraphFacts], Any]) -> Any:
-    """``compute(facts)``, worked out once per joint graph (``facts`` is immutable)."""
-    entry = _PER_GRAPH.get((kind, id(facts)))
-    if entry is not None and entry[0]() is facts:
-        return entry[1]
-    for key in [key for key, (ref, _) in _PER_GRAPH.items() if ref() is None]:
-        del _PER_GRAPH[key]
-    value = compute(facts)
-    _PER_GRAPH[(kind, id(facts))] = (weakref.ref(facts), value)
-    return value
-
-
-def _per_graph(facts: JointGraphFacts) -> tuple[dict[str, str | None], dict[str, int]]:
-    """Every node's ``why_not_recomputable`` answer, and every node's position, for this graph."""
-    return _memo("bans", facts, lambda f: ({name: _why_not_recomputable_uncached(f, name) for name in f.nodes},
-                                           f.position()))
-
-
 def _register_only_uncached(facts: JointGraphFacts) -> frozenset[str]:
-    from .mincut import min_cut_saved   # mincut reads why_not_recomputable from this module
-
-    bans, _ = _per_graph(facts)
+    bans = recompute_bans(facts)
     in_registers = {
         name for name, node in facts.nodes.items()
         if node.role == "forward" and bans[name] is None and not node.is_getitem and node.cost.fusion_group
@@ -108,15 +61,10 @@ def register_only(facts: JointGraphFacts) -> frozenset[str]:
     CNN's forward 4x slower (3.4 -> 14.3 ms, plans that also saved ReLU masks and BatchNorm
     factors). The backward rebuilds such a value inside its own kernels instead.
     """
-    return _memo("register_only", facts, _register_only_uncached)
-
-
-def why_not_recomputable(facts: JointGraphFacts, name: str) -> str | None:
-    """The reason ``name`` must be saved rather than recomputed, or None if it may be recomputed.
-
-    Worked out once per joint graph for every node (``facts`` is immutable), then looked up.
-    """
-    return _per_graph(facts)[0][name]
+    analysis = facts.analysis
+    if analysis.register_only is None:
+        analysis.register_only = _register_only_uncached(facts)
+    return analysis.register_only
 
 
 def _instead_of_register_only(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> set[str]:
@@ -169,7 +117,7 @@ def partition_nodes(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> P
 
 def _close(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Partition:
     """``partition_nodes``'s closure of ``chosen_saved``, before the one-value-per-storage rule."""
-    bans, position = _per_graph(facts)
+    bans, position = recompute_bans(facts), node_positions(facts)
     nodes = facts.nodes
     saved = _instead_of_register_only(facts, chosen_saved)
     forced: dict[str, str] = {}
@@ -305,7 +253,7 @@ def backward_order(facts: JointGraphFacts, partition: Partition, rebuild: bool |
     """
     if rebuild is None:
         rebuild = rebuilds_intermediates(facts, partition)
-    position = _per_graph(facts)[1]
+    position = node_positions(facts)
     kinds = kernel_kinds(facts) if rebuild else {}    # a new dict per call: fetched once, not per region
     recomputed = partition.recomputed
     open_: dict[str, str] = {}
@@ -334,21 +282,6 @@ def backward_order(facts: JointGraphFacts, partition: Partition, rebuild: bool |
     return schedule
 
 
-# Per joint graph (weakly, like _PER_GRAPH): partition -> whether rebuilding intermediates lowers its peak.
-_REBUILD: dict[int, tuple[weakref.ref, dict[tuple[frozenset[str], frozenset[str]], bool]]] = {}
-_REBUILD_ENTRIES = 4096
-
-
-def _rebuild_memo(facts: JointGraphFacts) -> dict[tuple[frozenset[str], frozenset[str]], bool]:
-    entry = _REBUILD.get(id(facts))
-    if entry is None or entry[0]() is not facts:
-        for key in [k for k, (ref, _) in _REBUILD.items() if ref() is None]:
-            del _REBUILD[key]
-        entry = (weakref.ref(facts), {})
-        _REBUILD[id(facts)] = entry
-    return entry[1]
-
-
 @dataclass(frozen=True)
 class Simulated:
     """A partition's backward schedule, the simulator's steps for it, and their simulation."""
@@ -369,7 +302,7 @@ def simulate_partition(facts: JointGraphFacts, partition: Partition) -> Simulate
     changes nothing (no recompute chain has an intermediate to close) the two schedules are
     equal, so one simulation decides (holding, as a tie always has).
     """
-    known = _rebuild_memo(facts)
+    known = facts.analysis.rebuilds
     key = (partition.saved, partition.recomputed)
     reuse = graph_inductor_config(facts).allow_buffer_reuse
     fw_order = forward_order(facts, partition)
@@ -385,7 +318,7 @@ def simulate_partition(facts: JointGraphFacts, partition: Partition) -> Simulate
         steps, pinned = kernel_steps(facts, partition, fw_order, order, forward)
         runs.append(Simulated(order, steps, pinned, simulate_memory(steps, pinned, reuse_freed=reuse)))
     rebuild = len(runs) == 2 and runs[1].simulation.peak_bytes < runs[0].simulation.peak_bytes
-    if len(known) >= _REBUILD_ENTRIES:
+    if len(known) >= REBUILD_ENTRIES:
         known.clear()
     known[key] = rebuild
     return runs[1] if rebuild else runs[0]
@@ -400,7 +333,7 @@ def rebuilds_intermediates(facts: JointGraphFacts, partition: Partition) -> bool
     not lower the peak. Decided once per (graph, partition) and remembered, so the
     simulator, the time estimate and the rewrite all see the same schedule.
     """
-    known = _rebuild_memo(facts)
+    known = facts.analysis.rebuilds
     key = (partition.saved, partition.recomputed)
     if key not in known:
         simulate_partition(facts, partition)

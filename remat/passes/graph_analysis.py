@@ -1,0 +1,37 @@
+"""What the planner works out once per joint graph, kept with the graph it belongs to.
+
+A ``GraphAnalysis`` is created with each ``JointGraphFacts`` (its ``analysis`` field) and
+filled lazily by the modules that compute each part: ``recompute_bans`` (why each node may
+not be recomputed, node positions), ``mincut`` (the free min-cut), ``schedule`` (register-only
+values, the rebuild decision per partition) and ``kernel_steps`` (the kernel model's
+per-node constants and Inductor's config, read when the graph is first simulated). It dies
+with its facts: no module keeps per-graph state, nothing is keyed by ``id(facts)``.
+
+This module imports nothing from ``remat.passes``, so every pass can use it without an
+import cycle. Each part is a deterministic function of the (immutable) facts: two threads
+that fill the same part at once compute equal values, and either may be kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+REBUILD_ENTRIES = 4096   # rebuild decisions remembered per graph before the table starts over
+
+
+@dataclass
+class GraphAnalysis:
+    """Per-graph results, each None until the module that owns it first computes it."""
+
+    bans: Mapping[str, str | None] | None = None    # node -> why it may not be recomputed, or None
+    positions: Mapping[str, int] | None = None         # node -> index in the graph's order
+    min_cut_saved: frozenset[str] | None = None        # mincut.min_cut_saved
+    register_only: frozenset[str] | None = None        # schedule.register_only
+    kernel_facts: Any = None                              # kernel_steps' per-node constants (its _FactsCache)
+    # (saved, recomputed) -> whether that partition's backward rebuilds intermediates per use
+    rebuilds: dict[tuple[frozenset[str], frozenset[str]], bool] = field(default_factory=dict)
+
+
+__all__ = ["REBUILD_ENTRIES", "GraphAnalysis"]
