@@ -14,7 +14,8 @@ own directories, and the four runs of a model are interleaved (Inductor cold, re
 remat warm; the order of the two backends alternates between repetitions) so that the other jobs on a
 shared machine weigh on both alike; each row records the load average at its start.
 
-    PYTHONPATH=$PWD python benchmarks/compile_time.py --reps 2   # writes benchmarks/results/compile_time-cpu.md
+    PYTHONPATH=$PWD python benchmarks/compile_time.py --reps 1   # writes benchmarks/results/compile_time-cpu.md (.json)
+    PYTHONPATH=$PWD python benchmarks/compile_time.py --models gpt --append   # one more repetition, added
 """
 
 from __future__ import annotations
@@ -115,15 +116,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--reps", type=int, default=1, help="interleaved repetitions per model (default 1)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--append", action="store_true",
+                        help="add to the runs recorded in the .json next to --out (repetitions continue its numbering)")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "BACKEND", "DUMP_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(child(*args.child)), flush=True)
         return 0
+    record = args.out.with_suffix(".json")
+    previous = json.loads(record.read_text()) if args.append and record.exists() else {"rows": [], "loads": []}
+    rows: list[tuple[str, int, str, str, dict[str, Any]]] = [tuple(r) for r in previous["rows"]]  # type: ignore[misc]
     before = _uptime()
-    rows: list[tuple[str, int, str, str, dict[str, Any]]] = []
     for model in args.models:
-        for rep in range(args.reps):
+        done = sum(1 for r in rows if r[0] == model and r[2] == "cold" and r[3] == "remat")
+        for rep in range(done, done + args.reps):
             with tempfile.TemporaryDirectory(prefix="remat_compile_time_") as tmp:
                 order = ("inductor", "remat") if rep % 2 == 0 else ("remat", "inductor")
                 for state in ("cold", "warm"):
@@ -132,22 +138,24 @@ def main(argv: Optional[list[str]] = None) -> int:
                         rows.append((model, rep, state, backend, result))
                         print(model, rep, state, backend, json.dumps(result), flush=True)
     after = _uptime()
-    args.out.write_text(render(rows, before, after, args.reps))
+    loads = previous["loads"] + [[before, after]]
+    record.write_text(json.dumps({"rows": rows, "loads": loads}, indent=1) + "\n")
+    args.out.write_text(render(rows, loads, args.reps))
     print(f"wrote {args.out}")
     return 0
 
 
-def render(rows: list[tuple[str, int, str, str, dict[str, Any]]], before: str, after: str, reps: int) -> str:
+def render(rows: list[tuple[str, int, str, str, dict[str, Any]]], loads: list[list[str]], reps: int) -> str:
     import torch
 
     lines = [
         "# Compile time: remat vs plain Inductor (CPU)",
         "",
-        f"`PYTHONPATH=$PWD python benchmarks/compile_time.py --reps {reps}`, torch {torch.__version__}, "
+        f"`PYTHONPATH=$PWD python benchmarks/compile_time.py --reps {reps}` (later runs with `--append`), "
+        f"torch {torch.__version__}, "
         f"{os.cpu_count()} CPU cores shared with other jobs.",
         "",
-        f"- load before: `{before}`",
-        f"- load after:  `{after}`",
+        *[f"- run {i + 1}: load before `{before}`; after `{after}`" for i, (before, after) in enumerate(loads)],
         "",
         "Seconds of the first training step (compile included), each in a fresh process. Cold: empty "
         "`TORCHINDUCTOR_CACHE_DIR` and `REMAT_CACHE_DIR` (new temporary directories: no Inductor/AOTAutograd "
