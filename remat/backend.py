@@ -355,18 +355,29 @@ class RematBackend:
         with _torch_cache.autograd_cache(call_cache is not None, non_lazy_backward=verify or judge):
             fn = compile_fx(gm, example_inputs, inner_compile=capture.inner_compile,
                             config_patches={"custom_partitioner_fn": self.partitioner})
-        if call_cache is not None:
-            fn = self._through_call_cache(fn, call_cache, before, _torch_cache.autograd_cache_hits() > hits,
-                                          pristine, example_inputs)
+        restored = False
+        if call_cache is not None and _torch_cache.autograd_cache_hits() > hits:
+            restored = call_cache.restore(self, _current_compile_id()) is not None
+            if not restored:    # nothing (usable) stored for this hit: compile again without the cache
+                assert pristine is not None
+                capture = _CodeCapture()
+                with _torch_cache.autograd_cache(False, non_lazy_backward=verify or judge):
+                    fn = compile_fx(copy.deepcopy(pristine), example_inputs, inner_compile=capture.inner_compile,
+                                    config_patches={"custom_partitioner_fn": self.partitioner})
         records = self.compiled_graphs[before:]
         if len(records) != 1:
+            if call_cache is not None and not restored:
+                call_cache.store(None, None)
             return fn       # an inference graph (no plan)
         in_place = pristine is not None and not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
-        if records[0].refusal is not None and not (judge and in_place):
-            self.compiled_graphs.pop()      # no check to overrule the simulator's refusal: it stands
-            raise _passthrough_error_class(BudgetInfeasibleError)(records[0].refusal.error)
-        if judge and in_place:
-            fn = self._judged(fn, capture, pristine, list(example_inputs))
+        if not restored:    # a restored record is final: judged (and any refusal overruled) when it was made
+            if records[0].refusal is not None and not (judge and in_place):
+                self.compiled_graphs.pop()      # no check to overrule the simulator's refusal: it stands
+                raise _passthrough_error_class(BudgetInfeasibleError)(records[0].refusal.error)
+            if judge and in_place:
+                fn = self._judged(fn, capture, pristine, list(example_inputs))
+            if call_cache is not None:
+                self._store_call(call_cache, records[0].graph_id)
         in_step = budget and records[0].distributed is None   # DDP / FSDP2 pieces: their own ledger
         if not verify and not in_step:
             return fn
@@ -388,27 +399,15 @@ class RematBackend:
             self.verified_graphs.append(wrapper)
         return wrapper
 
-    def _through_call_cache(self, fn: Callable[..., Any], call_cache: CallCache, before: int, hit: bool,
-                            pristine: Optional[fx.GraphModule], example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        """After a compile with AOTAutograd's cache on: store what the partitioner left (a miss), or restore
-        it (a hit). A hit with nothing stored (remat's cache cleared, Inductor's not) compiles ``pristine``
-        again with the cache off, so the record and the dump are made; returns the callable to run."""
-        from torch._inductor.compile_fx import compile_fx
-
-        if not hit:
-            record = self.compiled_graphs[before] if len(self.compiled_graphs) > before else None
-            step_graph = self.step_account.plan_of(record.graph_id) if record is not None else None
-            call_cache.store(record, step_graph)
-            return fn
-        if call_cache.restore(self, _current_compile_id()) is not None or pristine is None:
-            return fn
-        log.info("remat: AOTAutograd cache hit with no stored record; compiling again without it")
-        with _torch_cache.autograd_cache(False, non_lazy_backward=self.options.verify_peak > 0):
-            fn = compile_fx(copy.deepcopy(pristine), example_inputs, inner_compile=_CodeCapture().inner_compile,
-                            config_patches={"custom_partitioner_fn": self.partitioner})
-        record = self.compiled_graphs[before] if len(self.compiled_graphs) > before else None
-        call_cache.store(record, self.step_account.plan_of(record.graph_id) if record is not None else None)
-        return fn
+    def _store_call(self, call_cache: CallCache, first_id: str) -> None:
+        """After a compile AOTAutograd's cache missed: store the record it ended with, its dump and step
+        numbers, for a later hit to restore. A plan Inductor's check replaced (``first_id`` is not the
+        last record's) is stored as such: the cached code is the replaced plan's, so a hit compiles again."""
+        final = self.compiled_graphs[-1]
+        if final.graph_id != first_id:
+            call_cache.store(None, None, replanned=True)
+        else:
+            call_cache.store(final, self.step_account.plan_of(final.graph_id))
 
     def _judged(self, fn: Callable[..., Any], capture: _CodeCapture, gm: fx.GraphModule,
                 args: list) -> Callable[..., Any]:

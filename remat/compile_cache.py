@@ -20,9 +20,10 @@ headroom, the hardware profile, remat's source, the thread count, the feedback c
 on disk and held by the backend, whether a dump is written and with how many Pareto points.
 AOTAutograd's cache is used only where that covers every input of the plan (``call_cacheable``):
 not under torch.distributed (a piece's share depends on the other pieces' plans), not for a graph
-that shares its step's budget with graphs already planned (graph breaks), not with
-``inductor_check`` (it reads the code Inductor generates, which a hit does not generate), not with
-symbolic shapes.
+that shares its step's budget with graphs already planned (graph breaks), not with symbolic shapes.
+With ``inductor_check`` the record stored is the judged one (its verdict in the record and the dump);
+a plan the check replaced is not restored (AOTAutograd cached the replaced plan's code): a hit on it
+compiles again without the cache.
 """
 
 from __future__ import annotations
@@ -76,10 +77,13 @@ def _has_symbolic_shapes(values: Sequence[Any]) -> bool:
 
 def _profiles_key(hardware: str) -> str:
     """The profiles a graph may be planned with: the named one, or for "auto" the CPU's and each
-    visible GPU's (``get_profile("auto", device)``)."""
+    visible GPU's (``get_profile("auto", device)``). GPUs only once CUDA is initialized (a graph on a GPU
+    has initialized it by the time it compiles): reading a GPU's name would otherwise create a CUDA
+    context in a process that only runs on the CPU."""
     if hardware != "auto":
         return repr(get_profile(hardware))
-    devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else range(0)
+    devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in gpus]
     return ";".join(repr(get_profile("auto", device)) for device in devices)
 
 
@@ -104,7 +108,7 @@ def partitioner_uuid(options: "RematOptions", corrections: dict[str, Any]) -> st
 
 def call_cacheable(backend: "RematBackend", example_inputs: Sequence[Any]) -> bool:
     """Whether AOTAutograd's cache may serve this compile (see the module docstring)."""
-    if not plan_cache.caching_enabled() or backend.options.inductor_check:
+    if not plan_cache.caching_enabled():
         return False
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return False
@@ -126,6 +130,7 @@ class CachedCompile:
     record: Optional["CompiledGraph"]             # None: a graph the partitioner made no plan for
     step_graph: Optional["StepGraph"]             # its numbers on the step's account, if noted
     dump_files: tuple[tuple[str, bytes], ...]     # (path relative to the graph's dump directory, bytes)
+    replanned: bool = False                       # Inductor's check replaced the plan AOTAutograd cached
 
 
 def _read_dump(dump_path: Optional[str]) -> tuple[tuple[str, bytes], ...]:
@@ -152,19 +157,21 @@ class CallCache:
         self.key = plan_cache.digest_of("call", gm.code, ",".join(map(_input_meta, example_inputs)),
                                         torch.is_grad_enabled(), torch.__version__, uuid)
 
-    def store(self, record: Optional["CompiledGraph"], step_graph: Optional["StepGraph"]) -> None:
+    def store(self, record: Optional["CompiledGraph"], step_graph: Optional["StepGraph"],
+              replanned: bool = False) -> None:
         dump = _read_dump(record.dump_path) if record is not None else ()
-        plan_cache.write_entry("graphs", self.key, CachedCompile(record, step_graph, dump))
+        plan_cache.write_entry("graphs", self.key, CachedCompile(record, step_graph, dump, replanned))
 
     def restore(self, backend: "RematBackend", compile_id: str) -> Optional["CachedCompile"]:
         """The stored entry with its record re-issued for this compile (new graph id, compile id and dump
         path, ``cache`` saying where it came from), its dump written and its step numbers noted; the
-        record is appended to ``backend.compiled_graphs``. None when nothing is stored."""
+        record is appended to ``backend.compiled_graphs``. None when nothing is stored, or when what
+        AOTAutograd cached is a plan Inductor's check replaced: the caller then compiles again."""
         from .step_budget import slot_of
 
         entry = plan_cache.read_entry("graphs", self.key)
-        if entry is None or entry.record is None:
-            return entry
+        if entry is None or entry.replanned or entry.record is None:
+            return None if entry is None or entry.replanned else entry
         old = entry.record
         graph_id = backend.new_graph_id()
         dump_path = None
