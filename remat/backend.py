@@ -485,6 +485,8 @@ class RematBackend:
                      record.plan.predicted_peak_bytes, checked_peak_bytes)
             return fn
         self.compiled_graphs.pop()
+        log.info("remat %s: the simulator's refusal stands on Inductor's check (simulated %d bytes, checked %s, "
+                 "target %d)", record.graph_id, record.plan.predicted_peak_bytes, checked_peak_bytes, record.base_target_bytes)
         named = named_budget_after_check(record.refusal, checked_peak_bytes, error.min_feasible_bytes)
         if named is not None and named < error.min_budget_bytes:
             error = BudgetInfeasibleError(
