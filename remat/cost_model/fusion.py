@@ -58,8 +58,10 @@ def is_loop_op(node: fx.Node) -> bool:
     if node.op != "call_function" or is_free_op(node):
         return False
     name = op_name(node)
-    # MUTATIONS (copy_) are loops in Inductor too (``lowering.copy_``) and in the memory model;
-    # the time model has always charged them as kernels of their own: kept so plans stay as they were.
+    # MUTATIONS (copy_) are loops in Inductor too (``lowering.copy_`` -> ``mutate_to``) and in the
+    # memory model, but here a loop's value is charged a store only when something reads it, and a
+    # mutation's value is read by nobody: charged as a kernel of its own, its store is counted.
+    # (As a loop the zoo's plans hash the same; functionalized joint graphs rarely hold a copy_.)
     if name in SCATTER_OPS or name in MUTATIONS or name in _COPIES_CHARGED_ALONE:
         return False
     return (
