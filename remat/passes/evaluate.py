@@ -15,7 +15,7 @@ from typing import AbstractSet
 from ..cost_model.memory import MemorySimulation, Step
 from . import schedule
 from .joint_graph import JointGraphFacts
-from .schedule import Partition
+from .partition import Partition
 from .shared_storage import one_value_per_storage
 
 

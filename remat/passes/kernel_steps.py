@@ -19,16 +19,15 @@ storages it is made of.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ..cost_model.kernel_schedule import ALIAS, EXTERN, POINTWISE, REDUCTION, SCATTER, GraphOp, schedule_kernels
 from .._torch_inductor import InductorConfig, inductor_config
 from ..cost_model.inductor_rules import ALWAYS_STORED_LOOPS, HEAVY_OPS, LOOP_OPS, MUTATIONS, SCATTER_OPS
 from ..cost_model.memory import Step
 from .joint_graph import JointGraphFacts, NodeFacts
+from .partition import Partition, Scheduled
 
-if TYPE_CHECKING:
-    from .schedule import Partition, Scheduled
 
 RECOMPUTE_SUFFIX = "@r"          # followed by the instance number: "@r0", "@r1", ...
 CHANNELS_LAST_SUFFIX = "#cl"
@@ -407,7 +406,7 @@ class ForwardSteps:
     fw_order: tuple[str, ...]
 
 
-def forward_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Sequence[str]) -> ForwardSteps:
+def forward_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequence[str]) -> ForwardSteps:
     """The forward's part of ``kernel_steps``: it depends on the partition and ``fw_order`` only,
     so one serves every backward schedule of the partition (``schedule.simulate_partition``)."""
     cache = _cache(facts)
@@ -428,8 +427,8 @@ def forward_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Sequ
     return ForwardSteps(fw_steps, fw_storages, copies, tuple(fw_order))
 
 
-def kernel_steps(facts: JointGraphFacts, partition: "Partition", fw_order: Sequence[str],
-                 bw_order: Sequence["Scheduled"], forward: ForwardSteps | None = None) -> tuple[list[Step], set[str]]:
+def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequence[str],
+                 bw_order: Sequence[Scheduled], forward: ForwardSteps | None = None) -> tuple[list[Step], set[str]]:
     """The forward, then the backward, as simulator steps in Inductor's kernel order; and the pinned storages.
 
     ``bw_order`` is ``schedule.backward_order``'s: each recomputation is its own instance,

@@ -18,6 +18,7 @@ from typing import AbstractSet, Iterable, Mapping
 
 from ..cost_model.memory import MemorySimulation, Step, simulate_memory
 from .graph_analysis import REBUILD_ENTRIES
+from .partition import Partition, Scheduled
 from .joint_graph import JointGraphFacts
 from .mincut import min_cut_saved
 from .recompute_bans import node_positions, recompute_bans
@@ -30,14 +31,6 @@ from .kernel_steps import RECOMPUTE_SUFFIX, forward_steps, graph_inductor_config
 # (cost_model/kernel_schedule.py). solve_milp's linear memory model still does.
 INLINE_FUSED = True
 SINGLE_READER_ONLY = True
-
-
-@dataclass(frozen=True)
-class Partition:
-    saved: frozenset[str]                  # forward candidates handed to the backward
-    saved_primals: frozenset[str]          # inputs the backward reads (resident: cost no memory)
-    recomputed: frozenset[str]             # forward candidates the backward recomputes
-    forced: Mapping[str, str]              # saved although not chosen: name -> reason
 
 
 def _register_only_uncached(facts: JointGraphFacts) -> frozenset[str]:
@@ -164,16 +157,6 @@ def forward_order(facts: JointGraphFacts, partition: Partition) -> list[str]:
     """Forward candidates the forward graph computes, in joint-graph order."""
     needed = forward_ancestors(facts, set(facts.forward_required) | set(partition.saved))
     return [name for name in facts.order if name in needed]
-
-
-@dataclass(frozen=True)
-class Scheduled:
-    """One node of the backward graph, in the order the backward runs it."""
-
-    name: str                              # the joint-graph node
-    instance: str                          # what the simulator and the rewrite call this copy (see below)
-    region: int                            # recompute region id, -1 for a backward node
-    reads: tuple[tuple[str, str], ...]     # (recomputed input, the instance of it this copy reads)
 
 
 def recompute_instance(name: str, k: int) -> str:
