@@ -1,4 +1,4 @@
-"""Inductor's configuration the simulator follows, read in one place (checked on torch 2.13.0).
+"""Inductor's configuration the simulator follows, read in one place (verified on torch 2.13.0).
 
 Every value is an attribute of ``torch._inductor.config`` (a private module): read when a graph
 is planned (``inductor_config()``), never frozen at import, so a user's
@@ -31,8 +31,6 @@ The simulator models Inductor's CPU backend: ``InductorConfig.cpu_*`` resolve th
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-CHECKED_ON_TORCH = ("2.13.0",)   # torch versions these names and meanings were checked on
 
 
 @dataclass(frozen=True)
@@ -87,4 +85,4 @@ def inductor_config() -> InductorConfig:
     )
 
 
-__all__ = ["CHECKED_ON_TORCH", "InductorConfig", "inductor_config"]
+__all__ = ["InductorConfig", "inductor_config"]
