@@ -458,13 +458,14 @@ class RematBackend:
                 return fn
         raise AssertionError("unreachable")
 
-    def _check_may_overrule(self, share: Optional[GraphShare], joint_inputs: Sequence[object]) -> bool:
+    def _check_may_overrule(self, share: Optional[GraphShare], joint: fx.GraphModule, joint_inputs: Sequence[object]) -> bool:
         """Whether a budget the simulator refused goes to Inductor's check first (the smallest-peak plan
         is compiled and judged in ``__call__``): the check is on, the graph is alone in its step with
         static shapes (the graphs ``_judged`` judges), it is not a re-plan (whose refusal the re-planning
         caller handles) and the user did not ask for best effort."""
         return (self.options.inductor_check and self.options.budget_bytes is not None and not self.options.best_effort
                 and share is None and not _has_symbolic_shapes(joint_inputs)
+                and not _has_symbolic_shapes([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])
                 and getattr(self._replan, "correction", None) is None)
 
     def _overruled_or_refused(self, fn: Callable[..., Any], record: CompiledGraph,
@@ -591,7 +592,7 @@ class RematBackend:
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
                               f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "
                               f"{correction.factor:.3f}x ({correction.source}).",) + error.args[1:]
-            if not self._check_may_overrule(share, joint_inputs):
+            if not self._check_may_overrule(share, joint, joint_inputs):
                 raise _passthrough_error_class(BudgetInfeasibleError)(error) from None
             refusal = Refusal(error, lambda b: self.options.planning_target_for(b, device_type, modeled))
             plan = plan_at(target_bytes, best_effort=True)

@@ -44,6 +44,7 @@ _VIEW = re.compile(r"^(\w+) = (?:reinterpret_tensor\()?(\w+)(?:$|,|\))")
 _ASSIGN = re.compile(r"^(\w+) = (.+)$")
 _ASSERT = re.compile(r"^assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)")
 _DEL = re.compile(r"^del ([\w, ]+)$")
+_ELEMENT = re.compile(r"^(\w+)\[\d+\]$")
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class WrapperReplay:
     ``outputs`` gives, per returned value, the storage it lives in (None for ``None``, a
     resident input or a view of one) and ``storage_bytes`` the size of each storage the graph
     allocated. ``unsized`` lists values a library call returned whose size the code never
-    states (counted as 0 bytes)."""
+    states (counted as 0 bytes) or whose dtype it never states (an element of a library call's
+    tuple, counted at the activation's itemsize); ``checked_peak_of`` declines a graph with any."""
 
     start_bytes: int
     peak_bytes: int
@@ -228,6 +230,7 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
     if body is None:
         return None
     state, pending, outputs = _Live(inputs, tag), set(), ()
+    tuple_elements: set[str] = set()
     start_bytes = state.live
     for statement in body:
         if (match := _ALLOC.match(statement)):
@@ -254,8 +257,13 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
             # a library call's result: sized by the assert_size_stride that follows it, if any
             state.unbind(match.group(1))
             pending.add(match.group(1))
-    # a pending name that is only indexed (``buf3[0]``) is a library call's tuple, not a tensor
-    unsized = sorted(name for name in pending if not any(f"= {name}[" in statement for statement in body))
+            if (element := _ELEMENT.match(match.group(2))) and element.group(1) in pending:
+                tuple_elements.add(match.group(1))
+    # a pending name that is only indexed (``buf3[0]``) is a library call's tuple, not a tensor; an
+    # element of such a tuple has a dtype the code never states (native_dropout's mask is bool, a
+    # max-pool's indices int64): counted at the activation's itemsize it could be 4x off, so it is unsized
+    unsized = sorted({name for name in pending if not any(f"= {name}[" in statement for statement in body)}
+                     | tuple_elements)
     return WrapperReplay(start_bytes, state.peak, state.live, outputs, dict(state.nbytes), tuple(unsized))
 
 
