@@ -58,7 +58,7 @@ from .passes.random_ops import split_dropout_outputs
 from .passes.rewrite import RegionSummary, place_recompute_regions
 from .step_budget import StepAccount, fit_in_step, need_of, note_step_plan, slot_of
 from .step_loop import StepHooks
-from .units import format_gb_up
+from .units import format_bytes, format_gb_up
 
 log = logging.getLogger("remat")
 
@@ -491,10 +491,11 @@ class RematBackend:
         named = named_budget_after_check(record.refusal, checked_peak_bytes, error.min_feasible_bytes)
         if named is not None and named < error.min_budget_bytes:
             error = BudgetInfeasibleError(
-                f"budget {format_gb_up(error.budget_bytes)} GB is below the smallest feasible budget "
+                f"budget {format_bytes(error.budget_bytes)} is below the smallest feasible budget "
                 f"{format_gb_up(named)} GB: the smallest-peak plan's generated code peaks at {checked_peak_bytes:,} "
                 f"bytes as Inductor compiled it (the simulator predicted {record.plan.predicted_peak_bytes:,}), "
                 f"over the planning target of {record.base_target_bytes:,} bytes (the budget less headroom). "
+                f"Of the simulated {record.plan.predicted_peak_bytes:,} bytes, " + "; ".join(error.reasons) + ". "
                 + raise_budget_hint(named), budget_bytes=error.budget_bytes, min_feasible_bytes=checked_peak_bytes,
                 min_budget_bytes=named, reasons=error.reasons)
         raise _passthrough_error_class(BudgetInfeasibleError)(error)

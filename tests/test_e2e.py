@@ -242,7 +242,8 @@ def inductor_gpt_grads() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def gpt_infeasible() -> remat.BudgetInfeasibleError:
-    """The error a 1 kB budget raises on gpt (planning fails before any code is generated)."""
+    """The error a 1 kB budget raises on gpt (the simulator refuses it; Inductor's check of the
+    smallest-peak plan, compiled for it, names the budget)."""
     model, inputs = fresh_model("gpt")
     with pytest.raises(remat.BudgetInfeasibleError) as info:
         run_step(torch.compile(model, backend=remat.backend(1e-6)), model, inputs)
