@@ -181,8 +181,10 @@ def _run(variant: dict, backend, fallback_random: bool):
 
 def _smallest_budget_gb(variant: dict, fallback_random: bool) -> float:
     with pytest.raises(remat.BudgetInfeasibleError) as info:
-        _run(variant, remat.backend(budget_gb=TOO_SMALL_GB), fallback_random)
-    return info.value.min_budget_gb   # the budget the error names, as printed (rounded up)
+        _run(variant, remat.backend(budget_gb=TOO_SMALL_GB, inductor_check=False), fallback_random)
+    # the budget the simulator names, as printed (rounded up): the test plans with the simulator alone
+    # (with Inductor's check on, the check may name a lower budget the simulator alone refuses)
+    return info.value.min_budget_gb
 
 
 VARIANTS = {"issue15": {}, "no-dropout": {"dropout": 0.0}, "no-rescale": {"rescale": False},
