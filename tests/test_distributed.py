@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -191,26 +191,34 @@ def _reference_params(model_name: str = "gpt") -> dict[str, torch.Tensor]:
 _RUNS: dict[str, Any] = {}
 
 
-def _run(mode: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The spawned run of ``mode``, made once per session: (per-rank results, per-rank params)."""
-    if mode not in _RUNS:
-        out = tmp_path_factory.mktemp(f"dist_{mode}")
+def _spawned_once(key: str, mode: str, tmp_path_factory: pytest.TempPathFactory, describe: Callable[[dict[str, Any]], str],
+                  extra: tuple[str, ...] = (), timeout_s: float = RUN_TIMEOUT_S) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The spawned run of ``mode`` (with ``extra`` arguments), made once per session under ``key``:
+    (per-rank results, per-rank params); ``describe(result)`` is printed per rank. A run that failed
+    raises its error again in every test that asks for it."""
+    if key not in _RUNS:
+        out = tmp_path_factory.mktemp(f"dist_{key}")
         try:
-            results = _spawn(mode, out)
-            params = [torch.load(out / f"params_rank{r}.pt") for r in range(WORLD_SIZE)]
-            _RUNS[mode] = (results, params)
+            results = _spawn(mode, out, extra, timeout_s)
+            _RUNS[key] = (results, [torch.load(out / f"params_rank{r}.pt") for r in range(WORLD_SIZE)])
             for r in results:
-                print(f"{mode} rank {r['rank']}: plain peak {r['plain_peak_bytes'] / 1e6:.2f} MB, budget "
-                      f"{r['budget_gb'] * 1e3:.3f} MB (requested {r['requested_budget_gb'] * 1e3:.3f} MB"
-                      + (f", smallest feasible {r['smallest_feasible_gb'] * 1e3:.3f} MB" if r["smallest_feasible_gb"] else "")
-                      + f"), measured {[round(p / 1e6, 2) for p in r['remat_peaks_bytes']]} MB, graphs {len(r['graphs'])}, "
-                      f"times {r['times']}")
-        except BaseException as error:  # noqa: BLE001 - re-raised by every test of this mode
-            _RUNS[mode] = error
-    run = _RUNS[mode]
+                print(f"{key} rank {r['rank']}: {describe(r)}")
+        except BaseException as error:  # noqa: BLE001 - re-raised by every test of this run
+            _RUNS[key] = error
+    run = _RUNS[key]
     if isinstance(run, BaseException):
         raise run
     return run
+
+
+def _run(mode: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The spawned run of ``mode``, made once per session: (per-rank results, per-rank params)."""
+    return _spawned_once(mode, mode, tmp_path_factory, lambda r: (
+        f"plain peak {r['plain_peak_bytes'] / 1e6:.2f} MB, budget {r['budget_gb'] * 1e3:.3f} MB (requested "
+        f"{r['requested_budget_gb'] * 1e3:.3f} MB"
+        + (f", smallest feasible {r['smallest_feasible_gb'] * 1e3:.3f} MB" if r["smallest_feasible_gb"] else "")
+        + f"), measured {[round(p / 1e6, 2) for p in r['remat_peaks_bytes']]} MB, graphs {len(r['graphs'])}, "
+        f"times {r['times']}"))
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -327,22 +335,10 @@ POSTLN_TIMEOUT_S = 900
 
 def _postln_run(mode: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The spawned run of PostLNTiedLM under ``mode`` (POSTLN_ARGS), made once per session."""
-    key = f"postln-{mode}"
-    if key not in _RUNS:
-        out = tmp_path_factory.mktemp(f"dist_postln_{mode}")
-        try:
-            results = _spawn(mode, out, POSTLN_ARGS[mode], POSTLN_TIMEOUT_S)
-            _RUNS[key] = (results, [torch.load(out / f"params_rank{r}.pt") for r in range(WORLD_SIZE)])
-            for r in results:
-                print(f"postln {mode} rank {r['rank']}: plain {r['plain_peak_bytes']} B, requested "
-                      f"{r['requested_budget_gb']} GB, named {r['named_gb']}, measured {r['remat_peaks_bytes']} B at "
-                      f"{r['budget_gb']} GB, times {r['times']}")
-        except BaseException as error:  # noqa: BLE001 - re-raised by every test of this run
-            _RUNS[key] = error
-    run = _RUNS[key]
-    if isinstance(run, BaseException):
-        raise run
-    return run
+    return _spawned_once(f"postln-{mode}", mode, tmp_path_factory, lambda r: (
+        f"plain {r['plain_peak_bytes']} B, requested {r['requested_budget_gb']} GB, named {r['named_gb']}, "
+        f"measured {r['remat_peaks_bytes']} B at {r['budget_gb']} GB, times {r['times']}"),
+        POSTLN_ARGS[mode], POSTLN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
