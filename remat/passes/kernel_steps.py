@@ -404,6 +404,7 @@ class ForwardSteps:
     storages: Callable[[str], tuple[str, ...]]    # a forward value's storages, by name
     copies: dict[str, tuple[str, int]]            # channels_last_copies
     fw_order: tuple[str, ...]
+    returned: tuple[str, ...]                     # the storages of the forward's outputs, in output order
 
 
 def forward_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequence[str]) -> ForwardSteps:
@@ -420,11 +421,11 @@ def forward_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequen
     fw_steps, fw_storages = forward.steps("forward", {})
     if copies:
         fw_steps.insert(0, Step("<channels_last>", "forward", tuple(copies.values()), ()))
+    returned = tuple(dict.fromkeys(s for o in facts.fwd_outputs for s in fw_storages(o)))
     if not facts.outputs_held:
         # the forward returns: its outputs live to here, and past it only while the backward reads them
-        returned = tuple(dict.fromkeys(s for o in facts.fwd_outputs for s in fw_storages(o)))
         fw_steps.append(Step(FORWARD_RETURNS, "forward", (), returned))
-    return ForwardSteps(fw_steps, fw_storages, copies, tuple(fw_order))
+    return ForwardSteps(fw_steps, fw_storages, copies, tuple(fw_order), returned)
 
 
 def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequence[str],
@@ -449,7 +450,7 @@ def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequenc
             return (copies[name][0],)
         return node.value_storages
 
-    output_storages = {s for o in facts.fwd_outputs for s in fw_storages(o)}
+    output_storages = set(forward.returned)
     # the caller's outputs: alive to the step's end when it holds them, else from the forward's return
     # only while the backward reads them (``FORWARD_RETURNS``)
     pinned_fw = output_storages if facts.outputs_held else set()
