@@ -349,7 +349,8 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     finished = done_models(args.out, retry_dead=args.retry_dead)
     drop_unfinished(args.out, finished)
-    if "_run" not in finished:
+    # every invocation records its own source: a resumed run may run later code than the rows before it
+    if chosen and any(e.name not in finished for e in chosen):
         _append(args.out, {"model": "_run", "family": "", "point": "done", "source": source_info(),
                            "machine": machine_info(torch.device("cpu")), "loop_supported": loop_supported(),
                            "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -31,15 +31,22 @@ def _pct(value: Optional[float]) -> str:
 
 
 def load(jsonl: Path) -> tuple[dict[str, Any], dict[str, dict[str, dict[str, Any]]]]:
-    """The run's header row and, per model, its rows by point (the last row of a point wins)."""
-    header: dict[str, Any] = {}
+    """The first run's header row and, per model, its rows by point (the last row of a point wins).
+
+    A resumed run appends its own header; the first header gains ``runs``: every header in order, each
+    with ``models``, the models whose ``done`` line came after it (those it ran)."""
+    headers: list[dict[str, Any]] = []
     models: dict[str, dict[str, dict[str, Any]]] = {}
     for line in jsonl.read_text().splitlines():
         row = json.loads(line)
         if row["model"] == "_run":
-            header = row
+            headers.append({**row, "models": []})
             continue
         models.setdefault(row["model"], {})[row["point"]] = row
+        if row["point"] == "done" and headers:
+            headers[-1]["models"].append(row["model"])
+    header = dict(headers[0]) if headers else {}
+    header["runs"] = headers
     return header, models
 
 
@@ -195,6 +202,11 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"{': left out, ' + meta['hf_skip_reason'] if meta.get('hf_skip_reason') else ''}); random-net seeds of the corpus: "
         f"{_seed_ranges(meta.get('seeds', []))}, of them run: {_seed_ranges(sorted(int(m[5:]) for m in finished if m.startswith('rand-')))}."
         + (f" Not finished: {', '.join(m for m in models if m not in finished)}." if len(finished) < len(models) else ""),
+        *([f"Resumed {len(header['runs']) - 1} time(s); the models each invocation ran, by the commit it ran: "
+           + "; ".join(f"run {i + 1} ({run.get('started', '?')}, commit {run.get('source', {}).get('commit', '?')}, "
+                       f"`{run.get('command', '?')}`): {len(run['models'])} models"
+                       + (f" ({', '.join(run['models'])})" if i > 0 else "")
+                       for i, run in enumerate(header["runs"])) + "."] if len(header.get("runs", [])) > 1 else []),
         "Budgets are fractions of plain Inductor's step-3 measured peak; `floor` is the smallest budget remat accepts "
         "(named by the infeasibility error of a 1 kB budget). MB = 1e6 bytes.",
         "",
