@@ -271,7 +271,7 @@ class _CodeCapture:
         source = getattr(compiled, "source_code", None)
         if isinstance(source, str):
             self.graphs.append((bool(kwargs.get("is_backward", False)),
-                                GraphCode(source, names.input_names, names.output_names, names.input_bytes), itemsize))
+                                dataclasses.replace(names, source_code=source), itemsize))
         return compiled
 
 

@@ -32,7 +32,7 @@ simulated peak as the authority. What the backend decides from the number is in
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -42,7 +42,7 @@ CUDA_BLOCK_BYTES = 512       # the CUDA caching allocator rounds every block up 
 _ALLOC = re.compile(r"^(\w+) = empty_strided_(\w+)\(\(([^)]*)\), \(([^)]*)\), torch\.(\w+)")
 _VIEW = re.compile(r"^(\w+) = (?:reinterpret_tensor\()?(\w+)(?:$|,|\))")
 _ASSIGN = re.compile(r"^(\w+) = (.+)$")
-_ASSERT = re.compile(r"^assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)")
+_ASSERT = re.compile(r"^assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)(?:, '(?:torch\.ops\.)?([\w.]+)')?")
 _DEL = re.compile(r"^del ([\w, ]+)$")
 _ELEMENT = re.compile(r"^(\w+)\[\d+\]$")
 
@@ -88,6 +88,9 @@ class GraphCode:
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
     input_bytes: tuple[int, ...]
+    # the item size of a library call's output, by (op as ``aten.x.default``, index in its tuple or
+    # -1 for a single tensor), where every node of that op in the FX graph agrees (``library_itemsizes``)
+    library_itemsizes: Mapping[tuple[str, int], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -217,20 +220,24 @@ class _Live:
 
 
 def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_type: str,
-                   fallback_itemsize: int = 4, tag: str = "graph") -> Optional[WrapperReplay]:
+                   fallback_itemsize: int = 4, tag: str = "graph",
+                   library_itemsizes: Mapping[tuple[str, int], int] = {}) -> Optional[WrapperReplay]:
     """Replay the allocations and frees of a generated wrapper's ``call``.
 
     ``inputs`` maps the input names that hold memory above the baseline to their storages;
     every other input is resident (costs nothing, never freed). A library call's output is
-    sized by the ``assert_size_stride`` that follows it, which states no dtype: its elements
-    count ``fallback_itemsize`` bytes (the graph's activation dtype). The storages it allocates
-    are named ``<tag>:<buffer>:<n>``. Returns None when the code
-    cannot be read exactly (no ``call``, graph partitions, a symbolic size)."""
+    sized by the ``assert_size_stride`` that follows it, which states no dtype but names the op:
+    its elements count the item size ``library_itemsizes`` gives that op's output (its index in
+    the op's tuple, or -1), else ``fallback_itemsize`` bytes (the graph's activation dtype), and
+    an element of a tuple whose item size is not known that way is ``unsized``. The storages it
+    allocates are named ``<tag>:<buffer>:<n>``. Returns None when the code cannot be read exactly
+    (no ``call``, graph partitions, a symbolic size)."""
     body = call_body(source_code)
     if body is None:
         return None
     state, pending, outputs = _Live(inputs, tag), set(), ()
     tuple_elements: set[str] = set()
+    element_index: dict[str, int] = {}           # a tuple element's index in its library call's tuple
     start_bytes = state.live
     for statement in body:
         if (match := _ALLOC.match(statement)):
@@ -244,7 +251,10 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
             if sizes is None or steps is None:
                 return None
             pending.discard(name)
-            state.allocate(name, storage_nbytes(sizes, steps, fallback_itemsize, device_type))
+            itemsize = library_itemsizes.get((match.group(4) or "", element_index.get(name, -1)))
+            if itemsize is not None:
+                tuple_elements.discard(name)     # its dtype is known after all
+            state.allocate(name, storage_nbytes(sizes, steps, itemsize or fallback_itemsize, device_type))
         elif (match := _DEL.match(statement)):
             for name in match.group(1).split(","):
                 state.unbind(name.strip())
@@ -259,6 +269,7 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
             pending.add(match.group(1))
             if (element := _ELEMENT.match(match.group(2))) and element.group(1) in pending:
                 tuple_elements.add(match.group(1))
+                element_index[match.group(1)] = int(match.group(2)[len(element.group(1)) + 1:-1])
     # a pending name that is only indexed (``buf3[0]``) is a library call's tuple, not a tensor; an
     # element of such a tuple has a dtype the code never states (native_dropout's mask is bool, a
     # max-pool's indices int64): counted at the activation's itemsize it could be 4x off, so it is unsized
@@ -281,7 +292,7 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
     the module docstring); None when either wrapper cannot be read exactly. ``outputs_held``:
     the caller keeps the forward's user outputs through the backward (else they die when the
     forward returns, unless the backward reads them; ``JointGraphFacts.outputs_held``)."""
-    fw = replay_wrapper(forward.source_code, {}, device_type, fallback_itemsize, "forward")
+    fw = replay_wrapper(forward.source_code, {}, device_type, fallback_itemsize, "forward", forward.library_itemsizes)
     if fw is None or len(fw.outputs) != len(forward.output_names):
         return None
     saved_names = [n for n in backward.input_names if not n.startswith("tangents_")]
@@ -304,7 +315,7 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
         held -= user_storages                                   # the caller dropped them before its backward
     for storage in held:
         inputs[f"held:{storage}"] = InputStorage(storage, fw.storage_bytes[storage], False)
-    bw = replay_wrapper(backward.source_code, inputs, device_type, fallback_itemsize, "backward")
+    bw = replay_wrapper(backward.source_code, inputs, device_type, fallback_itemsize, "backward", backward.library_itemsizes)
     if bw is None:
         return None
     handed_bytes = sum(fw.storage_bytes[s] for s in handed)
@@ -332,15 +343,35 @@ def activation_itemsize(gm: torch.fx.GraphModule) -> int:
     return max(counts, key=counts.__getitem__) if counts else 4
 
 
+def library_itemsizes(gm: torch.fx.GraphModule) -> dict[tuple[str, int], int]:
+    """The item size of each op's outputs in ``gm``, by ``(op, index)`` (``op`` as ``aten.x.default``,
+    ``index`` the output's place in the op's tuple, -1 for a single tensor), kept only where every
+    node of that op agrees. The generated code names the op of a library call (its
+    ``assert_size_stride``) but not the dtype of what it returns; Inductor keeps a library call's
+    output dtypes as the FX graph states them, so this table gives them. An op whose nodes disagree
+    (e.g. one call in float32 and one in bfloat16) is left out: its outputs stay of unknown dtype."""
+    seen: dict[tuple[str, int], set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        value = node.meta.get("val")
+        outputs = [(-1, value)] if isinstance(value, torch.Tensor) else list(enumerate(value)) if isinstance(value, (tuple, list)) else []
+        for index, output in outputs:
+            if isinstance(output, torch.Tensor):
+                seen.setdefault((str(node.target), index), set()).add(output.element_size())
+    return {key: sizes.pop() for key, sizes in seen.items() if len(sizes) == 1}
+
+
 def graph_code(gm: torch.fx.GraphModule, source_code: str) -> GraphCode:
     """``GraphCode`` of ``gm`` (as handed to Inductor, before its post-grad passes: the names the
-    partitioner gave) and the wrapper source Inductor generated for it."""
+    partitioner gave, the dtypes of its library calls' outputs) and the wrapper source Inductor
+    generated for it."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     return GraphCode(source_code, tuple(n.name for n in placeholders),
                      tuple(v.name if isinstance(v, torch.fx.Node) else "" for v in values),
-                     tuple(_nbytes(n.meta.get("val")) for n in placeholders))
+                     tuple(_nbytes(n.meta.get("val")) for n in placeholders), library_itemsizes(gm))
 
 
 def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str,

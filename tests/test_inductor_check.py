@@ -263,3 +263,78 @@ def test_a_budget_the_simulator_refuses_runs_when_inductors_check_fits_it(tmp_pa
     close_open_window()
     (event,) = backend.feedback_events
     assert event.measured_peak_bytes <= backend.options.budget_bytes, event
+
+
+TUPLE_CALL = '''
+class Runner:
+    def call(self, args):
+        primals_1, tangents_1 = args
+        args.clear()
+        buf0 = torch.ops.aten.max_pool2d_with_indices.default(primals_1, [2, 2], [2, 2])
+        buf1 = buf0[0]
+        assert_size_stride(buf1, (1, 4, 8, 8), (256, 64, 8, 1), 'torch.ops.aten.max_pool2d_with_indices.default')
+        buf2 = buf0[1]
+        assert_size_stride(buf2, (1, 4, 8, 8), (256, 64, 8, 1), 'torch.ops.aten.max_pool2d_with_indices.default')
+        del buf0
+        return (buf1, buf2, )
+'''
+
+
+def test_a_library_calls_tuple_is_sized_by_the_dtypes_the_fx_graph_states():
+    """max-pool's indices are int64: the code states their size, the FX graph their dtype. Without the
+    FX graph's dtypes the elements are unsized (the check declines); with them, 256 x 4 + 256 x 8 bytes.
+    An op whose FX nodes disagree on a dtype is left out of the table."""
+    from remat.inductor_check import library_itemsizes
+
+    x = torch.randn(1, 4, 16, 16)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda t: torch.ops.aten.max_pool2d_with_indices.default(t, [2, 2], [2, 2]))(x)
+    table = library_itemsizes(gm)
+    assert table[("aten.max_pool2d_with_indices.default", 0)] == 4
+    assert table[("aten.max_pool2d_with_indices.default", 1)] == 8
+    inputs = {"tangents_1": InputStorage("t", 0, False)}
+    assert replay_wrapper(TUPLE_CALL, inputs, "cpu").unsized == ("buf1", "buf2")
+    replay = replay_wrapper(TUPLE_CALL, inputs, "cpu", library_itemsizes=table)
+    assert replay.unsized == () and replay.peak_bytes == 256 * 4 + 256 * 8
+    mixed = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: (
+        torch.ops.aten.max_pool2d_with_indices.default(a, [2, 2], [2, 2])[0],
+        torch.ops.aten.max_pool2d_with_indices.default(b, [2, 2], [2, 2])[0]))(x, x.double())
+    assert ("aten.max_pool2d_with_indices.default", 0) not in library_itemsizes(mixed)
+    assert library_itemsizes(mixed)[("aten.max_pool2d_with_indices.default", 1)] == 8
+
+
+class _PoolCNN(torch.nn.Module):
+    """Convolutions, BatchNorm, max pooling and dropout: library calls that return tuples
+    (``convolution_backward``, ``max_pool2d_with_indices``) in both graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Dropout(0.1), torch.nn.Conv2d(16, 24, 3, padding=1), torch.nn.BatchNorm2d(24), torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).flatten(1)
+
+
+def test_a_cnn_with_pooling_is_checked_and_its_check_is_what_the_step_measures(tmp_path, monkeypatch):
+    """A CNN's graphs (convolution_backward's and max-pool's tuples) are read by the check, and the
+    checked peak is the step's measured peak but for what the eager loss allocates in the step
+    (``run_step``'s weights, one output-sized fp32 tensor, and the scalars): the compiled graphs'
+    share is exact (what makes the check the authority; the simulator alone may be further off)."""
+    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = _PoolCNN().train()
+    x = torch.randn(8, 3, 24, 24)
+    backend = remat.backend(budget_gb=1.0, verify_peak=1)
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(2):
+        run_step(compiled, model, (x,))
+    close_open_window()
+    graph = backend.compiled_graphs[-1]
+    assert graph.judgement is not None and graph.judgement.checked_peak_bytes is not None, graph.judgement
+    measured = backend.feedback_events[-1].measured_peak_bytes
+    loss_weights_bytes = model(x).numel() * 4
+    assert graph.judgement.checked_peak_bytes <= measured <= graph.judgement.checked_peak_bytes + loss_weights_bytes + 64, \
+        (graph.judgement, measured, loss_weights_bytes)
