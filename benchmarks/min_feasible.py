@@ -4,7 +4,7 @@
     python benchmarks/min_feasible.py --models mlp gpt   # a subset
 
 For each zoo model (``remat/testing/zoo.py``): trace it once as ``torch.compile`` with Inductor
-would (``remat.backend.trace_joint_facts``, CPU cost profile, no code generation), then
+would (``remat.pipeline.trace_joint_facts``, CPU cost profile, no code generation), then
 find the smallest planning target ``make_plan`` meets by bisection between 15% and 100% of
 the free min-cut's simulated peak (``ROUNDS`` halvings: the answer is within
 ``(1 - 0.15) / 2**ROUNDS`` of that peak above the true threshold of the search). Twice:
@@ -101,7 +101,7 @@ def _with_schedule(held: bool, run: Callable[[], dict[str, Any]]) -> dict[str, A
 
 def measure(name: str) -> dict[str, Any]:
     from remat.testing.zoo import ZOO
-    from remat.backend import trace_joint_facts
+    from remat.pipeline import trace_joint_facts
     from remat.passes.plan import make_plan
 
     def traced():   # a fresh graph per schedule: the planner memoises its schedule decisions per graph

@@ -4,7 +4,8 @@
     step = torch.compile(model, backend=remat.backend(budget_gb=0.08, dump_dir="remat_dump"))
 """
 
-from .backend import CompiledGraph, RematBackend, backend
+from .backend import RematBackend, backend
+from .compiled_graph import CompiledGraph
 from .backend import register as _register
 from .errors import BudgetInfeasibleError, RematError
 from .measure import PeakMeasurement, measure_peak_bytes

@@ -16,11 +16,9 @@ Private APIs used, all here (verified on torch 2.13.0; see README "Torch version
 - ``compile_fx(..., inner_compile=...)`` wrapping ``torch._inductor.compile_fx.compile_fx_inner``
   (called with ``is_backward=True`` for the backward) and ``CompiledFxGraph.source_code``: the
   generated wrapper of each graph, which ``remat.inductor_check`` reads to judge the plan.
-- For tracing without codegen (``trace_joint_facts``, used by ``remat.pareto``):
-  ``torch._dynamo.backends.common.aot_autograd``, ``torch._inductor.compile_fx.partition_fn``
-  (Inductor's joint-graph passes, then the configured partitioner),
-  ``torch._inductor.decomposition.select_decomp_table``, ``make_boxed_func``,
-  ``torch._inductor.virtualized.V.set_fake_mode``, ``torch._guards.detect_fake_mode``.
+
+Tracing without codegen (``remat.pipeline.trace_joint_facts``), ``ShortenTraceback`` and the
+current compile id are in ``remat/_torch_dynamo.py``.
 """
 
 from __future__ import annotations
@@ -32,19 +30,18 @@ import logging
 import os
 import threading
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import fx
 
-from .cost_model.calibrate import measure_node_times
 from . import _torch_cache
+from ._torch_dynamo import current_compile_id, passthrough_error_class
 from .compile_cache import CallCache, cached_plan, call_cacheable, partitioner_uuid
-from .cost_model.costs import annotate_costs
-from .cost_model.hardware import get_profile
-from .distributed import DistributedGraphRecord, GraphShare, StepLedger
+from .compiled_graph import CompiledGraph
+from .devices import device_of, free_device_bytes
+from .distributed import GraphShare, StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback import FeedbackEvent, VerifiedGraph
@@ -52,86 +49,14 @@ from .feedback_store import Correction, graph_key, read_correction, write_correc
 from .inductor_check import GraphCode, activation_itemsize, checked_peak_of, graph_code
 from .inductor_verdict import Judgement, Refusal, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
-from .passes.joint_graph import JointGraphFacts, read_joint_graph
-from .passes.plan import Plan, make_plan
-from .passes.random_ops import split_dropout_outputs
-from .passes.rewrite import RegionSummary, place_recompute_regions
+from .passes.plan import Plan
+from .passes.rewrite import place_recompute_regions
+from .pipeline import plan_graph, prepare_graph, request_for
 from .step_budget import StepAccount, fit_in_step, need_of, note_step_plan, slot_of
 from .step_loop import StepHooks
 from .units import format_bytes, format_gb_up
 
 log = logging.getLogger("remat")
-
-@dataclass(frozen=True)
-class CompiledGraph:
-    """What remat decided for one joint graph it partitioned."""
-
-    graph_id: str
-    compile_id: str
-    plan: Plan
-    regions: tuple[RegionSummary, ...]
-    dump_path: Optional[str]
-    distributed: Optional[DistributedGraphRecord] = None  # set under torch.distributed (remat/distributed.py)
-    graph_key: str = ""                      # the feedback store's key for this graph (remat/feedback_store.py)
-    base_target_bytes: Optional[int] = None  # the planning target before any correction
-    correction: Optional[Correction] = None  # the feedback loop's correction the plan was made with
-    judgement: Optional[Judgement] = None    # Inductor's verdict on the plan (remat/inductor_verdict.py)
-    step_share: Optional[GraphShare] = None  # its share of a step split at graph breaks (remat/step_budget.py)
-    # "" (solved in this compile), "plan cache: <entry>" (the plan re-used, the rest made now) or
-    # "autograd-cache hit: <entry>" (AOTAutograd's cache served the compile; this record restored)
-    cache: str = ""
-    # the simulator refused the budget and this is its smallest-peak plan, compiled for Inductor's check to
-    # overrule the refusal or let it stand (``RematBackend._overruled_or_refused``)
-    refusal: Optional[Refusal] = None
-
-
-def _passthrough_error_class(cls: type) -> type:
-    """A subclass of ``cls`` that Dynamo re-raises as is instead of wrapping it in
-    ``BackendCompilerFailed`` (it does so for ``ShortenTraceback``), so users can
-    ``except BudgetInfeasibleError`` around their first compiled call."""
-    from torch._dynamo.exc import ShortenTraceback
-
-    class Passthrough(cls, ShortenTraceback):  # type: ignore[misc, valid-type]
-        def __init__(self, original: Exception) -> None:
-            Exception.__init__(self, *original.args)
-            self.__dict__.update(original.__dict__)
-            self.first_useful_frame = None
-
-    Passthrough.__name__ = cls.__name__
-    Passthrough.__qualname__ = cls.__qualname__
-    Passthrough.__module__ = cls.__module__
-    return Passthrough
-
-
-def _device_of(joint_inputs: Sequence[Any]) -> torch.device:
-    """The accelerator the graph runs on: the first non-CPU tensor input's device, else CPU.
-
-    Not simply the first tensor's: a graph on a GPU can take CPU tensors too (RNG seeds and
-    offsets, scalar constants), and the cost profile must be the GPU's."""
-    devices = [value.device for value in joint_inputs if isinstance(value, torch.Tensor)]
-    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-
-
-# Scatter sums Inductor's CPU backend sends to the library call when more than one thread runs
-# its code (torch/_inductor/utils.py: needs_fallback_due_to_atomic_add_limitations) and lowers as
-# loops with one thread: the kernel model knows the library call only.
-_SCATTER_SUM_OPS = frozenset({"aten.scatter_add.default", "aten.scatter_reduce.two"})
-
-
-def _simulator_models(facts: "JointGraphFacts", device_type: str) -> bool:
-    """False when the graph's generated code is one the memory simulator is known not to model:
-    a scatter sum compiled for a single-threaded CPU (the zoo CNN's max-pool backward then
-    measures 10% over its simulation). The plan then keeps the larger default headroom."""
-    if device_type != "cpu" or torch.get_num_threads() != 1:
-        return True
-    return not any(node.op in _SCATTER_SUM_OPS for node in facts.nodes.values())
-
-
-def _current_compile_id() -> str:
-    from torch._guards import CompileContext
-
-    compile_id = CompileContext.current_compile_id()
-    return str(compile_id) if compile_id is not None else "?"
 
 
 def _partition_with_plan(joint: fx.GraphModule, plan: Plan, num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -145,80 +70,6 @@ def _partition_with_plan(joint: fx.GraphModule, plan: Plan, num_fwd_outputs: int
     saved_values.sort(key=position.__getitem__)
     sym_nodes.sort(key=position.__getitem__)
     return _extract_fwd_bwd_modules(joint, saved_values, saved_sym_nodes=sym_nodes, num_fwd_outputs=num_fwd_outputs)
-
-
-def read_facts(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int, hardware: str,
-               estimator: str = "roofline", outputs_held: bool = False):
-    """Prepare a joint graph for planning (dead code out, dropout split) and read its facts.
-    ``outputs_held``: ``JointGraphFacts.outputs_held``.
-
-    ``estimator="profile"`` times the graph's real kernels once (cached by graph hash)
-    and uses those times instead of the roofline.
-    """
-    joint.graph.eliminate_dead_code()
-    split_dropout_outputs(joint.graph)
-    joint.recompile()
-    profile = get_profile(hardware, _device_of(joint_inputs))
-    measured = measure_node_times(joint.graph) if estimator == "profile" else None
-    costs = annotate_costs(joint.graph, profile, measured_times=measured)
-    return read_joint_graph(joint.graph, costs, num_fwd_outputs, outputs_held), profile
-
-
-def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], *, hardware: str = "auto",
-                      read: Optional[Callable[[fx.GraphModule, Sequence[object], int], Any]] = None) -> list[Any]:
-    """Trace ``model`` once, as torch.compile with Inductor would, and return the facts of
-    every joint graph, without planning or generating code.
-
-    The joint graphs are the ones Inductor hands a partitioner (its decompositions and
-    joint-graph passes applied). Only the forward runs, uncompiled; gradients are not touched.
-    Resets Dynamo afterwards so the trace leaves no compiled code behind. ``read``, if
-    given, is called as ``read(joint, joint_inputs, num_fwd_outputs)`` instead of reading
-    the facts, and its results are returned (``remat.sizing`` keeps the joint graphs).
-    """
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch import config as functorch_config
-    from torch._functorch.aot_autograd import make_boxed_func
-    from torch._functorch.partitioners import default_partition
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
-    from torch._guards import detect_fake_mode
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.virtualized import V
-
-    captured: list[Any] = []
-
-    class CapturingPartitioner(CustomPartitionerFn):
-        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-            if read is not None:
-                captured.append(read(gm, joint_inputs, int(kwargs["num_fwd_outputs"])))
-            else:
-                captured.append(read_facts(gm, joint_inputs, int(kwargs["num_fwd_outputs"]), hardware)[0])
-            return default_partition(gm, joint_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"],
-                                     static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
-
-        def uuid(self) -> Any:
-            return None
-
-    def partition_with_fake_mode(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-        # Inductor's joint-graph passes read the fake mode from its virtualized context.
-        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
-            return inductor_partition_fn(gm, joint_inputs, **kwargs)
-
-    tracer = aot_autograd(
-        fw_compiler=lambda gm, _: make_boxed_func(gm),
-        bw_compiler=lambda gm, _: make_boxed_func(gm),
-        partition_fn=partition_with_fake_mode,
-        decompositions=select_decomp_table(),
-    )
-    torch._dynamo.reset()
-    try:
-        with inductor_config.patch(custom_partitioner_fn=CapturingPartitioner()), \
-                functorch_config.patch(enable_autograd_cache=False):
-            torch.compile(model, backend=tracer)(*example_inputs)
-    finally:
-        torch._dynamo.reset()
-    return captured
 
 
 def _has_symbolic_shapes(example_inputs: Sequence[Any]) -> bool:
@@ -290,7 +141,8 @@ def _make_partitioner(backend: "RematBackend") -> Any:
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
             from .dynamic import partition_at_planned_sizes   # dynamic shapes: sizes planned at, no guards
 
-            return partition_at_planned_sizes(backend, gm, joint_inputs, kwargs)
+            return partition_at_planned_sizes(backend.partition, backend.options, backend.compiled_graphs, gm,
+                                              joint_inputs, kwargs)
 
         def uuid(self) -> Any:
             return backend.cache_key()
@@ -346,7 +198,8 @@ class RematBackend:
         budget = self.options.budget_bytes is not None   # the step's account re-plans graphs (remat/step_budget.py)
         # AOTAutograd's cache skips the partitioner on a hit: its record and dump are restored from the
         # entry stored with the compile that made them (remat/compile_cache.py), where that is safe
-        call_cache = CallCache(gm, example_inputs, self.cache_key()) if call_cacheable(self, example_inputs) else None
+        call_cache = (CallCache(gm, example_inputs, self.cache_key())
+                      if call_cacheable(self.options, len(self.compiled_graphs), example_inputs) else None)
         pristine = _copy_or_none(gm) if verify or judge or budget or call_cache else None   # compile_fx's pre-grad passes rewrite gm in place
         before, hits = len(self.compiled_graphs), _torch_cache.autograd_cache_hits()
         capture = _CodeCapture()
@@ -357,7 +210,10 @@ class RematBackend:
                             config_patches={"custom_partitioner_fn": self.partitioner})
         restored = False
         if call_cache is not None and _torch_cache.autograd_cache_hits() > hits:
-            restored = call_cache.restore(self, _current_compile_id()) is not None
+            entry = call_cache.restore(self.new_graph_id, self.options.dump_dir, self.step_account, current_compile_id())
+            restored = entry is not None      # an inference graph's entry has no record
+            if entry is not None and entry.record is not None:
+                self.compiled_graphs.append(entry.record)
             if not restored:    # nothing (usable) stored for this hit: compile again without the cache
                 assert pristine is not None
                 capture = _CodeCapture()
@@ -373,7 +229,7 @@ class RematBackend:
         if not restored:    # a restored record is final: judged (and any refusal overruled) when it was made
             if records[0].refusal is not None and not (judge and in_place):
                 self.compiled_graphs.pop()      # no check to overrule the simulator's refusal: it stands
-                raise _passthrough_error_class(BudgetInfeasibleError)(records[0].refusal.error)
+                raise passthrough_error_class(BudgetInfeasibleError)(records[0].refusal.error)
             if judge and in_place:
                 fn = self._judged(fn, capture, pristine, list(example_inputs))
             if call_cache is not None:
@@ -389,7 +245,7 @@ class RematBackend:
                 fn = self._judged(fn, replanned, pristine, args)
             return fn, self.compiled_graphs[-1]
 
-        wrapper = VerifiedGraph(fn, self.compiled_graphs[-1], device=_device_of(example_inputs),
+        wrapper = VerifiedGraph(fn, self.compiled_graphs[-1], device=device_of(example_inputs),
                                 verify_peak=self.options.verify_peak, events=self.feedback_events,
                                 recompile=recompile if in_place else None, watch_backward=_watch_backward,
                                 store=self._remember, step=self._step_hooks if in_step else None)
@@ -426,7 +282,7 @@ class RematBackend:
             if rejected:
                 self.compiled_graphs.pop()      # the plan this one replaces
             self.compiled_graphs.append(record)
-            checked = checked_peak_of(capture.graphs, _device_of(args).type, self.options.outputs_held)
+            checked = checked_peak_of(capture.graphs, device_of(args).type, self.options.outputs_held)
             if record.refusal is not None:
                 return self._overruled_or_refused(fn, record, None if checked is None else checked.peak_bytes)
             verdict = judge_plan(record.plan.predicted_peak_bytes, None if checked is None else checked.peak_bytes,
@@ -498,7 +354,7 @@ class RematBackend:
                 f"Of the simulated {record.plan.predicted_peak_bytes:,} bytes, " + "; ".join(error.reasons) + ". "
                 + raise_budget_hint(named), budget_bytes=error.budget_bytes, min_feasible_bytes=checked_peak_bytes,
                 min_budget_bytes=named, reasons=error.reasons)
-        raise _passthrough_error_class(BudgetInfeasibleError)(error)
+        raise passthrough_error_class(BudgetInfeasibleError)(error)
 
     def _remember(self, key: str, correction: Correction) -> Optional[str]:
         self._corrections[key] = correction
@@ -539,20 +395,19 @@ class RematBackend:
         from torch._functorch.partitioners import default_partition
 
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
-        key_code = joint.code        # before read_facts edits the graph: the key the next process computes
-        facts, profile = read_facts(joint, joint_inputs, num_fwd_outputs, self.options.hardware, self.options.estimator,
-                                    self.options.outputs_held)
-        if not any(n.role == "backward" for n in facts.nodes.values()):
+        key_code = joint.code        # before prepare_graph edits the graph: the key the next process computes
+        prepared = prepare_graph(joint, joint_inputs, num_fwd_outputs, self.options.hardware, self.options.estimator,
+                                 self.options.outputs_held)
+        facts, profile, device_type, modeled = prepared.facts, prepared.profile, prepared.device_type, prepared.modeled
+        if not prepared.has_backward:
             return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                      static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
         graph_id, key, correction = self._correction_for_code(key_code, joint_inputs)
         # Under DDP / FSDP2 the per-rank budget is split across the step's graphs (remat/distributed.py).
         static_indices = kwargs.get("static_lifetime_input_indices")
-        device_type = _device_of(joint_inputs).type
-        modeled = _simulator_models(facts, device_type)
         base_target_bytes = self.options.planning_target_bytes(device_type, modeled)
-        target_bytes = base_target_bytes if correction is None or base_target_bytes is None else \
-            correction.corrected_target(base_target_bytes)
+        request = request_for(self.options, prepared, correction)   # the target includes the correction
+        target_bytes = request.target_bytes
         share = share_for_graph(self._step_ledger, target_bytes, joint, num_fwd_outputs, static_indices)
         held_of = lambda p: held_bytes_of(joint, static_indices, p.saved_bytes, p.saved_primals)  # noqa: E731
         if share is None and target_bytes is not None:   # graph breaks: one budget per step (remat/step_budget.py)
@@ -561,22 +416,9 @@ class RematBackend:
                                          static_indices)
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
 
-        def step_target_for(budget_bytes: int) -> int:  # the rule behind target_bytes: errors name budgets by it
-            target = self.options.planning_target_for(budget_bytes, device_type, modeled)
-            return target if correction is None else correction.corrected_target(target)
-
         def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
-                    best_effort: bool = self.options.best_effort) -> Plan:
-            return make_plan(
-                facts,
-                self.options.budget_bytes,
-                target_bytes=target_bytes,
-                best_effort=best_effort,
-                solver=self.options.solver,
-                milp_time_limit_s=self.options.milp_time_limit_s,
-                saved_cap_bytes=saved_cap_bytes,
-                target_for_budget=step_target_for,
-            )
+                    best_effort: Optional[bool] = None) -> Plan:
+            return plan_graph(facts, request.at(target_bytes, saved_cap_bytes, best_effort))
 
         cache, refusal = "", None
         try:
@@ -586,7 +428,7 @@ class RematBackend:
             else:  # the largest target the step's ledger admits (remat/distributed.py)
                 plan, share = fit_in_step(share, lambda share: fit_plan(
                     share, held_of, plan_at,
-                    self.options.budget_bytes, step_target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at)
+                    self.options.budget_bytes, request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at)
         except BudgetInfeasibleError as error:
             if correction is not None:
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
@@ -594,7 +436,7 @@ class RematBackend:
                               f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "
                               f"{correction.factor:.3f}x ({correction.source}).",) + error.args[1:]
             if not self._check_may_overrule(share, joint, joint_inputs):
-                raise _passthrough_error_class(BudgetInfeasibleError)(error) from None
+                raise passthrough_error_class(BudgetInfeasibleError)(error) from None
             refusal = Refusal(error, lambda b: self.options.planning_target_for(b, device_type, modeled))
             plan = plan_at(target_bytes, best_effort=True)
         if not plan.fits_budget and refusal is None:
@@ -618,25 +460,12 @@ class RematBackend:
         if target_bytes is not None and (share is None or step_share is not None):
             note_step_plan(self._step_hooks.account, graph_id, step_share, plan, plan_at, joint, facts,
                            num_fwd_outputs, static_indices, target_bytes, dump_path)
-        record = CompiledGraph(graph_id, _current_compile_id(), plan, regions, dump_path, distributed, key,
-                               base_target_bytes, correction, step_share=step_share, cache=cache, refusal=refusal)
+        record = CompiledGraph(graph_id, current_compile_id(), plan, regions, dump_path, distributed, key,
+                               base_target_bytes, correction, step_share=step_share, cache=cache, refusal=refusal,
+                               facts=facts)
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw
-
-
-def _free_device_bytes() -> Optional[int]:
-    if torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info()
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def backend(
@@ -687,7 +516,7 @@ def backend(
     options = make_options(
         budget_gb, dump_dir=dump_dir, hardware=hardware, solver=solver, milp_time_limit_s=milp_time_limit_s,
         best_effort=best_effort,
-        headroom_fraction=headroom_fraction, pareto_points=pareto_points, estimator=estimator, free_bytes_for_auto=_free_device_bytes() if needs_free else None,
+        headroom_fraction=headroom_fraction, pareto_points=pareto_points, estimator=estimator, free_bytes_for_auto=free_device_bytes() if needs_free else None,
         verify_peak=verify_peak, inductor_check=inductor_check, outputs_held=outputs_held,
     )
     return RematBackend(options)
@@ -730,7 +559,7 @@ def remat_backend_from_env(gm: fx.GraphModule, example_inputs: Sequence[Any]) ->
     try:
         compiler = _ENV_BACKENDS.for_environment()
     except ValueError as error:
-        raise _passthrough_error_class(ValueError)(error) from None
+        raise passthrough_error_class(ValueError)(error) from None
     return compiler(gm, example_inputs)
 
 

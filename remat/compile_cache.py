@@ -43,10 +43,10 @@ from .feedback_store import store_dir
 if TYPE_CHECKING:
     from torch import fx
 
-    from .backend import CompiledGraph, RematBackend
+    from .compiled_graph import CompiledGraph
     from .options import RematOptions
     from .passes.plan import Plan
-    from .step_budget import StepGraph
+    from .step_budget import StepAccount, StepGraph
 
 _TEXT_SUFFIXES = (".py", ".json", ".md", ".txt", ".csv")
 
@@ -106,15 +106,16 @@ def partitioner_uuid(options: "RematOptions", corrections: dict[str, Any]) -> st
             f"corrections={_stored_corrections_digest()}/{sorted((k, repr(c)) for k, c in corrections.items())}")
 
 
-def call_cacheable(backend: "RematBackend", example_inputs: Sequence[Any]) -> bool:
-    """Whether AOTAutograd's cache may serve this compile (see the module docstring)."""
+def call_cacheable(options: "RematOptions", graphs_planned: int, example_inputs: Sequence[Any]) -> bool:
+    """Whether AOTAutograd's cache may serve this compile (see the module docstring), for a backend
+    with ``options`` that planned ``graphs_planned`` graphs before it."""
     if not plan_cache.caching_enabled():
         return False
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return False
     if _has_symbolic_shapes(example_inputs):
         return False
-    return backend.options.budget_bytes is None or not backend.compiled_graphs
+    return options.budget_bytes is None or not graphs_planned
 
 
 def _input_meta(value: object) -> str:
@@ -160,28 +161,29 @@ class CallCache:
     def store(self, record: Optional["CompiledGraph"], step_graph: Optional["StepGraph"],
               replanned: bool = False) -> None:
         dump = _read_dump(record.dump_path) if record is not None else ()
-        plan_cache.write_entry("graphs", self.key, CachedCompile(record, step_graph, dump, replanned))
+        kept = dataclasses.replace(record, facts=None) if record is not None else None   # facts are not stored
+        plan_cache.write_entry("graphs", self.key, CachedCompile(kept, step_graph, dump, replanned))
 
-    def restore(self, backend: "RematBackend", compile_id: str) -> Optional["CachedCompile"]:
-        """The stored entry with its record re-issued for this compile (new graph id, compile id and dump
-        path, ``cache`` saying where it came from), its dump written and its step numbers noted; the
-        record is appended to ``backend.compiled_graphs``. None when nothing is stored, or when what
-        AOTAutograd cached is a plan Inductor's check replaced: the caller then compiles again."""
+    def restore(self, new_graph_id: Callable[[], str], dump_dir: Optional[str], step_account: "StepAccount",
+                compile_id: str) -> Optional["CachedCompile"]:
+        """The stored entry with its record re-issued for this compile (a graph id from ``new_graph_id()``,
+        ``compile_id``, its dump path under ``dump_dir``, ``cache`` saying where it came from), its dump
+        written and its step numbers noted on ``step_account``; the caller keeps the record. None when
+        nothing is stored, or when what AOTAutograd cached is a plan Inductor's check replaced: the
+        caller then compiles again."""
         from .step_budget import slot_of
 
         entry = plan_cache.read_entry("graphs", self.key)
         if entry is None or entry.replanned or entry.record is None:
             return None if entry is None or entry.replanned else entry
         old = entry.record
-        graph_id = backend.new_graph_id()
+        graph_id = new_graph_id()
         dump_path = None
-        if backend.options.dump_dir is not None and old.dump_path is not None:
-            dump_path = str(Path(backend.options.dump_dir) / graph_id)
+        if dump_dir is not None and old.dump_path is not None:
+            dump_path = str(Path(dump_dir) / graph_id)
             _write_dump(Path(dump_path), entry.dump_files, old.graph_id, graph_id)
         record = dataclasses.replace(old, graph_id=graph_id, compile_id=compile_id, dump_path=dump_path,
                                      cache=f"autograd-cache hit: {plan_cache.entry_path('graphs', self.key)}")
         if entry.step_graph is not None:
-            backend.step_account.note_plan(dataclasses.replace(entry.step_graph, graph_id=graph_id,
-                                                               slot=slot_of(graph_id)))
-        backend.compiled_graphs.append(record)
+            step_account.note_plan(dataclasses.replace(entry.step_graph, graph_id=graph_id, slot=slot_of(graph_id)))
         return dataclasses.replace(entry, record=record)

@@ -25,17 +25,20 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from torch import fx
 
 from . import _torch_shapes
+from ._torch_dynamo import passthrough_error_class
 from .cost_model.tensors import sizes_evaluated_at
+from .devices import device_of
 from .errors import BudgetInfeasibleError
 from .units import format_bytes
 
 if TYPE_CHECKING:
-    from .backend import RematBackend
+    from .compiled_graph import CompiledGraph
+    from .options import RematOptions
     from .passes.plan import Plan
 
 # How far past its traced size an unbounded symbol is searched for the largest size its plan fits.
@@ -103,35 +106,37 @@ def size_environment(graphs: Sequence[fx.Graph]) -> SizeEnvironment:
     return SizeEnvironment(tuple(sorted(symbols, key=lambda s: (len(s.name), s.name))))
 
 
-def partition_at_planned_sizes(backend: "RematBackend", joint: fx.GraphModule, joint_inputs: Sequence[object],
+def partition_at_planned_sizes(partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
+                               options: "RematOptions", compiled_graphs: Sequence["CompiledGraph"],
+                               joint: fx.GraphModule, joint_inputs: Sequence[object],
                                kwargs: Mapping[str, Any]) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """``backend.partition`` with the joint graph's sizes read at its ``SizeEnvironment`` and no
-    guard added; warns when Dynamo will not compile this frame again, and when a symbol with no
-    upper bound leaves larger sizes unplanned. Returns what ``backend.partition`` returns."""
-    warn_if_last_compile(backend.options.budget_bytes)
+    """``partition(joint, joint_inputs, **kwargs)`` (the backend's, with its ``options`` and the
+    ``compiled_graphs`` it appends its records to) with the joint graph's sizes read at its
+    ``SizeEnvironment`` and no guard added; warns when Dynamo will not compile this frame again,
+    and when a symbol with no upper bound leaves larger sizes unplanned. Returns what
+    ``partition`` returns."""
+    warn_if_last_compile(options.budget_bytes)
     sizes = size_environment([joint.graph])
     if not sizes.symbols:
-        return backend.partition(joint, joint_inputs, **kwargs)
-    known = len(backend.compiled_graphs)
+        return partition(joint, joint_inputs, **kwargs)
+    known = len(compiled_graphs)
     try:
         with _torch_shapes.guards_suppressed(_torch_shapes.shape_env_of(joint.graph)), sizes_evaluated_at(sizes.values):
-            result = backend.partition(joint, joint_inputs, **kwargs)
+            result = partition(joint, joint_inputs, **kwargs)
     except BudgetInfeasibleError as error:
         if not sizes.above_traced:
             raise
         raise _restated(error, sizes) from None
-    if sizes.unbounded and backend.options.budget_bytes is not None and len(backend.compiled_graphs) > known:
-        record = backend.compiled_graphs[-1]
+    if sizes.unbounded and options.budget_bytes is not None and len(compiled_graphs) > known:
+        record = compiled_graphs[-1]
         _warn_unbounded(record.graph_id, record.plan, record.dump_path, joint, int(kwargs["num_fwd_outputs"]),
-                        backend.options.hardware, joint_inputs, sizes)
+                        options.hardware, joint_inputs, sizes)
     return result
 
 
 def _restated(error: BudgetInfeasibleError, sizes: SizeEnvironment) -> BudgetInfeasibleError:
     """The same error (every field kept), saying it was planned at the largest sizes and how to plan for smaller ones."""
-    from .backend import _passthrough_error_class
-
-    restated = _passthrough_error_class(BudgetInfeasibleError)(error)
+    restated = passthrough_error_class(BudgetInfeasibleError)(error)
     restated.args = (f"{error.args[0]} Planned at the largest sizes the graph admits: {sizes.describe()}. Declare a "
                      "smaller max with torch._dynamo.mark_dynamic(x, dim, max=...) to plan for smaller sizes.",)
     return restated
@@ -179,9 +184,8 @@ def size_reach(joint: fx.GraphModule, num_fwd_outputs: int, profile: Any, plan: 
     Guarantees, for each answer n < ``searched_to``: the plan fits at n and not at n + 1.
     Re-annotates ``joint``'s costs at each size tried (nothing reads them after partitioning).
     """
-    from .cost_model.costs import annotate_costs
     from .passes.evaluate import evaluate
-    from .passes.joint_graph import read_joint_graph
+    from .pipeline import facts_at_sizes
     from .sizing import search_largest
 
     assert plan.target_bytes is not None
@@ -192,8 +196,8 @@ def size_reach(joint: fx.GraphModule, num_fwd_outputs: int, profile: Any, plan: 
 
         def fits_at(value: int) -> tuple[bool, int]:
             if value not in peaks:
+                facts = facts_at_sizes(joint, num_fwd_outputs, profile, {**sizes.values, symbol.name: value})
                 with sizes_evaluated_at({**sizes.values, symbol.name: value}):
-                    facts = read_joint_graph(joint.graph, annotate_costs(joint.graph, profile), num_fwd_outputs)
                     peak = evaluate(facts, saved).simulation.peak_bytes
                 peaks[value] = (peak <= plan.target_bytes, peak)
             return peaks[value]
@@ -209,14 +213,13 @@ def size_reach(joint: fx.GraphModule, num_fwd_outputs: int, profile: Any, plan: 
 def _warn_unbounded(graph_id: str, plan: "Plan", dump_path: Optional[str], joint: fx.GraphModule,
                     num_fwd_outputs: int, hardware: str, joint_inputs: Sequence[object], sizes: SizeEnvironment) -> None:
     """One warning (and a section of the graph's report.md) per graph with unbounded size symbols."""
-    from .backend import _device_of
     from .cost_model.hardware import get_profile
 
     if plan.target_bytes is None:
         return
     shape_env = _torch_shapes.shape_env_of(joint.graph)
     with _torch_shapes.guards_suppressed(shape_env):
-        reaches = size_reach(joint, num_fwd_outputs, get_profile(hardware, _device_of(joint_inputs)), plan, sizes)
+        reaches = size_reach(joint, num_fwd_outputs, get_profile(hardware, device_of(joint_inputs)), plan, sizes)
     if not reaches:
         return
     lines = [r.describe(plan.target_bytes) for r in reaches]

@@ -26,7 +26,7 @@ ESTIMATORS = ("roofline", "profile")
 # device type the graph runs on. CPU: the simulator is within 5% of the measured peak on every zoo
 # plan, at most 2.3% under (benchmarks/results/memory_accuracy-cpu.md), so 5% covers it. A graph
 # with code the simulator is known not to model gets the 15% instead (``headroom_for(modeled=False)``:
-# the backend's ``_simulator_models``). Any other device:
+# ``pipeline.simulator_models``). Any other device:
 # 15%, because on CUDA the simulator was last measured up to 23% under for convolutions
 # (benchmarks/results/e2e-cuda.md) and the caching allocator rounds blocks.
 DEFAULT_HEADROOM_BY_DEVICE = {"cpu": 0.05}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-from .backend import trace_joint_facts
 from .pareto_curve import ParetoCurve, ParetoPoint, curve_for_graph
+from .pipeline import trace_joint_facts
 from .units import gb_to_bytes
 
 

@@ -4,7 +4,7 @@
 and returns its ``ParetoCurve``, with the knee marked: the point farthest from the straight
 line between the cheapest and the smallest-peak plan, in coordinates normalised to each axis's
 range. ``render_table`` and ``plot_curve`` are what the dump writes. Pure over the facts and
-the planner: no tracing (``remat.pareto`` traces a model and calls this per graph).
+the planner (``pipeline.plan_graph``): no tracing (``remat.pareto`` traces a model and calls this per graph).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from .errors import BudgetInfeasibleError
 from .passes.joint_graph import JointGraphFacts
-from .passes.plan import make_plan
+from .pipeline import budget_request, plan_graph
 from .units import format_bytes, format_seconds
 
 
@@ -60,8 +60,9 @@ def curve_for_graph(facts: JointGraphFacts, graph_index: int, budgets_bytes: Opt
                     n_points: int = 8) -> ParetoCurve:
     """Plan ``facts`` at each budget (default: ``n_points`` evenly from the smallest peak the
     planner reaches to the peak of the free min-cut, above which every budget gets the same
-    plan); budgets no plan meets are left out."""
-    smallest = make_plan(facts, 1, best_effort=True)
+    plan); budgets no plan meets are left out. Each budget is its own planning target
+    (``pipeline.budget_request``: no headroom), on the greedy solver."""
+    smallest = plan_graph(facts, budget_request(1, best_effort=True))
     low, high = smallest.predicted_peak_bytes, smallest.mincut_peak_bytes
     if budgets_bytes is None:
         steps = max(n_points - 1, 1)
@@ -70,7 +71,7 @@ def curve_for_graph(facts: JointGraphFacts, graph_index: int, budgets_bytes: Opt
     seen_peaks: set[tuple[int, float]] = set()
     for budget in sorted(set(budgets_bytes), reverse=True):
         try:
-            plan = make_plan(facts, budget)
+            plan = plan_graph(facts, budget_request(budget))
         except BudgetInfeasibleError:
             continue
         key = (plan.predicted_peak_bytes, plan.est_extra_time_s)

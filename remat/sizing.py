@@ -4,9 +4,9 @@
 traces the model once with those dims dynamic, so the joint graph's sizes are
 SymInts in a shape symbol (``s0``). To ask about a size ``v`` it reads the facts
 the planner uses (costs, storages, kernel steps) with every symbolic size
-evaluated at ``s0 = v`` (``cost_model.tensors.sizes_evaluated_at``), then plans
-them as the backend plans that graph (``make_plan`` under the budget less its
-headroom). No code is generated and nothing is retraced per size. The answer is
+evaluated at ``s0 = v`` (``pipeline.facts_at_sizes``), then plans them as the
+backend plans that graph (``pipeline.plan_graph`` for the request the backend's
+options make for it: the budget less its device's headroom). No code is generated and nothing is retraced per size. The answer is
 for the model compiled with those dims dynamic; a compile at one static size
 can see a different joint graph (on the zoo GPT at batch 12, the dynamic graph's
 min-cut plan peaks at 75.8 MB and the static graph's at 58.5 MB), so a static
@@ -37,16 +37,15 @@ import sympy
 import torch
 from torch import fx
 
-from .backend import _free_device_bytes, read_facts, trace_joint_facts
-from .cost_model.costs import annotate_costs
-from .cost_model.hardware import HardwareProfile
 from .cost_model.symbolic import shape_hints, symbol_sources
-from .cost_model.tensors import iter_tensors, sizes_evaluated_at
+from .cost_model.tensors import iter_tensors
+from .devices import free_device_bytes
 from .errors import BudgetInfeasibleError
-from .options import make_options, smallest_budget_bytes, target_for_budget
-from .passes.joint_graph import JointGraphFacts, read_joint_graph
+from .options import make_options, smallest_budget_bytes
 from .passes.evaluate import evaluate
-from .passes.plan import Plan, make_plan
+from .passes.joint_graph import JointGraphFacts
+from .pipeline import PlanningRequest, PreparedGraph, facts_at_sizes, plan_graph, prepare_graph, request_for, \
+    trace_joint_facts
 from .units import format_bytes, format_gb_up
 
 
@@ -77,19 +76,16 @@ class SizeFit:
         return text + f"; at {self.next_size} the planner's best-effort plan peaks at {peak}"
 
 
-@dataclass
-class _Graph:
-    """One traced joint graph, kept to read its facts at other sizes."""
+@dataclass(frozen=True)
+class _TracedGraph:
+    """One traced joint graph, kept to read its facts at other sizes (``pipeline.facts_at_sizes``)."""
 
     joint: fx.GraphModule
     num_fwd_outputs: int
-    profile: HardwareProfile
-    facts_at_hint: JointGraphFacts
+    prepared: PreparedGraph     # its facts at the traced sizes
 
     def facts_at(self, values: dict[str, int]) -> JointGraphFacts:
-        with sizes_evaluated_at(values):
-            costs = annotate_costs(self.joint.graph, self.profile)
-            return read_joint_graph(self.joint.graph, costs, self.num_fwd_outputs)
+        return facts_at_sizes(self.joint, self.num_fwd_outputs, self.prepared.profile, values)
 
 
 def _mark_inputs(example_inputs: Sequence[Any], dynamic: Sequence[tuple[int, int]]) -> list[Any]:
@@ -125,7 +121,7 @@ def size_symbols(graph: fx.Graph) -> set[str]:
     return names
 
 
-def _grown_symbols(graphs: list[_Graph], symbol: Optional[str]) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+def _grown_symbols(graphs: list[_TracedGraph], symbol: Optional[str]) -> tuple[tuple[str, ...], tuple[str, ...], int]:
     hints: dict[str, int] = {}
     sources: dict[str, str] = {}
     in_sizes: set[str] = set()
@@ -149,13 +145,15 @@ def _grown_symbols(graphs: list[_Graph], symbol: Optional[str]) -> tuple[tuple[s
     return tuple(used), tuple(sources[s] for s in used), hints[used[0]]
 
 
-def _peak_if_fits(facts: JointGraphFacts, budget_bytes: int, target_bytes: int,
+def _peak_if_fits(facts: JointGraphFacts, request: PlanningRequest,
                   fixed: Optional[frozenset[str]]) -> tuple[bool, int]:
-    """(fits, peak): the plan's simulated peak; when it does not fit, the peak of the planner's best-effort plan."""
+    """(fits, peak): the plan's simulated peak; when it does not fit, the peak of the planner's best-effort
+    plan (``request`` is best effort)."""
     if fixed is not None:
+        assert request.target_bytes is not None
         peak = evaluate(facts, fixed).simulation.peak_bytes
-        return peak <= target_bytes, peak
-    plan = make_plan(facts, budget_bytes, target_bytes=target_bytes, best_effort=True)
+        return peak <= request.target_bytes, peak
+    plan = plan_graph(facts, request)
     return plan.fits_budget, plan.predicted_peak_bytes
 
 
@@ -228,7 +226,7 @@ def max_size_that_fits(
     does not fit, naming the smallest budget that does.
     """
     options = make_options(budget_gb, hardware=hardware, headroom_fraction=headroom_fraction,
-                           free_bytes_for_auto=_free_device_bytes() if budget_gb == "auto" else None)
+                           free_bytes_for_auto=free_device_bytes() if budget_gb == "auto" else None)
     if options.budget_bytes is None:
         raise ValueError("budget_gb=None: max_size_that_fits needs a budget, a number of decimal GB "
                          "(e.g. budget_gb=8).")
@@ -237,27 +235,30 @@ def max_size_that_fits(
             raise ValueError(f"{name}={value!r} must be a positive int.")
     if highest < lowest or highest < step:
         raise ValueError(f"highest={highest} must be >= lowest={lowest} and >= step={step}.")
-    device_type = _device_type(model, example_inputs)
-    budget, target = options.budget_bytes, options.planning_target_bytes(device_type)
-    assert target is not None
+    budget = options.budget_bytes
 
-    def keep(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int) -> _Graph:
-        facts, profile = read_facts(joint, joint_inputs, num_fwd_outputs, hardware)
-        return _Graph(joint, num_fwd_outputs, profile, facts)
+    def keep(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int) -> _TracedGraph:
+        return _TracedGraph(joint, num_fwd_outputs, prepare_graph(joint, joint_inputs, num_fwd_outputs, hardware))
 
     graphs = [g for g in trace_joint_facts(model, _mark_inputs(example_inputs, dynamic), hardware=hardware, read=keep)
-              if any(n.role == "backward" for n in g.facts_at_hint.nodes.values())]
+              if g.prepared.has_backward]
     if not graphs:
         raise ValueError("the model produced no joint graph with a backward: call it on inputs whose output "
                          "depends on parameters that require grad.")
     symbols, sources, traced = _grown_symbols(graphs, symbol)
-    fixed = [None if replan else _hint_plan_saved(g.facts_at_hint, budget, target) for g in graphs]
+    # each graph planned as the backend would plan it: the budget less its device's headroom, best effort
+    requests = [request_for(options, g.prepared) for g in graphs]
+    requests = [r.at(r.target_bytes, best_effort=True) for r in requests]
+    binding = min(requests, key=lambda r: r.target_bytes or 0)   # the lowest target (the same on one device)
+    target = binding.target_bytes
+    assert target is not None
+    fixed = [None if replan else _hint_plan_saved(g.prepared.facts, r) for g, r in zip(graphs, requests)]
     peaks: dict[int, tuple[bool, int]] = {}
 
     def fits_at(size: int) -> tuple[bool, int]:
         if size not in peaks:
             values = {s: size for s in symbols}
-            results = [_peak_if_fits(g.facts_at(values), budget, target, f) for g, f in zip(graphs, fixed)]
+            results = [_peak_if_fits(g.facts_at(values), r, f) for g, r, f in zip(graphs, requests, fixed)]
             fits = all(ok for ok, _ in results)
             peak = max(p for _, p in results) if fits else max(p for ok, p in results if not ok)
             peaks[size] = (fits, peak)
@@ -267,12 +268,11 @@ def max_size_that_fits(
     if size is None:
         smallest = -(-lowest // step) * step
         peak = fits_at(smallest)[1]
-        headroom = options.headroom_for(device_type)
-        minimum = smallest_budget_bytes(lambda b: target_for_budget(b, headroom) >= peak, start_bytes=peak)
+        minimum = smallest_budget_bytes(lambda b: binding.target_for(b) >= peak, start_bytes=peak)
         raise BudgetInfeasibleError(
             f"even the smallest size {smallest} does not fit budget {format_bytes(budget)}: the smallest simulated "
             f"peak a plan reaches there is {format_bytes(peak)} against a target of {format_bytes(target)} (the budget "
-            f"less {100 * options.headroom_for(device_type):.0f}% headroom). "
+            f"less {100 * binding.headroom_fraction:.0f}% headroom). "
             f"Raise the budget to at least {format_gb_up(minimum)} GB"
             " (1 GB = 1e9 bytes) or lower `lowest`.",
             budget_bytes=budget, min_feasible_bytes=peak, min_budget_bytes=minimum, reasons=(),
@@ -286,17 +286,10 @@ def max_size_that_fits(
     )
 
 
-def _device_type(model: Any, example_inputs: Sequence[Any]) -> str:
-    """The device type the step runs on: the first non-CPU input or parameter's, else "cpu"."""
-    parameters = model.parameters() if isinstance(model, torch.nn.Module) else ()
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)] + list(parameters)
-    return next((t.device.type for t in tensors if t.device.type != "cpu"), "cpu")
-
-
-def _hint_plan_saved(facts: JointGraphFacts, budget: int, target: int) -> frozenset[str]:
-    """What the plan made at the traced size saves (the smallest-peak plan if none fits there)."""
-    plan: Plan = make_plan(facts, budget, target_bytes=target, best_effort=True)
-    return frozenset(plan.saved)
+def _hint_plan_saved(facts: JointGraphFacts, request: PlanningRequest) -> frozenset[str]:
+    """What the plan made at the traced size saves (the smallest-peak plan if none fits there: ``request``
+    is best effort)."""
+    return frozenset(plan_graph(facts, request).saved)
 
 
 __all__ = ["SizeFit", "max_size_that_fits"]

@@ -711,7 +711,7 @@ class _GatheringMLP(torch.nn.Module):
 
 
 def test_collectives_in_the_joint_graph_are_never_recomputed(fake_process_group: Any) -> None:
-    from remat.backend import trace_joint_facts
+    from remat.pipeline import trace_joint_facts
     from remat.passes.joint_graph import is_collective
 
     torch.manual_seed(0)

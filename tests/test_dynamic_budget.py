@@ -176,7 +176,7 @@ def test_a_declared_max_too_large_for_the_budget_says_where_it_was_planned():
 
 
 def test_size_environment_reads_declared_bounds_without_guards():
-    from remat.backend import trace_joint_facts
+    from remat.pipeline import trace_joint_facts
 
     torch.manual_seed(0)
     model = ResidualMLP()

@@ -284,13 +284,13 @@ def test_auto_on_cuda_picks_the_datasheet_or_a_measured_profile(tmp_path, monkey
 def test_graph_device_is_the_accelerator_even_after_cpu_inputs():
     """A GPU graph can take CPU tensors first (RNG seeds, scalars): the profile must follow the
     accelerator ("meta" stands in for cuda here), and a CPU-only graph stays on the CPU."""
-    from remat.backend import _device_of
+    from remat.devices import device_of
 
     seed = torch.zeros((), dtype=torch.int64)
     on_device = torch.empty(4, device="meta")
-    assert _device_of([seed, on_device]) == torch.device("meta")
-    assert _device_of([seed, 3, torch.zeros(2)]) == torch.device("cpu")
-    assert _device_of([]) == torch.device("cpu")
+    assert device_of([seed, on_device]) == torch.device("meta")
+    assert device_of([seed, 3, torch.zeros(2)]) == torch.device("cpu")
+    assert device_of([]) == torch.device("cpu")
 
 
 def test_a_new_machine_plans_with_its_familys_default_until_measured(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import remat
 from conftest import assert_grads_close, grads_of, loss_weights, run_step, zero_grads
-from remat.backend import trace_joint_facts
+from remat.pipeline import trace_joint_facts
 from remat.cost_model.memory import simulate_memory
 from remat.measure import close_open_window
 from remat.passes.kernel_steps import FORWARD_RETURNS

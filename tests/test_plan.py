@@ -138,7 +138,7 @@ def test_zoo_gpt_smallest_peak_is_below_the_old_greedys():
     the planner names is no higher than the old greedy's smallest feasible target, nor than the
     no-budget plan, and planning at it succeeds."""
     from remat.testing.zoo import ZOO
-    from remat.backend import trace_joint_facts
+    from remat.pipeline import trace_joint_facts
 
     model, inputs = ZOO["gpt"]()
     facts = trace_joint_facts(model, inputs, hardware="cpu")[0]

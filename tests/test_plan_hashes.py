@@ -61,7 +61,7 @@ def plan_record(facts: JointGraphFacts, plan: Plan) -> dict[str, Any]:
 
 
 def trace(name: str) -> list[JointGraphFacts]:
-    from remat.backend import trace_joint_facts
+    from remat.pipeline import trace_joint_facts
 
     model, inputs = ZOO[name]()
     model.train()

@@ -7,11 +7,10 @@ import torch
 from torch import nn
 
 import remat
-from remat.backend import read_facts, trace_joint_facts
 from remat.cost_model.tensors import sizes_evaluated_at
 from remat.options import DEFAULT_HEADROOM_BY_DEVICE
 from remat.passes.plan import make_plan
-from remat.sizing import _Graph
+from remat.pipeline import facts_at_sizes, prepare_graph, trace_joint_facts
 
 BUDGET_GB = 0.02
 
@@ -57,18 +56,19 @@ def test_facts_at_a_size_equal_a_static_trace_at_that_size():
     kept = []
 
     def keep(joint, joint_inputs, n):
-        facts, profile = read_facts(joint, joint_inputs, n, "cpu")
-        kept.append(_Graph(joint, n, profile, facts))
-        return facts
+        prepared = prepare_graph(joint, joint_inputs, n, "cpu")
+        kept.append((joint, n, prepared))
+        return prepared.facts
 
     x = torch.randn(64, 256)
     torch._dynamo.mark_dynamic(x, 0)
     (dynamic_facts,) = trace_joint_facts(step, (x,), hardware="cpu", read=keep)
-    (symbol,) = {str(s) for n in kept[0].joint.graph.nodes
+    (joint, n_outputs, prepared), = kept
+    (symbol,) = {str(s) for n in joint.graph.nodes
                  for t in ([n.meta["val"]] if isinstance(n.meta.get("val"), torch.Tensor) else [])
                  for d in t.shape if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
     (static,) = trace_joint_facts(step, (torch.randn(300, 256),), hardware="cpu")
-    at_300 = kept[0].facts_at({symbol: 300})
+    at_300 = facts_at_sizes(joint, n_outputs, prepared.profile, {symbol: 300})
 
     def totals(facts):
         tensor_nodes = [n for n in facts.nodes.values() if n.is_tensor]
@@ -76,10 +76,10 @@ def test_facts_at_a_size_equal_a_static_trace_at_that_size():
                 sorted(n.numel for n in tensor_nodes if n.numel))
 
     assert totals(at_300) == totals(static)
-    assert totals(kept[0].facts_at({symbol: 64})) == totals(dynamic_facts)
+    assert totals(facts_at_sizes(joint, n_outputs, prepared.profile, {symbol: 64})) == totals(dynamic_facts)
     with sizes_evaluated_at({symbol: 300}):
         pass
-    assert totals(kept[0].facts_at_hint) == totals(dynamic_facts)   # the context leaves nothing behind
+    assert totals(prepared.facts) == totals(dynamic_facts)   # the context leaves nothing behind
 
 
 def test_the_plan_made_at_the_traced_size_stretches_less_or_as_far(fit):

@@ -9,7 +9,7 @@ import torch
 
 import remat
 from remat.testing.zoo import TwoLinear
-from remat.backend import read_facts, trace_joint_facts
+from remat.pipeline import prepare_graph, trace_joint_facts
 from remat.passes.plan import make_plan
 from remat.report import render_symbolic_sizes
 from remat.units import format_bytes
@@ -59,5 +59,5 @@ def test_static_graphs_get_no_formula_section():
     torch.manual_seed(0)
     model = TwoLinear()
     (facts, joint) = trace_joint_facts(lambda x: model(x).sum(), (torch.randn(6, 10, 256),),
-                                       read=lambda j, i, n: (read_facts(j, i, n, "cpu")[0], j.graph))[0]
+                                       read=lambda j, i, n: (prepare_graph(j, i, n, "cpu").facts, j.graph))[0]
     assert render_symbolic_sizes(make_plan(facts, None), facts, (joint,)) == ""

@@ -11,11 +11,6 @@ from remat.cost_model.memory import simulate_memory
 from remat.testing.zoo import ZOO
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
-captured = []
-B = sys.modules["remat.backend"]; orig = B.make_plan
-def spy(facts, budget_bytes, **kw):
-    plan = orig(facts, budget_bytes, **kw); captured.append((facts, plan)); return plan
-B.make_plan = spy
 name, b = sys.argv[1], (None if sys.argv[2] == "none" else float(sys.argv[2]))
 anchor = sys.argv[3]  # op name substring to align on
 model, inputs = ZOO[name]()
@@ -40,7 +35,9 @@ live = 0; meas = []
 for t, kind, size, nm in evs:
     if kind == 0: live += size
     elif nm == anchor: meas.append(live)
-facts, plan = captured[-1]
+record = be.compiled_graphs[-1]   # the accepted plan of the last graph, and the facts it was made on
+assert record.facts is not None, f"{record.graph_id}: {record.cache} restored no facts; rerun with REMAT_COMPILE_CACHE=0"
+facts, plan = record.facts, record.plan
 part = partition_nodes(facts, set(plan.saved))
 steps, pinned = memory_steps(facts, part)
 sim = simulate_memory(steps, pinned)

@@ -19,18 +19,6 @@ from remat.passes.schedule import memory_steps, partition_nodes
 from remat.testing.zoo import ZOO
 
 graphs = []
-captured = []
-B = sys.modules["remat.backend"]
-orig_plan = B.make_plan
-
-
-def spy(facts, budget_bytes, **kw):
-    plan = orig_plan(facts, budget_bytes, **kw)
-    captured.append((facts, plan))
-    return plan
-
-
-B.make_plan = spy
 orig_init = wrapper.EfficientPeakEstimate.__init__
 
 
@@ -53,7 +41,8 @@ def main() -> None:
     name, b = sys.argv[1], sys.argv[2]
     which = sys.argv[3] if len(sys.argv) > 3 else "bw"
     model, inputs = ZOO[name]()
-    c = torch.compile(model, backend=remat.backend(None if b == "none" else float(b), headroom_fraction=0.0))
+    be = remat.backend(None if b == "none" else float(b), headroom_fraction=0.0)
+    c = torch.compile(model, backend=be)
     c(*inputs).float().sum().backward()
     rows, estimate, _ = graphs[-1] if which == "bw" else graphs[0]
     removed = graphs[-1][2] if which == "bw" else graphs[0][2]
@@ -64,7 +53,9 @@ def main() -> None:
         last = kernel
         sizes = " ".join(f"{buf}={size}{'(removed)' if buf in removed else ''}" for buf, size in outs)
         print(f"{mark:4s} {kernel:28s} {kind[:12]:12s} {origin:30s} {sizes}")
-    facts, plan = captured[-1]
+    record = be.compiled_graphs[-1]   # the accepted plan of the last graph, and the facts it was made on
+    assert record.facts is not None, f"{record.graph_id}: {record.cache} restored no facts; rerun with REMAT_COMPILE_CACHE=0"
+    facts, plan = record.facts, record.plan
     steps, _ = memory_steps(facts, partition_nodes(facts, set(plan.saved)))
     phase = "backward" if which == "bw" else "forward"
     print(f"== remat {which} kernel steps")

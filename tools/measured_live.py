@@ -24,19 +24,6 @@ from remat.cost_model.memory import simulate_memory  # noqa: E402
 from remat.passes.schedule import memory_steps, partition_nodes  # noqa: E402
 from remat.testing.zoo import ZOO  # noqa: E402
 
-captured = []
-B = sys.modules["remat.backend"]
-orig = B.make_plan
-
-
-def spy(facts, budget_bytes, **kw):
-    plan = orig(facts, budget_bytes, **kw)
-    captured.append((facts, plan))
-    return plan
-
-
-B.make_plan = spy
-
 
 def allocation_events(prof):
     """(time, size, ptr, op that allocated it) for every CPU allocation and free, in time order."""
@@ -61,7 +48,8 @@ def main() -> None:
     name, b = sys.argv[1], sys.argv[2]
     budget = None if b == "none" else float(b)
     model, inputs = ZOO[name]()
-    c = torch.compile(model, backend=remat.backend(budget, headroom_fraction=0.0))
+    be = remat.backend(budget, headroom_fraction=0.0)
+    c = torch.compile(model, backend=be)
 
     c(*inputs).float().sum().backward()
     for p in model.parameters():
@@ -88,7 +76,9 @@ def main() -> None:
     print(f"measured peak {peak} bytes at allocation #{peak_i} ({events[peak_i][3]})")
     for i, size, op in sorted(peak_set.values(), key=lambda v: v[0]):
         print(f"  #{i:4d} {size:9d} {op}")
-    facts, plan = captured[-1]
+    record = be.compiled_graphs[-1]   # the accepted plan of the last graph, and the facts it was made on
+    assert record.facts is not None, f"{record.graph_id}: {record.cache} restored no facts; rerun with REMAT_COMPILE_CACHE=0"
+    facts, plan = record.facts, record.plan
     steps, pinned = memory_steps(facts, partition_nodes(facts, set(plan.saved)))
     sim = simulate_memory(steps, pinned, reuse_freed=inductor_config.allow_buffer_reuse)
     print(f"simulated peak {sim.peak_bytes} bytes at step {sim.peak_step} ({sim.peak_step_name})")

@@ -30,26 +30,17 @@ from remat.cost_model.memory import simulate_memory  # noqa: E402
 from remat.passes.schedule import memory_steps, partition_nodes  # noqa: E402
 from remat.testing.zoo import ZOO  # noqa: E402
 
-captured = []
-B = sys.modules["remat.backend"]
-orig = B.make_plan
-
-
-def spy(facts, budget_bytes, **kw):
-    plan = orig(facts, budget_bytes, **kw)
-    captured.append((facts, plan))
-    return plan
-
-
-B.make_plan = spy
 name = sys.argv[1]
 for b in sys.argv[2:]:
     budget = None if b == "none" else float(b)
     model, inputs = ZOO[name]()
-    c = torch.compile(model, backend=remat.backend(budget, headroom_fraction=0.0))
+    be = remat.backend(budget, headroom_fraction=0.0)
+    c = torch.compile(model, backend=be)
     c(*inputs).float().sum().backward()
     m = _measure(model, c, inputs)["peak_bytes"]
-    facts, plan = captured[-1]
+    record = be.compiled_graphs[-1]   # the accepted plan of the last graph, and the facts it was made on
+    assert record.facts is not None, f"{record.graph_id}: {record.cache} restored no facts; rerun with REMAT_COMPILE_CACHE=0"
+    facts, plan = record.facts, record.plan
     steps, pinned = memory_steps(facts, partition_nodes(facts, set(plan.saved)))
     sim = simulate_memory(steps, pinned, reuse_freed=inductor_config.allow_buffer_reuse).peak_bytes
     no_reuse = simulate_memory(steps, pinned, reuse_freed=False).peak_bytes

@@ -1,0 +1,101 @@
+"""Dynamo's private API that remat uses outside the backend's compile path (verified on torch 2.13.0).
+
+- ``torch._dynamo.exc.ShortenTraceback``: Dynamo re-raises an error of this class as is instead
+  of wrapping it in ``BackendCompilerFailed`` (``passthrough_error_class``).
+- ``torch._guards.CompileContext.current_compile_id()``: the compile a partitioner runs in.
+- For tracing without codegen (``trace_joint_graphs``, used by ``remat.pipeline.trace_joint_facts``):
+  ``torch._dynamo.backends.common.aot_autograd``, ``torch._inductor.compile_fx.partition_fn``
+  (Inductor's joint-graph passes, then the configured partitioner, through
+  ``torch._inductor.config.custom_partitioner_fn``), ``torch._functorch.partitioners.default_partition``,
+  ``torch._inductor.decomposition.select_decomp_table``, ``make_boxed_func``,
+  ``torch._inductor.virtualized.V.set_fake_mode``, ``torch._guards.detect_fake_mode``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+
+def passthrough_error_class(cls: type) -> type:
+    """A subclass of ``cls`` that Dynamo re-raises as is instead of wrapping it in
+    ``BackendCompilerFailed`` (it does so for ``ShortenTraceback``), so users can
+    ``except BudgetInfeasibleError`` around their first compiled call."""
+    from torch._dynamo.exc import ShortenTraceback
+
+    class Passthrough(cls, ShortenTraceback):  # type: ignore[misc, valid-type]
+        def __init__(self, original: Exception) -> None:
+            Exception.__init__(self, *original.args)
+            self.__dict__.update(original.__dict__)
+            self.first_useful_frame = None
+
+    Passthrough.__name__ = cls.__name__
+    Passthrough.__qualname__ = cls.__qualname__
+    Passthrough.__module__ = cls.__module__
+    return Passthrough
+
+
+def current_compile_id() -> str:
+    """The id of the compile running now ("0/0", ...), or "?" outside one."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return str(compile_id) if compile_id is not None else "?"
+
+
+def trace_joint_graphs(model: Callable[..., Any], example_inputs: Sequence[Any],
+                       read: Callable[[fx.GraphModule, Sequence[object], int], Any]) -> list[Any]:
+    """Trace ``model`` once, as torch.compile with Inductor would, and return
+    ``read(joint, joint_inputs, num_fwd_outputs)`` for every joint graph, in trace order, without
+    planning or generating code.
+
+    The joint graphs are the ones Inductor hands a partitioner (its decompositions and
+    joint-graph passes applied). Only the forward runs, uncompiled; gradients are not touched.
+    Resets Dynamo before and after, so the trace leaves no compiled code behind.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch import config as functorch_config
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import default_partition
+    from torch._guards import detect_fake_mode
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
+
+    captured: list[Any] = []
+
+    class CapturingPartitioner(CustomPartitionerFn):
+        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+            captured.append(read(gm, joint_inputs, int(kwargs["num_fwd_outputs"])))
+            return default_partition(gm, joint_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"],
+                                     static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
+
+        def uuid(self) -> Any:
+            return None
+
+    def partition_with_fake_mode(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        # Inductor's joint-graph passes read the fake mode from its virtualized context.
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            return inductor_partition_fn(gm, joint_inputs, **kwargs)
+
+    tracer = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm),
+        bw_compiler=lambda gm, _: make_boxed_func(gm),
+        partition_fn=partition_with_fake_mode,
+        decompositions=select_decomp_table(),
+    )
+    torch._dynamo.reset()
+    try:
+        with inductor_config.patch(custom_partitioner_fn=CapturingPartitioner()), \
+                functorch_config.patch(enable_autograd_cache=False):
+            torch.compile(model, backend=tracer)(*example_inputs)
+    finally:
+        torch._dynamo.reset()
+    return captured
+
+
+__all__ = ["current_compile_id", "passthrough_error_class", "trace_joint_graphs"]

@@ -1,0 +1,48 @@
+"""``CompiledGraph``: the record of what remat decided for one joint graph it partitioned.
+
+Its own module so that what reads the records (the compile cache, dynamic shapes, the tools)
+does not import the backend that makes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .distributed import DistributedGraphRecord, GraphShare
+    from .feedback_store import Correction
+    from .inductor_verdict import Judgement, Refusal
+    from .passes.joint_graph import JointGraphFacts
+    from .passes.plan import Plan
+    from .passes.rewrite import RegionSummary
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """What remat decided for one joint graph it partitioned."""
+
+    graph_id: str
+    compile_id: str
+    plan: "Plan"
+    regions: tuple["RegionSummary", ...]
+    dump_path: Optional[str]
+    distributed: Optional["DistributedGraphRecord"] = None  # set under torch.distributed (remat/distributed.py)
+    graph_key: str = ""                        # the feedback store's key for this graph (remat/feedback_store.py)
+    base_target_bytes: Optional[int] = None    # the planning target before any correction
+    correction: Optional["Correction"] = None  # the feedback loop's correction the plan was made with
+    judgement: Optional["Judgement"] = None    # Inductor's verdict on the plan (remat/inductor_verdict.py)
+    step_share: Optional["GraphShare"] = None  # its share of a step split at graph breaks (remat/step_budget.py)
+    # "" (solved in this compile), "plan cache: <entry>" (the plan re-used, the rest made now) or
+    # "autograd-cache hit: <entry>" (AOTAutograd's cache served the compile; this record restored)
+    cache: str = ""
+    # the simulator refused the budget and this is its smallest-peak plan, compiled for Inductor's check to
+    # overrule the refusal or let it stand (``RematBackend._overruled_or_refused``)
+    refusal: Optional["Refusal"] = None
+    # the facts the plan was made on (what the tools simulate the plan with). Not part of the record's
+    # identity, not stored by the compile cache: None on a record an AOTAutograd cache hit restored.
+    # Held for the backend's lifetime, in host memory (Python objects, no tensor storage).
+    facts: Optional["JointGraphFacts"] = field(default=None, compare=False, repr=False)
+
+
+__all__ = ["CompiledGraph"]

@@ -1,0 +1,161 @@
+"""One joint graph from Inductor's hands to a plan: prepare it, then plan it for one request.
+
+Every entry point goes through here: the backend's partitioner, ``remat.pareto`` and the dump's
+Pareto curve, ``remat.max_size_that_fits`` and dynamic shapes' size search, and the tools (which
+read the facts and plan a ``CompiledGraph`` keeps). Two steps:
+
+- ``prepare_graph``: dead code out, dropout split into mask and scaling, the hardware profile of
+  the graph's device, costs on every node, the facts the planner reads (``read_joint_graph``),
+  and whether the simulator models the code Inductor will generate for it (``simulator_models``).
+  Edits the joint graph in place (the backend partitions that same graph).
+- ``plan_graph``: ``passes.plan.make_plan`` for one frozen ``PlanningRequest``: the budget, the
+  planning target (the budget less the headroom, less a feedback correction), the solver, best
+  effort, the saved-bytes cap, and the rule that names budgets in an infeasibility error.
+
+``trace_joint_facts`` traces a model once, without generating code, and prepares each joint
+graph as the backend would (``remat.pareto``, ``remat.sizing``, tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import fx
+
+from ._torch_dynamo import trace_joint_graphs
+from .cost_model.calibrate import measure_node_times
+from .cost_model.costs import annotate_costs
+from .cost_model.hardware import HardwareProfile, get_profile
+from .cost_model.tensors import sizes_evaluated_at
+from .devices import device_of
+from .feedback_store import Correction
+from .options import DEFAULT_MILP_TIME_LIMIT_S, RematOptions, target_for_budget
+from .passes.joint_graph import JointGraphFacts, read_joint_graph
+from .passes.plan import Plan, make_plan
+from .passes.random_ops import split_dropout_outputs
+
+# Scatter sums Inductor's CPU backend sends to the library call when more than one thread runs
+# its code (torch/_inductor/utils.py: needs_fallback_due_to_atomic_add_limitations) and lowers as
+# loops with one thread: the kernel model knows the library call only.
+_SCATTER_SUM_OPS = frozenset({"aten.scatter_add.default", "aten.scatter_reduce.two"})
+
+
+def simulator_models(facts: JointGraphFacts, device_type: str) -> bool:
+    """False when the graph's generated code is one the memory simulator is known not to model:
+    a scatter sum compiled for a single-threaded CPU (the zoo CNN's max-pool backward then
+    measures 10% over its simulation). The plan then keeps the larger default headroom."""
+    if device_type != "cpu" or torch.get_num_threads() != 1:
+        return True
+    return not any(node.op in _SCATTER_SUM_OPS for node in facts.nodes.values())
+
+
+@dataclass(frozen=True)
+class PreparedGraph:
+    """One joint graph ready to plan: its facts, the profile its costs came from, its device."""
+
+    facts: JointGraphFacts
+    profile: HardwareProfile
+    device_type: str      # "cpu", "cuda", ...: the device its tensors are on (``devices.device_of``)
+    modeled: bool         # ``simulator_models``: False keeps the larger default headroom
+
+    @property
+    def has_backward(self) -> bool:
+        """Whether any node belongs to the backward (an inference graph has nothing to plan)."""
+        return any(n.role == "backward" for n in self.facts.nodes.values())
+
+
+def prepare_graph(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int, hardware: str,
+                  estimator: str = "roofline", outputs_held: bool = False) -> PreparedGraph:
+    """Prepare a joint graph for planning (dead code out, dropout split; ``joint`` is edited in place)
+    and read its facts. ``outputs_held``: ``JointGraphFacts.outputs_held``.
+
+    ``estimator="profile"`` times the graph's real kernels once (cached by graph hash)
+    and uses those times instead of the roofline.
+    """
+    joint.graph.eliminate_dead_code()
+    split_dropout_outputs(joint.graph)
+    joint.recompile()
+    device = device_of(joint_inputs)
+    profile = get_profile(hardware, device)
+    measured = measure_node_times(joint.graph) if estimator == "profile" else None
+    costs = annotate_costs(joint.graph, profile, measured_times=measured)
+    facts = read_joint_graph(joint.graph, costs, num_fwd_outputs, outputs_held)
+    return PreparedGraph(facts, profile, device.type, simulator_models(facts, device.type))
+
+
+def facts_at_sizes(joint: fx.GraphModule, num_fwd_outputs: int, profile: HardwareProfile,
+                   sizes: Mapping[str, int]) -> JointGraphFacts:
+    """The facts of a prepared joint graph with symbolic sizes evaluated at ``sizes`` (symbol ->
+    value). Re-annotates ``joint``'s costs at those sizes."""
+    with sizes_evaluated_at(dict(sizes)):
+        return read_joint_graph(joint.graph, annotate_costs(joint.graph, profile), num_fwd_outputs)
+
+
+@dataclass(frozen=True)
+class PlanningRequest:
+    """What one plan is asked for. ``target_bytes`` is what the simulated peak must meet (None:
+    no budget); ``target_for`` is the rule it comes from, which also names the smallest feasible
+    budget in an infeasibility error: the budget less ``headroom_fraction``, less ``correction``."""
+
+    budget_bytes: Optional[int]
+    target_bytes: Optional[int]
+    headroom_fraction: float = 0.0
+    correction: Optional[Correction] = None   # the feedback loop's correction (remat/feedback_store.py)
+    best_effort: bool = False
+    solver: str = "greedy"
+    milp_time_limit_s: float = DEFAULT_MILP_TIME_LIMIT_S
+    saved_cap_bytes: Optional[int] = None     # DDP / FSDP2: the saved bytes a held graph may keep
+
+    def target_for(self, budget_bytes: int) -> int:
+        """The planning target this request's rule gives a budget of ``budget_bytes``. Non-decreasing."""
+        target = target_for_budget(budget_bytes, self.headroom_fraction)
+        return target if self.correction is None else self.correction.corrected_target(target)
+
+    def at(self, target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
+           best_effort: Optional[bool] = None) -> "PlanningRequest":
+        """The same request at another target (and cap, and best effort: unchanged when None)."""
+        return dataclasses.replace(self, target_bytes=target_bytes, saved_cap_bytes=saved_cap_bytes,
+                                   best_effort=self.best_effort if best_effort is None else best_effort)
+
+
+def budget_request(budget_bytes: Optional[int], best_effort: bool = False) -> PlanningRequest:
+    """A request whose target is the budget itself (no headroom): what ``remat.pareto``, the dump's
+    curve and the plan-hash test plan at."""
+    return PlanningRequest(budget_bytes, budget_bytes, best_effort=best_effort)
+
+
+def request_for(options: RematOptions, graph: PreparedGraph, correction: Optional[Correction] = None,
+                budget_bytes: Optional[int] = None) -> PlanningRequest:
+    """The request the backend's ``options`` make for ``graph``: at ``budget_bytes`` (default: the
+    options' budget), less the headroom of the graph's device (``RematOptions.headroom_for``), less
+    ``correction``; the options' solver and best effort."""
+    budget = options.budget_bytes if budget_bytes is None else budget_bytes
+    request = PlanningRequest(budget, None, options.headroom_for(graph.device_type, graph.modeled), correction,
+                              options.best_effort, options.solver, options.milp_time_limit_s)
+    return request if budget is None else dataclasses.replace(request, target_bytes=request.target_for(budget))
+
+
+def plan_graph(facts: JointGraphFacts, request: PlanningRequest) -> Plan:
+    """``make_plan`` for ``request`` (see there for what the plan guarantees and what it raises)."""
+    return make_plan(facts, request.budget_bytes, target_bytes=request.target_bytes, best_effort=request.best_effort,
+                     solver=request.solver, milp_time_limit_s=request.milp_time_limit_s,
+                     saved_cap_bytes=request.saved_cap_bytes, target_for_budget=request.target_for)
+
+
+def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], *, hardware: str = "auto",
+                      read: Optional[Callable[[fx.GraphModule, Sequence[object], int], Any]] = None) -> list[Any]:
+    """Trace ``model`` once, as torch.compile with Inductor would, and return the facts of every
+    joint graph (``prepare_graph``'s, with ``hardware``'s profile), without planning or generating
+    code (``_torch_dynamo.trace_joint_graphs``). ``read``, if given, is called as
+    ``read(joint, joint_inputs, num_fwd_outputs)`` instead, and its results are returned
+    (``remat.sizing`` keeps the joint graphs)."""
+    if read is None:
+        return trace_joint_graphs(model, example_inputs, lambda j, i, n: prepare_graph(j, i, n, hardware).facts)
+    return trace_joint_graphs(model, example_inputs, read)
+
+
+__all__ = ["PlanningRequest", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
+           "request_for", "simulator_models", "trace_joint_facts"]
