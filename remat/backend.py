@@ -1,30 +1,17 @@
-"""The torch.compile backend: the one module that touches torch's private APIs.
+"""The torch.compile backend: ``remat.backend(budget_gb=...)`` and ``torch.compile(backend="remat")``.
 
-Private APIs used, all here (verified on torch 2.13.0; see README "Torch versions"):
-
-- ``torch._inductor.compile_fx.compile_fx(gm, inputs, config_patches=...)``: Inductor's
-  entry point; ``config_patches`` applies to the lazily compiled backward too.
-- ``torch._inductor.config.custom_partitioner_fn`` and
-  ``torch._inductor.custom_graph_pass.CustomPartitionerFn``: Inductor runs its
-  joint-graph passes, then calls our partitioner, then generates code for the
-  forward and backward we return. ``uuid()`` joins the compile-cache key.
-- ``torch._functorch.partitioners._extract_fwd_bwd_modules``: builds the forward
-  and backward modules from a joint graph and the saved values we chose (it
-  keeps AOTAutograd's calling conventions: saved-tensor order, symbol bindings).
-  ``default_partition`` handles joint graphs with no backward work.
-- ``torch._dynamo.register_backend`` and ``torch._guards.CompileContext``.
-- ``compile_fx(..., inner_compile=...)`` wrapping ``torch._inductor.compile_fx.compile_fx_inner``
-  (called with ``is_backward=True`` for the backward) and ``CompiledFxGraph.source_code``: the
-  generated wrapper of each graph, which ``remat.inductor_check`` reads to judge the plan.
-
-Tracing without codegen (``remat.pipeline.trace_joint_facts``), ``ShortenTraceback`` and the
-current compile id are in ``remat/_torch_dynamo.py``.
+``RematBackend`` compiles each graph Dynamo hands it with Inductor, remat's partitioner in Inductor's
+config (``_torch_compile.py``: every private torch API of that path), and plans each joint graph
+through ``pipeline.py``; it then has the plan judged on Inductor's generated code (``judge_loop.py``),
+hooks the measured steps (``feedback.py``, ``step_loop.py``) and keeps one ``CompiledGraph`` per
+graph planned. The step's graphs share one budget (``step_budget.py``; DDP/FSDP2 pieces:
+``distributed*.py``); dynamic shapes are planned at their largest sizes (``dynamic.py``); compiles
+are cached (``compile_cache.py``).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import logging
 import os
@@ -37,39 +24,27 @@ import torch
 from torch import fx
 
 from . import _torch_cache
+from ._torch_compile import (CodeCapture, compile_with_partitioner, make_partitioner, register_dynamo_backend,
+                             split_by_default, split_joint)
 from ._torch_dynamo import current_compile_id, passthrough_error_class
 from .compile_cache import CallCache, cached_plan, call_cacheable, partitioner_uuid
 from .compiled_graph import CompiledGraph
 from .devices import device_of, free_device_bytes
 from .distributed import GraphShare, StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
-from .errors import BudgetInfeasibleError, raise_budget_hint
+from .errors import BudgetInfeasibleError
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
-from .inductor_check import GraphCode, activation_itemsize, checked_peak_of, graph_code
-from .inductor_verdict import Judgement, Refusal, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
+from .inductor_verdict import Refusal
+from .judge_loop import judge_compiled
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
 from .pipeline import plan_graph, prepare_graph, request_for
 from .step_budget import StepAccount, fit_in_step, need_of, note_step_plan, slot_of
 from .step_loop import StepHooks
-from .units import format_bytes, format_gb_up
 
 log = logging.getLogger("remat")
-
-
-def _partition_with_plan(joint: fx.GraphModule, plan: Plan, num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
-    from torch._functorch.partitioners import _extract_fwd_bwd_modules
-
-    by_name = {n.name: n for n in joint.graph.nodes}
-    saved = [n for name in plan.saved_primals + plan.saved if (n := by_name[name]) is not None]
-    sym_nodes = [n for n in saved if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))]
-    saved_values = [n for n in saved if n not in sym_nodes]
-    position = {n: i for i, n in enumerate(joint.graph.nodes)}
-    saved_values.sort(key=position.__getitem__)
-    sym_nodes.sort(key=position.__getitem__)
-    return _extract_fwd_bwd_modules(joint, saved_values, saved_sym_nodes=sym_nodes, num_fwd_outputs=num_fwd_outputs)
 
 
 def _has_symbolic_shapes(example_inputs: Sequence[Any]) -> bool:
@@ -104,55 +79,6 @@ def _watch_backward(outputs: Any, at_end: Callable[[], None]) -> bool:
     return True
 
 
-MAX_JUDGED_REPLANS = 3   # re-plans Inductor's verdict may ask for per compile (remat/inductor_check.py)
-
-
-class _CodeCapture:
-    """An ``inner_compile`` for ``compile_fx``: compiles each graph as Inductor does and keeps its
-    generated wrapper with the FX names it was handed (one capture per ``compile_fx`` call)."""
-
-    def __init__(self) -> None:
-        self.graphs: list[tuple[bool, GraphCode, int]] = []   # (is_backward, code, activation item size)
-
-    def inner_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        from torch._inductor.compile_fx import compile_fx_inner
-
-        names, itemsize = graph_code(gm, ""), activation_itemsize(gm)   # before Inductor's post-grad passes
-        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-        source = getattr(compiled, "source_code", None)
-        if isinstance(source, str):
-            self.graphs.append((bool(kwargs.get("is_backward", False)),
-                                dataclasses.replace(names, source_code=source), itemsize))
-        return compiled
-
-
-class _PartitionerCacheKey:
-    """What a pickled partitioner becomes: Inductor pickles its config, this
-    partitioner included, into the compile-cache key; the key is our uuid."""
-
-    def __init__(self, uuid: str) -> None:
-        self.uuid = uuid
-
-
-def _make_partitioner(backend: "RematBackend") -> Any:
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
-
-    class RematPartitioner(CustomPartitionerFn):
-        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-            from .dynamic import partition_at_planned_sizes   # dynamic shapes: sizes planned at, no guards
-
-            return partition_at_planned_sizes(backend.partition, backend.options, backend.compiled_graphs, gm,
-                                              joint_inputs, kwargs)
-
-        def uuid(self) -> Any:
-            return backend.cache_key()
-
-        def __reduce__(self):
-            return (_PartitionerCacheKey, (self.uuid(),))
-
-    return RematPartitioner()
-
-
 class RematBackend:
     """A ``torch.compile`` backend that plans every joint graph under one budget.
 
@@ -166,7 +92,7 @@ class RematBackend:
         self._counter = itertools.count()
         self._lock = threading.Lock()
         self._step_ledger = StepLedger()  # what earlier DDP pieces of a step keep for their backward
-        self.partitioner = _make_partitioner(self)
+        self.partitioner = make_partitioner(self._partition_at_planned_sizes, self.cache_key)
         self.feedback_events: list[FeedbackEvent] = []     # what the feedback loop did (remat/feedback.py)
         # graph breaks: the step's graphs at run time, its re-plans and measured steps (remat/step_loop.py)
         self._step_hooks = StepHooks(StepAccount(), options.verify_peak, self.feedback_events)
@@ -190,9 +116,15 @@ class RematBackend:
         with self._lock:
             return f"graph_{next(self._counter):03d}"
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        from torch._inductor.compile_fx import compile_fx
+    def _partition_at_planned_sizes(self, joint: fx.GraphModule, joint_inputs: Sequence[object],
+                                    kwargs: dict[str, Any]) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """The partitioner Inductor calls: ``partition``, with dynamic shapes read at the sizes they are
+        planned at and no guard added (``dynamic.partition_at_planned_sizes``)."""
+        from .dynamic import partition_at_planned_sizes
 
+        return partition_at_planned_sizes(self.partition, self.options, self.compiled_graphs, joint, joint_inputs, kwargs)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         verify = self.options.verify_peak > 0
         judge = self.options.inductor_check and self.options.budget_bytes is not None
         budget = self.options.budget_bytes is not None   # the step's account re-plans graphs (remat/step_budget.py)
@@ -202,12 +134,11 @@ class RematBackend:
                       if call_cacheable(self.options, len(self.compiled_graphs), example_inputs) else None)
         pristine = _copy_or_none(gm) if verify or judge or budget or call_cache else None   # compile_fx's pre-grad passes rewrite gm in place
         before, hits = len(self.compiled_graphs), _torch_cache.autograd_cache_hits()
-        capture = _CodeCapture()
+        capture = CodeCapture()
         # The backward is compiled now, not at its first call, so a measured step's window holds no
         # compilation and Inductor can judge the plan.
         with _torch_cache.autograd_cache(call_cache is not None, non_lazy_backward=verify or judge):
-            fn = compile_fx(gm, example_inputs, inner_compile=capture.inner_compile,
-                            config_patches={"custom_partitioner_fn": self.partitioner})
+            fn = compile_with_partitioner(gm, example_inputs, self.partitioner, capture)
         restored = False
         if call_cache is not None and _torch_cache.autograd_cache_hits() > hits:
             entry = call_cache.restore(self.new_graph_id, self.options.dump_dir, self.step_account, current_compile_id())
@@ -216,10 +147,9 @@ class RematBackend:
                 self.compiled_graphs.append(entry.record)
             if not restored:    # nothing (usable) stored for this hit: compile again without the cache
                 assert pristine is not None
-                capture = _CodeCapture()
+                capture = CodeCapture()
                 with _torch_cache.autograd_cache(False, non_lazy_backward=verify or judge):
-                    fn = compile_fx(copy.deepcopy(pristine), example_inputs, inner_compile=capture.inner_compile,
-                                    config_patches={"custom_partitioner_fn": self.partitioner})
+                    fn = compile_with_partitioner(copy.deepcopy(pristine), example_inputs, self.partitioner, capture)
         records = self.compiled_graphs[before:]
         if len(records) != 1:
             if call_cache is not None and not restored:
@@ -239,7 +169,7 @@ class RematBackend:
             return fn
 
         def recompile(args: list, correction: Correction) -> tuple[Callable[..., Any], CompiledGraph]:
-            replanned = _CodeCapture()
+            replanned = CodeCapture()
             fn = self._recompile(pristine, args, correction, wrapper.record.graph_key, replanned)[0]
             if judge:
                 fn = self._judged(fn, replanned, pristine, args)
@@ -265,54 +195,16 @@ class RematBackend:
         else:
             call_cache.store(final, self.step_account.plan_of(final.graph_id))
 
-    def _judged(self, fn: Callable[..., Any], capture: _CodeCapture, gm: fx.GraphModule,
+    def _judged(self, fn: Callable[..., Any], capture: CodeCapture, gm: fx.GraphModule,
                 args: list) -> Callable[..., Any]:
-        """Inductor judges the plan just compiled, before any step runs (remat/inductor_check.py):
-        its peak is read from the generated forward and backward; over the planning target (the budget
-        less headroom), the graph is planned again at ``target / (checked / simulated)`` (in the
-        simulator's units) and recompiled from ``gm`` (the feedback
-        loop's re-plan path), up to ``MAX_JUDGED_REPLANS`` times. Returns the callable accepted; its
-        record (last in ``compiled_graphs``) carries the verdict and its dump says which number the
-        plan was accepted on; the plans it rejected leave ``compiled_graphs`` (their verdicts are in
-        ``judgement.rejected``, their dumps stay). A re-plan no plan can meet keeps the last plan if
-        its checked peak is within the budget, and raises ``BudgetInfeasibleError`` otherwise."""
-        rejected: tuple[Judgement, ...] = ()
-        for round_ in itertools.count():
-            record = self.compiled_graphs.pop()
-            if rejected:
-                self.compiled_graphs.pop()      # the plan this one replaces
-            self.compiled_graphs.append(record)
-            checked = checked_peak_of(capture.graphs, device_of(args).type, self.options.outputs_held)
-            if record.refusal is not None:
-                return self._overruled_or_refused(fn, record, None if checked is None else checked.peak_bytes)
-            verdict = judge_plan(record.plan.predicted_peak_bytes, None if checked is None else checked.peak_bytes,
-                                 record.base_target_bytes, record.plan.budget_bytes,
-                                 may_replan=record.plan.fits_budget and round_ < MAX_JUDGED_REPLANS,
-                                 graph_id=record.graph_id, rejected=rejected)
-            self.compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
-            annotate_dump(record.dump_path, verdict)
-            log.info("remat %s: %s on Inductor's check, %s", record.graph_id, verdict.action, verdict)
-            if verdict.action != "re-plan":
-                return fn
-            assert verdict.new_target_bytes is not None and verdict.checked_peak_bytes is not None
-            assert record.base_target_bytes is not None
-            correction = Correction(record.base_target_bytes / max(verdict.new_target_bytes, 1), record.plan.budget_bytes,
-                                    record.plan.predicted_peak_bytes, verdict.checked_peak_bytes, record.graph_id,
-                                    f"Inductor-checked: {record.graph_id}'s generated code peaks at "
-                                    f"{verdict.checked_peak_bytes} bytes where its plan simulated "
-                                    f"{record.plan.predicted_peak_bytes} (target {verdict.target_bytes})")
-            rejected += (verdict,)
-            capture = _CodeCapture()
-            try:
-                fn = self._recompile(gm, args, correction, record.graph_key, capture)[0]
-            except BudgetInfeasibleError:
-                if record.plan.budget_bytes is None or verdict.checked_peak_bytes > record.plan.budget_bytes:
-                    raise
-                kept = dataclasses.replace(verdict, action="accepted over target: no plan meets the corrected target")
-                self.compiled_graphs[-1] = dataclasses.replace(record, judgement=kept)
-                annotate_dump(record.dump_path, kept)
-                return fn
-        raise AssertionError("unreachable")
+        """Inductor's verdict on the plan just compiled (``judge_loop.judge_compiled``); a re-plan is
+        compiled from a copy of Dynamo's graph ``gm`` for the real inputs ``args``."""
+        def recompile(correction: Correction, key: str) -> tuple[Callable[..., Any], CodeCapture]:
+            replanned = CodeCapture()
+            return self._recompile(gm, args, correction, key, replanned)[0], replanned
+
+        return judge_compiled(fn, capture, device_of(args).type, self.options.outputs_held, self.compiled_graphs,
+                              recompile)
 
     def _check_may_overrule(self, share: Optional[GraphShare], joint: fx.GraphModule, joint_inputs: Sequence[object]) -> bool:
         """Whether a budget the simulator refused goes to Inductor's check first (the smallest-peak plan
@@ -324,56 +216,20 @@ class RematBackend:
                 and not _has_symbolic_shapes([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])
                 and getattr(self._replan, "correction", None) is None)
 
-    def _overruled_or_refused(self, fn: Callable[..., Any], record: CompiledGraph,
-                              checked_peak_bytes: Optional[int]) -> Callable[..., Any]:
-        """Inductor's verdict on the smallest-peak plan of a budget the simulator refused: at or under
-        the planning target, the plan runs (the simulator over-predicted it); otherwise the refusal is
-        raised, naming the budget at which this same check accepts that plan when that is below the
-        simulator's figure (``inductor_check.named_budget_after_check``)."""
-        assert record.refusal is not None and record.base_target_bytes is not None
-        error = record.refusal.error
-        assert isinstance(error, BudgetInfeasibleError)
-        verdict = overrule_refusal(record.plan.predicted_peak_bytes, checked_peak_bytes, record.base_target_bytes,
-                                   error.budget_bytes, record.graph_id)
-        self.compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
-        annotate_dump(record.dump_path, verdict)
-        if verdict.action != "refused":
-            log.info("remat %s: %s (simulated %d bytes, checked %s)", record.graph_id, verdict.action,
-                     record.plan.predicted_peak_bytes, checked_peak_bytes)
-            return fn
-        self.compiled_graphs.pop()
-        log.info("remat %s: the simulator's refusal stands on Inductor's check (simulated %d bytes, checked %s, "
-                 "target %d)", record.graph_id, record.plan.predicted_peak_bytes, checked_peak_bytes, record.base_target_bytes)
-        named = named_budget_after_check(record.refusal, checked_peak_bytes, error.min_feasible_bytes)
-        if named is not None and named < error.min_budget_bytes:
-            error = BudgetInfeasibleError(
-                f"budget {format_bytes(error.budget_bytes)} is below the smallest feasible budget "
-                f"{format_gb_up(named)} GB: the smallest-peak plan's generated code peaks at {checked_peak_bytes:,} "
-                f"bytes as Inductor compiled it (the simulator predicted {record.plan.predicted_peak_bytes:,}), "
-                f"over the planning target of {record.base_target_bytes:,} bytes (the budget less headroom). "
-                f"Of the simulated {record.plan.predicted_peak_bytes:,} bytes, " + "; ".join(error.reasons) + ". "
-                + raise_budget_hint(named), budget_bytes=error.budget_bytes, min_feasible_bytes=checked_peak_bytes,
-                min_budget_bytes=named, reasons=error.reasons)
-        raise passthrough_error_class(BudgetInfeasibleError)(error)
-
     def _remember(self, key: str, correction: Correction) -> Optional[str]:
         self._corrections[key] = correction
         path = write_correction(key, correction)
         return None if path is None else str(path)
 
     def _recompile(self, gm: fx.GraphModule, args: list, correction: Correction,
-                   key: str, capture: Optional[_CodeCapture] = None) -> tuple[Callable[..., Any], CompiledGraph]:
+                   key: str, capture: Optional[CodeCapture] = None) -> tuple[Callable[..., Any], CompiledGraph]:
         """Compile a copy of Dynamo's graph ``gm`` for the real inputs ``args`` (static shapes, as it
         was traced), planning at the target ``correction`` gives; returns the callable and its record,
         which keeps the store ``key`` of the graph as Dynamo compiled it (the next process's key)."""
-        from torch._functorch import config as functorch_config
-        from torch._inductor.compile_fx import compile_fx
-
         self._replan.correction, self._replan.key = correction, key
         try:
-            with functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True):
-                fn = compile_fx(copy.deepcopy(gm), args, inner_compile=(capture or _CodeCapture()).inner_compile,
-                                config_patches={"custom_partitioner_fn": self.partitioner})
+            with _torch_cache.autograd_cache(False, non_lazy_backward=True):
+                fn = compile_with_partitioner(copy.deepcopy(gm), args, self.partitioner, capture)
         finally:
             self._replan.correction = None
         return fn, self.compiled_graphs[-1]
@@ -392,16 +248,13 @@ class RematBackend:
         return f"{first}_r{rounds}", key, correction
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        from torch._functorch.partitioners import default_partition
-
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
         key_code = joint.code        # before prepare_graph edits the graph: the key the next process computes
         prepared = prepare_graph(joint, joint_inputs, num_fwd_outputs, self.options.hardware, self.options.estimator,
                                  self.options.outputs_held)
         facts, profile, device_type, modeled = prepared.facts, prepared.profile, prepared.device_type, prepared.modeled
         if not prepared.has_backward:
-            return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                     static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
+            return split_by_default(joint, joint_inputs, num_fwd_outputs, kwargs.get("static_lifetime_input_indices"))
         graph_id, key, correction = self._correction_for_code(key_code, joint_inputs)
         # Under DDP / FSDP2 the per-rank budget is split across the step's graphs (remat/distributed.py).
         static_indices = kwargs.get("static_lifetime_input_indices")
@@ -445,7 +298,7 @@ class RematBackend:
                 f"smallest-peak plan found, predicted peak {plan.predicted_peak_bytes / 1e9:.4f} GB (best_effort=True).",
                 stacklevel=2,
             )
-        fw, bw = _partition_with_plan(joint, plan, num_fwd_outputs)
+        fw, bw = split_joint(joint, plan.saved_primals + plan.saved, num_fwd_outputs)
         bw, regions = place_recompute_regions(bw, facts, plan)
         dump_path = None
         if self.options.dump_dir is not None:
@@ -575,7 +428,4 @@ def register() -> None:
 
     if any(ep.name == "remat" for ep in entry_points(group="torch_dynamo_backends")):
         return
-    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
-
-    if "remat" not in _COMPILER_FNS:
-        register_backend(remat_backend_from_env, name="remat")
+    register_dynamo_backend(remat_backend_from_env, "remat")

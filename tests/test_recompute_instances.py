@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from remat.backend import _partition_with_plan
+from remat._torch_compile import split_joint
 from remat.dump import annotated_code
 from remat.cost_model.memory import simulate_memory
 from remat.passes.kernel_steps import kernel_steps, storage_owner
@@ -118,7 +118,7 @@ def test_rewritten_backward_holds_one_copy_per_instance_and_gradients_equal_eage
                                recomputed=tuple(sorted(partition.recomputed)),
                                saved_primals=tuple(sorted(partition.saved_primals)))
     joint = captured.graph_module
-    fw, bw = _partition_with_plan(joint, plan, captured.num_fwd_outputs)
+    fw, bw = split_joint(joint, plan.saved_primals + plan.saved, captured.num_fwd_outputs)
     bw, regions = place_recompute_regions(bw, facts, plan)
 
     order = backward_order(facts, partition)

@@ -14,7 +14,9 @@ import sys
 import torch
 
 import remat
-from remat.backend import RematBackend, _CodeCapture
+from remat import _torch_cache
+from remat._torch_compile import CodeCapture, compile_with_partitioner
+from remat.backend import RematBackend
 from remat.inductor_check import checked_peak_of
 from remat.testing import corpus
 
@@ -23,13 +25,9 @@ class _Capturing(RematBackend):
     """remat with Inductor's check off, keeping the generated code of the last compile."""
 
     def __call__(self, gm, example_inputs):
-        from torch._functorch import config as functorch_config
-        from torch._inductor.compile_fx import compile_fx
-
-        self.capture = _CodeCapture()
-        with functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True):
-            return compile_fx(gm, example_inputs, inner_compile=self.capture.inner_compile,
-                              config_patches={"custom_partitioner_fn": self.partitioner})
+        self.capture = CodeCapture()
+        with _torch_cache.autograd_cache(False, non_lazy_backward=True):
+            return compile_with_partitioner(gm, example_inputs, self.partitioner, self.capture)
 
 
 def compare(entry, budget_gb):

@@ -1,0 +1,123 @@
+"""Inductor's compile path with remat's partitioner: the private torch APIs the backend compiles
+through, in one place (verified on torch 2.13.0; see README "Torch versions").
+
+- ``torch._inductor.compile_fx.compile_fx(gm, inputs, inner_compile=..., config_patches=...)``:
+  Inductor's entry point; ``config_patches`` applies to the lazily compiled backward too
+  (``compile_with_partitioner``).
+- ``torch._inductor.config.custom_partitioner_fn`` and
+  ``torch._inductor.custom_graph_pass.CustomPartitionerFn``: Inductor runs its joint-graph passes,
+  then calls the partitioner, then generates code for the forward and backward it returns.
+  ``uuid()`` joins the compile-cache key (``make_partitioner``).
+- ``torch._inductor.compile_fx.compile_fx_inner`` (called with ``is_backward=True`` for the
+  backward) and ``CompiledFxGraph.source_code``: the generated wrapper of each graph, which
+  ``remat.inductor_check`` reads to judge the plan (``CodeCapture``).
+- ``torch._functorch.partitioners._extract_fwd_bwd_modules``: builds the forward and backward
+  modules from a joint graph and the saved values chosen (it keeps AOTAutograd's calling
+  conventions: saved-tensor order, symbol bindings); ``default_partition`` handles joint graphs
+  with no backward work (``split_joint``, ``split_by_default``).
+- ``torch._dynamo.backends.registry.register_backend`` and ``_COMPILER_FNS``
+  (``register_dynamo_backend``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import fx
+
+from .inductor_check import GraphCode, activation_itemsize, graph_code
+
+
+class CodeCapture:
+    """An ``inner_compile`` for ``compile_fx``: compiles each graph as Inductor does and keeps its
+    generated wrapper with the FX names it was handed (one capture per ``compile_fx`` call)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[tuple[bool, GraphCode, int]] = []   # (is_backward, code, activation item size)
+
+    def inner_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        names, itemsize = graph_code(gm, ""), activation_itemsize(gm)   # before Inductor's post-grad passes
+        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        source = getattr(compiled, "source_code", None)
+        if isinstance(source, str):
+            self.graphs.append((bool(kwargs.get("is_backward", False)),
+                                dataclasses.replace(names, source_code=source), itemsize))
+        return compiled
+
+
+class _PartitionerCacheKey:
+    """What a pickled partitioner becomes: Inductor pickles its config, this
+    partitioner included, into the compile-cache key; the key is our uuid."""
+
+    def __init__(self, uuid: str) -> None:
+        self.uuid = uuid
+
+
+def make_partitioner(partition: Callable[[fx.GraphModule, Sequence[object], dict[str, Any]], Any],
+                     uuid: Callable[[], str]) -> Any:
+    """A ``CustomPartitionerFn`` that calls ``partition(joint, joint_inputs, kwargs)`` (kwargs:
+    ``num_fwd_outputs``, ``static_lifetime_input_indices``, ...) and whose ``uuid()`` is ``uuid()``."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class RematPartitioner(CustomPartitionerFn):
+        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+            return partition(gm, joint_inputs, kwargs)
+
+        def uuid(self) -> Any:
+            return uuid()
+
+        def __reduce__(self):
+            return (_PartitionerCacheKey, (self.uuid(),))
+
+    return RematPartitioner()
+
+
+def compile_with_partitioner(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Any,
+                             capture: Optional[CodeCapture] = None) -> Callable[..., Any]:
+    """Inductor's compile of Dynamo's graph ``gm`` with ``partitioner`` as its partitioner (for the
+    backward too), each generated graph kept by ``capture`` (a new one if None)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, inner_compile=(capture or CodeCapture()).inner_compile,
+                      config_patches={"custom_partitioner_fn": partitioner})
+
+
+def split_joint(joint: fx.GraphModule, saved_names: Sequence[str],
+                num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward modules of ``joint`` when the forward saves the nodes named
+    ``saved_names`` (tensors and symbols, in any order) for the backward."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+    by_name = {n.name: n for n in joint.graph.nodes}
+    saved = [by_name[name] for name in saved_names]
+    sym_nodes = [n for n in saved if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))]
+    saved_values = [n for n in saved if n not in sym_nodes]
+    position = {n: i for i, n in enumerate(joint.graph.nodes)}
+    saved_values.sort(key=position.__getitem__)
+    sym_nodes.sort(key=position.__getitem__)
+    return _extract_fwd_bwd_modules(joint, saved_values, saved_sym_nodes=sym_nodes, num_fwd_outputs=num_fwd_outputs)
+
+
+def split_by_default(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int,
+                     static_lifetime_input_indices: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """AOTAutograd's default partition (for a joint graph with no backward work to plan)."""
+    from torch._functorch.partitioners import default_partition
+
+    return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                             static_lifetime_input_indices=static_lifetime_input_indices)
+
+
+def register_dynamo_backend(compiler_fn: Callable[..., Any], name: str) -> None:
+    """Register ``compiler_fn`` as Dynamo's backend ``name``, unless one is registered by that name."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if name not in _COMPILER_FNS:
+        register_backend(compiler_fn, name=name)
+
+
+__all__ = ["CodeCapture", "compile_with_partitioner", "make_partitioner", "register_dynamo_backend",
+           "split_by_default", "split_joint"]

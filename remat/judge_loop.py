@@ -1,0 +1,120 @@
+"""Inductor's check on the compile path: each compiled plan judged on the code Inductor generated
+for it, before its first step, and re-planned or refused on that number.
+
+``judge_compiled`` runs the loop over one compile's records: read the generated code's peak
+(``inductor_check.checked_peak_of``), take the verdict (``inductor_verdict.judge_plan``), and on
+"re-plan" compile again at the corrected target, up to ``MAX_JUDGED_REPLANS`` times.
+``overrule_or_refuse`` is the verdict on a budget the simulator refused. The records live in the
+backend's ``compiled_graphs`` list, passed in and edited in place (the last record is the one
+judged); compiling again is the caller's ``recompile``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ._torch_dynamo import passthrough_error_class
+from .errors import BudgetInfeasibleError, raise_budget_hint
+from .feedback_store import Correction
+from .inductor_check import checked_peak_of
+from .inductor_verdict import Judgement, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
+from .units import format_bytes, format_gb_up
+
+if TYPE_CHECKING:
+    from ._torch_compile import CodeCapture
+    from .compiled_graph import CompiledGraph
+
+log = logging.getLogger("remat")
+
+MAX_JUDGED_REPLANS = 3   # re-plans Inductor's verdict may ask for per compile (remat/inductor_check.py)
+
+
+def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: str, outputs_held: bool,
+                   compiled_graphs: list["CompiledGraph"],
+                   recompile: Callable[[Correction, str], tuple[Callable[..., Any], "CodeCapture"]]) -> Callable[..., Any]:
+    """Inductor judges the plan just compiled (the last of ``compiled_graphs``, its code in ``capture``),
+    before any step runs: its peak is read from the generated forward and backward; over the planning
+    target (the budget less headroom), the graph is planned again at ``target / (checked / simulated)``
+    (in the simulator's units) and compiled again by ``recompile(correction, graph_key)`` (the feedback
+    loop's re-plan path, which appends its record), up to ``MAX_JUDGED_REPLANS`` times. Returns the
+    callable accepted; its record (last in ``compiled_graphs``) carries the verdict and its dump says
+    which number the plan was accepted on; the plans it rejected leave ``compiled_graphs`` (their
+    verdicts are in ``judgement.rejected``, their dumps stay). A re-plan no plan can meet keeps the last
+    plan if its checked peak is within the budget, and raises ``BudgetInfeasibleError`` otherwise."""
+    rejected: tuple[Judgement, ...] = ()
+    for round_ in itertools.count():
+        record = compiled_graphs.pop()
+        if rejected:
+            compiled_graphs.pop()      # the plan this one replaces
+        compiled_graphs.append(record)
+        checked = checked_peak_of(capture.graphs, device_type, outputs_held)
+        if record.refusal is not None:
+            return overrule_or_refuse(fn, compiled_graphs, None if checked is None else checked.peak_bytes)
+        verdict = judge_plan(record.plan.predicted_peak_bytes, None if checked is None else checked.peak_bytes,
+                             record.base_target_bytes, record.plan.budget_bytes,
+                             may_replan=record.plan.fits_budget and round_ < MAX_JUDGED_REPLANS,
+                             graph_id=record.graph_id, rejected=rejected)
+        compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
+        annotate_dump(record.dump_path, verdict)
+        log.info("remat %s: %s on Inductor's check, %s", record.graph_id, verdict.action, verdict)
+        if verdict.action != "re-plan":
+            return fn
+        assert verdict.new_target_bytes is not None and verdict.checked_peak_bytes is not None
+        assert record.base_target_bytes is not None
+        correction = Correction(record.base_target_bytes / max(verdict.new_target_bytes, 1), record.plan.budget_bytes,
+                                record.plan.predicted_peak_bytes, verdict.checked_peak_bytes, record.graph_id,
+                                f"Inductor-checked: {record.graph_id}'s generated code peaks at "
+                                f"{verdict.checked_peak_bytes} bytes where its plan simulated "
+                                f"{record.plan.predicted_peak_bytes} (target {verdict.target_bytes})")
+        rejected += (verdict,)
+        try:
+            fn, capture = recompile(correction, record.graph_key)
+        except BudgetInfeasibleError:
+            if record.plan.budget_bytes is None or verdict.checked_peak_bytes > record.plan.budget_bytes:
+                raise
+            kept = dataclasses.replace(verdict, action="accepted over target: no plan meets the corrected target")
+            compiled_graphs[-1] = dataclasses.replace(record, judgement=kept)
+            annotate_dump(record.dump_path, kept)
+            return fn
+    raise AssertionError("unreachable")
+
+
+def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
+                       checked_peak_bytes: Optional[int]) -> Callable[..., Any]:
+    """Inductor's verdict on the smallest-peak plan of a budget the simulator refused (the last record of
+    ``compiled_graphs``): at or under the planning target, the plan runs (the simulator over-predicted
+    it) and the record carries the verdict; otherwise the record leaves ``compiled_graphs`` and the
+    refusal is raised, naming the budget at which this same check accepts that plan when that is below
+    the simulator's figure (``inductor_verdict.named_budget_after_check``)."""
+    record = compiled_graphs[-1]
+    assert record.refusal is not None and record.base_target_bytes is not None
+    error = record.refusal.error
+    assert isinstance(error, BudgetInfeasibleError)
+    verdict = overrule_refusal(record.plan.predicted_peak_bytes, checked_peak_bytes, record.base_target_bytes,
+                               error.budget_bytes, record.graph_id)
+    compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
+    annotate_dump(record.dump_path, verdict)
+    if verdict.action != "refused":
+        log.info("remat %s: %s (simulated %d bytes, checked %s)", record.graph_id, verdict.action,
+                 record.plan.predicted_peak_bytes, checked_peak_bytes)
+        return fn
+    compiled_graphs.pop()
+    log.info("remat %s: the simulator's refusal stands on Inductor's check (simulated %d bytes, checked %s, "
+             "target %d)", record.graph_id, record.plan.predicted_peak_bytes, checked_peak_bytes, record.base_target_bytes)
+    named = named_budget_after_check(record.refusal, checked_peak_bytes, error.min_feasible_bytes)
+    if named is not None and named < error.min_budget_bytes:
+        error = BudgetInfeasibleError(
+            f"budget {format_bytes(error.budget_bytes)} is below the smallest feasible budget "
+            f"{format_gb_up(named)} GB: the smallest-peak plan's generated code peaks at {checked_peak_bytes:,} "
+            f"bytes as Inductor compiled it (the simulator predicted {record.plan.predicted_peak_bytes:,}), "
+            f"over the planning target of {record.base_target_bytes:,} bytes (the budget less headroom). "
+            f"Of the simulated {record.plan.predicted_peak_bytes:,} bytes, " + "; ".join(error.reasons) + ". "
+            + raise_budget_hint(named), budget_bytes=error.budget_bytes, min_feasible_bytes=checked_peak_bytes,
+            min_budget_bytes=named, reasons=error.reasons)
+    raise passthrough_error_class(BudgetInfeasibleError)(error)
+
+
+__all__ = ["MAX_JUDGED_REPLANS", "judge_compiled", "overrule_or_refuse"]
