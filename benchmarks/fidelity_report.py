@@ -173,6 +173,38 @@ def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
+def check_misses(models: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[float, str, str, int, int]]:
+    """Inductor's check against the step it judged: ``(measured / checked - 1, model, point, checked, measured)``
+    for every single-graph point whose plan was checked (step 3), most under-checked first. What the
+    check cannot see (library calls' internal allocations, eager code in the step, tangents the runtime
+    frees early) is this gap: the headroom has to cover its positive side."""
+    out = []
+    for name, points in models.items():
+        for point, row in points.items():
+            plans = final_plans(row) if point in ("none",) + BUDGET_POINTS and not row.get("error") else {}
+            checked = plans.get("graph_checked_peak_bytes") or []
+            measured = row.get("measured_later_bytes")
+            if len(checked) == 1 and checked[0] and measured:
+                out.append((measured / checked[0] - 1, name, point, checked[0], measured))
+    return sorted(out, reverse=True)
+
+
+def _check_lines(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    misses = check_misses(models)
+    if not misses:
+        return []
+    gaps = [m[0] for m in misses]
+    exact = sum(1 for g in gaps if abs(g) < 1e-4)
+    return ["## Inductor's check vs the measured step", "",
+            f"{len(misses)} single-graph points with a checked plan: measured / checked - 1 median {_pct(statistics.median(gaps))}, "
+            f"max {_pct(max(gaps))} (under-checked), min {_pct(min(gaps))} (over-checked); exact to 0.01% on {exact}. "
+            "The largest gaps (measured above checked: what the check cannot see, which the headroom covers):", ""]\
+        + [f"- {name} at {point}: checked {_mb(checked)} MB, measured {_mb(measured)} MB ({_pct(gap)})"
+           for gap, name, point, checked, measured in misses[:5]] \
+        + [f"- over-checked the most: {name} at {point}: checked {_mb(checked)} MB, measured {_mb(measured)} MB ({_pct(gap)})"
+           for gap, name, point, checked, measured in misses[-2:] if gap < -1e-4] + [""]
+
+
 def worst_cases(models: dict[str, dict[str, dict[str, Any]]], count: int = 5) -> list[tuple[str, str, dict[str, Any]]]:
     """The ``count`` budgeted points with the largest step-3 measured / budget."""
     rows = [(m, p, r) for m, points in models.items() for p, r in points.items()
@@ -227,6 +259,7 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"- floor above plain Inductor's measured peak: {floors['floor_above_plain']} of {floors['models']} models; "
         f"above full per-block checkpointing's: {floors['floor_above_checkpoint']} of {floors['with_checkpoint']}",
         "",
+        *_check_lines(models),
         "## Worst points (step 3 measured / budget)",
         "",
     ]
