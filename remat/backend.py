@@ -40,7 +40,7 @@ from .judge_loop import judge_compiled
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
-from .pipeline import plan_graph, prepare_graph, request_for
+from .pipeline import FREE_MINCUT_CANDIDATE, free_mincut_candidate, plan_graph, prepare_graph, request_for
 from .step_budget import StepAccount, fit_in_step, need_of, note_step_plan, slot_of
 from .step_loop import StepHooks
 
@@ -199,12 +199,17 @@ class RematBackend:
                 args: list) -> Callable[..., Any]:
         """Inductor's verdict on the plan just compiled (``judge_loop.judge_compiled``); a re-plan is
         compiled from a copy of Dynamo's graph ``gm`` for the real inputs ``args``."""
-        def recompile(correction: Correction, key: str) -> tuple[Callable[..., Any], CodeCapture]:
+        def recompile(correction: Correction, key: str, candidate: Optional[str] = None) -> tuple[Callable[..., Any], CodeCapture]:
             replanned = CodeCapture()
-            return self._recompile(gm, args, correction, key, replanned)[0], replanned
+            return self._recompile(gm, args, correction, key, replanned, candidate)[0], replanned
+
+        def compile_candidate(key: str, graph_id: str) -> tuple[Callable[..., Any], CodeCapture]:
+            # the refused graph again, planned as the free min-cut (``partition``'s candidate); its id is a re-plan's
+            same = Correction(1.0, self.options.budget_bytes, 0, 0, graph_id, "a candidate plan for Inductor's check")
+            return recompile(same, key, FREE_MINCUT_CANDIDATE)
 
         return judge_compiled(fn, capture, device_of(args).type, self.options.outputs_held, self.compiled_graphs,
-                              recompile)
+                              recompile, compile_candidate)
 
     def _check_may_overrule(self, share: Optional[GraphShare], joint: fx.GraphModule, joint_inputs: Sequence[object]) -> bool:
         """Whether a budget the simulator refused goes to Inductor's check first (the smallest-peak plan
@@ -222,16 +227,18 @@ class RematBackend:
         return None if path is None else str(path)
 
     def _recompile(self, gm: fx.GraphModule, args: list, correction: Correction,
-                   key: str, capture: Optional[CodeCapture] = None) -> tuple[Callable[..., Any], CompiledGraph]:
+                   key: str, capture: Optional[CodeCapture] = None,
+                   candidate: Optional[str] = None) -> tuple[Callable[..., Any], CompiledGraph]:
         """Compile a copy of Dynamo's graph ``gm`` for the real inputs ``args`` (static shapes, as it
-        was traced), planning at the target ``correction`` gives; returns the callable and its record,
+        was traced), planning at the target ``correction`` gives (or, with ``candidate``, planning that
+        candidate when the target is refused: ``partition``); returns the callable and its record,
         which keeps the store ``key`` of the graph as Dynamo compiled it (the next process's key)."""
-        self._replan.correction, self._replan.key = correction, key
+        self._replan.correction, self._replan.key, self._replan.candidate = correction, key, candidate
         try:
             with _torch_cache.autograd_cache(False, non_lazy_backward=True):
                 fn = compile_with_partitioner(copy.deepcopy(gm), args, self.partitioner, capture)
         finally:
-            self._replan.correction = None
+            self._replan.correction, self._replan.candidate = None, None
         return fn, self.compiled_graphs[-1]
 
     def _correction_for_code(self, code: str, joint_inputs: Sequence[object]) -> tuple[str, str, Optional[Correction]]:
@@ -283,15 +290,16 @@ class RematBackend:
                     share, held_of, plan_at,
                     self.options.budget_bytes, request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at)
         except BudgetInfeasibleError as error:
-            if correction is not None:
+            candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
+            if correction is not None and candidate is None:
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
                               f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "
                               f"{correction.factor:.3f}x ({correction.source}).",) + error.args[1:]
-            if not self._check_may_overrule(share, joint, joint_inputs):
+            if candidate is None and not self._check_may_overrule(share, joint, joint_inputs):
                 raise passthrough_error_class(BudgetInfeasibleError)(error) from None
             refusal = Refusal(error, lambda b: self.options.planning_target_for(b, device_type, modeled))
-            plan = plan_at(target_bytes, best_effort=True)
+            plan = plan_at(target_bytes, best_effort=True) if candidate is None else free_mincut_candidate(facts, request)
         if not plan.fits_budget and refusal is None:
             warnings.warn(
                 f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the "

@@ -36,8 +36,9 @@ class CompiledGraph:
     # "" (solved in this compile), "plan cache: <entry>" (the plan re-used, the rest made now) or
     # "autograd-cache hit: <entry>" (AOTAutograd's cache served the compile; this record restored)
     cache: str = ""
-    # the simulator refused the budget and this is its smallest-peak plan, compiled for Inductor's check to
-    # overrule the refusal or let it stand (``judge_loop.overrule_or_refuse``)
+    # the simulator refused the budget and this is its smallest-peak plan (or, when that one checked over
+    # its target, the free min-cut candidate), compiled for Inductor's check to overrule the refusal or
+    # let it stand (``judge_loop.overrule_or_refuse``)
     refusal: Optional["Refusal"] = None
     # the facts the plan was made on (what the tools simulate the plan with). Not part of the record's
     # identity, not stored by the compile cache: None on a record an AOTAutograd cache hit restored.

@@ -34,7 +34,9 @@ MAX_JUDGED_REPLANS = 3   # re-plans Inductor's verdict may ask for per compile (
 
 def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: str, outputs_held: bool,
                    compiled_graphs: list["CompiledGraph"],
-                   recompile: Callable[[Correction, str], tuple[Callable[..., Any], "CodeCapture"]]) -> Callable[..., Any]:
+                   recompile: Callable[[Correction, str], tuple[Callable[..., Any], "CodeCapture"]],
+                   compile_candidate: Optional[Callable[[str, str], tuple[Callable[..., Any], "CodeCapture"]]] = None,
+                   ) -> Callable[..., Any]:
     """Inductor judges the plan just compiled (the last of ``compiled_graphs``, its code in ``capture``),
     before any step runs: its peak is read from the generated forward and backward; over the planning
     target (the budget less headroom), the graph is planned again at ``target / (checked / simulated)``
@@ -43,7 +45,8 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     callable accepted; its record (last in ``compiled_graphs``) carries the verdict and its dump says
     which number the plan was accepted on; the plans it rejected leave ``compiled_graphs`` (their
     verdicts are in ``judgement.rejected``, their dumps stay). A re-plan no plan can meet keeps the last
-    plan if its checked peak is within the budget, and raises ``BudgetInfeasibleError`` otherwise."""
+    plan if its checked peak is within the budget, and raises ``BudgetInfeasibleError`` otherwise.
+    A budget the simulator refused is judged by ``overrule_or_refuse`` (with ``compile_candidate``)."""
     rejected: tuple[Judgement, ...] = ()
     for round_ in itertools.count():
         record = compiled_graphs.pop()
@@ -52,7 +55,10 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         compiled_graphs.append(record)
         checked = checked_peak_of(capture.graphs, device_type, outputs_held)
         if record.refusal is not None:
-            return overrule_or_refuse(fn, compiled_graphs, None if checked is None else checked.peak_bytes)
+            return overrule_or_refuse(fn, compiled_graphs, None if checked is None else checked.peak_bytes,
+                                      None if compile_candidate is None else
+                                      lambda: _checked_candidate(compile_candidate, record.graph_key, record.graph_id,
+                                                                 device_type, outputs_held))
         verdict = judge_plan(record.plan.predicted_peak_bytes, None if checked is None else checked.peak_bytes,
                              record.base_target_bytes, record.plan.budget_bytes,
                              may_replan=record.plan.fits_budget and round_ < MAX_JUDGED_REPLANS,
@@ -82,13 +88,26 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     raise AssertionError("unreachable")
 
 
+def _checked_candidate(compile_candidate: Callable[[str, str], tuple[Callable[..., Any], "CodeCapture"]], graph_key: str,
+                       graph_id: str, device_type: str, outputs_held: bool) -> tuple[Callable[..., Any], Optional[int]]:
+    """Compile the refused graph's candidate plan (its record is appended) and read its checked peak."""
+    fn, capture = compile_candidate(graph_key, graph_id)
+    checked = checked_peak_of(capture.graphs, device_type, outputs_held)
+    return fn, None if checked is None else checked.peak_bytes
+
+
 def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
-                       checked_peak_bytes: Optional[int]) -> Callable[..., Any]:
+                       checked_peak_bytes: Optional[int],
+                       candidate: Optional[Callable[[], tuple[Callable[..., Any], Optional[int]]]] = None) -> Callable[..., Any]:
     """Inductor's verdict on the smallest-peak plan of a budget the simulator refused (the last record of
     ``compiled_graphs``): at or under the planning target, the plan runs (the simulator over-predicted
-    it) and the record carries the verdict; otherwise the record leaves ``compiled_graphs`` and the
-    refusal is raised, naming the budget at which this same check accepts that plan when that is below
-    the simulator's figure (``inductor_verdict.named_budget_after_check``)."""
+    it) and the record carries the verdict. Otherwise, when ``candidate`` is given, the free min-cut plan
+    is compiled and checked too (``candidate()`` appends its record and returns its callable and checked
+    peak): the simulator can rank two plans the wrong way round (its smallest-peak plan may check above
+    the plan it thinks larger), and Inductor's number decides, so the candidate runs if it checks at or
+    under the target. Otherwise the records leave ``compiled_graphs`` and the refusal is raised, naming
+    the budget at which this same check accepts the plan that checked lowest, when that is below the
+    simulator's figure (``inductor_verdict.named_budget_after_check``)."""
     record = compiled_graphs[-1]
     assert record.refusal is not None and record.base_target_bytes is not None
     error = record.refusal.error
@@ -104,14 +123,33 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     compiled_graphs.pop()
     log.info("remat %s: the simulator's refusal stands on Inductor's check (simulated %d bytes, checked %s, "
              "target %d)", record.graph_id, record.plan.predicted_peak_bytes, checked_peak_bytes, record.base_target_bytes)
+    smallest = record
+    if candidate is not None:
+        candidate_fn, candidate_checked = candidate()
+        other = compiled_graphs[-1]
+        other_verdict = overrule_refusal(other.plan.predicted_peak_bytes, candidate_checked, record.base_target_bytes,
+                                         error.budget_bytes, other.graph_id)
+        if other_verdict.action != "refused":
+            other_verdict = dataclasses.replace(
+                other_verdict, action="accepted: Inductor's check of the free min-cut plan overrules the simulator "
+                f"(its smallest-peak plan checked {checked_peak_bytes} bytes, over the target)", rejected=(verdict,))
+        compiled_graphs[-1] = dataclasses.replace(other, judgement=other_verdict)
+        annotate_dump(other.dump_path, other_verdict)
+        log.info("remat %s: the free min-cut plan: %s (simulated %d bytes, checked %s)", other.graph_id,
+                 other_verdict.action, other.plan.predicted_peak_bytes, candidate_checked)
+        if other_verdict.action != "refused":
+            return candidate_fn
+        compiled_graphs.pop()
+        if candidate_checked is not None and (checked_peak_bytes is None or candidate_checked < checked_peak_bytes):
+            record, checked_peak_bytes = other, candidate_checked
     named = named_budget_after_check(record.refusal, checked_peak_bytes, error.min_feasible_bytes)
     if named is not None and named < error.min_budget_bytes:
         error = BudgetInfeasibleError(
             f"budget {format_bytes(error.budget_bytes)} is below the smallest feasible budget "
-            f"{format_gb_up(named)} GB: the smallest-peak plan's generated code peaks at {checked_peak_bytes:,} "
+            f"{format_gb_up(named)} GB: the lowest-checked plan's generated code peaks at {checked_peak_bytes:,} "
             f"bytes as Inductor compiled it (the simulator predicted {record.plan.predicted_peak_bytes:,}), "
             f"over the planning target of {record.base_target_bytes:,} bytes (the budget less headroom). "
-            f"Of the simulated {record.plan.predicted_peak_bytes:,} bytes, " + "; ".join(error.reasons) + ". "
+            f"Of the smallest-peak plan's simulated {smallest.plan.predicted_peak_bytes:,} bytes, " + "; ".join(error.reasons) + ". "
             + raise_budget_hint(named), budget_bytes=error.budget_bytes, min_feasible_bytes=checked_peak_bytes,
             min_budget_bytes=named, reasons=error.reasons)
     raise passthrough_error_class(BudgetInfeasibleError)(error)
