@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from .distributed import DistributedGraphRecord, GraphShare
+    from .distributed import GraphShare
+    from .distributed_record import DistributedGraphRecord
     from .feedback_store import Correction
     from .inductor_verdict import Judgement, Refusal
     from .passes.joint_graph import JointGraphFacts

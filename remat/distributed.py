@@ -81,14 +81,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
-if TYPE_CHECKING:
-    from torch import fx
-
-from .errors import BudgetInfeasibleError, raise_budget_hint
-from .options import smallest_budget_bytes
-from .units import format_bytes, format_gb_up
+from .units import format_bytes
 
 
 # An eager loss on the step's outputs (cross-entropy on logits: measured on the zoo GPT under
@@ -431,60 +426,3 @@ def _share_target_line(line: str, title: str) -> str:
     """report.md's planning-target line for a graph planned under a share of the step."""
     head = line.split(" (", 1)[0]
     return f"{head} (this graph's share of the step's target: see \"{title}\" below)"
-
-
-@dataclass(frozen=True)
-class DistributedGraphRecord:
-    """The distributed side of one planned graph: its share of the budget (None when it got
-    the whole budget) and the collectives in its graphs, by node name."""
-
-    share: Optional[GraphShare]
-    collective_nodes: tuple[str, ...]         # collectives (and waits) in the forward and backward
-    recomputed_collectives: tuple[str, ...]   # collectives inside a recompute region of the backward: always empty
-
-
-def collectives_of(fw: "fx.GraphModule", bw: "fx.GraphModule") -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(collective nodes of both graphs, collective nodes the backward recomputes).
-
-    A recomputed node is one ``place_recompute_regions`` tagged with ``node.meta[REMAT_KEY]``.
-    """
-    from .passes.joint_graph import is_collective
-    from .passes.rewrite import REMAT_KEY
-
-    found = tuple(f"{gm_name}.{n.name}" for gm_name, gm in (("forward", fw), ("backward", bw))
-                  for n in gm.graph.nodes if is_collective(n))
-    recomputed = tuple(f"backward.{n.name}" for n in bw.graph.nodes if is_collective(n) and REMAT_KEY in n.meta)
-    return found, recomputed
-
-
-def budget_for_step_target(step_target_bytes: int, target_for_budget: Callable[[int], int]) -> int:
-    """The smallest budget (bytes) whose step target by ``target_for_budget`` (the backend's rule:
-    ``RematOptions.planning_target_for``, the budget less its headroom) is at least
-    ``step_target_bytes``: the budget a user passes to get that step target."""
-    return smallest_budget_bytes(lambda b: target_for_budget(b) >= step_target_bytes, start_bytes=step_target_bytes)
-
-
-def restate_infeasible(error: BudgetInfeasibleError, share: Optional[GraphShare], budget_bytes: Optional[int],
-                       target_for_budget: Callable[[int], int], loose: bool = False) -> BudgetInfeasibleError:
-    """The planner's infeasibility error for a graph planned under a share, restated for the
-    whole step: the smallest per-rank budget whose share for this graph holds the smallest
-    peak the planner reached (``error`` itself if the graph had no share).
-
-    A share is an affine function of the step target, which ``target_for_budget`` makes of a
-    budget, so both are solved here (bisections). Later pieces may need more: a budget this
-    error names can still fail at a later piece.
-    """
-    if share is None or budget_bytes is None or share.target_bytes <= 0:
-        return error
-    peak = error.min_feasible_bytes
-    step_target = share.smallest_step_target_bytes(peak, loose=loose)
-    minimum = budget_for_step_target(step_target, target_for_budget)
-    message = (
-        f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_gb_up(minimum)} GB "
-        f"for this graph ({share.explain().split('. ')[0]}): "
-        f"its smallest simulated peak is {format_bytes(peak)}, "
-        f"and its share of a budget grows as {format_bytes(share.target_bytes)} does at {format_bytes(budget_bytes)}. "
-        "Inside that peak: " + "; ".join(error.reasons) + ". " + raise_budget_hint(minimum)
-    )
-    return BudgetInfeasibleError(message, budget_bytes=budget_bytes, min_feasible_bytes=peak, min_budget_bytes=minimum,
-                                 reasons=error.reasons)

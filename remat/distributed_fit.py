@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from .distributed import (
-    LOSS_OUTPUT_COPIES, DistributedGraphRecord, GraphShare, LedgerEntry, StepLedger, budget_for_step_target,
-    collectives_of, piece_target, restate_infeasible, write_share_to_dump,
-)
+from .distributed import LOSS_OUTPUT_COPIES, GraphShare, LedgerEntry, StepLedger, piece_target, write_share_to_dump
+from .distributed_errors import budget_for_step_target, restate_infeasible
+from .distributed_record import DistributedGraphRecord, collectives_of
 from .distributed_search import (  # noqa: F401 - FIT_ROUNDS, REPLAY_STEP: the search's constants, read by tests
     FIT_ROUNDS, REPLAY_STEP, NoPlan, Replay, fit_share, named_peak, refit_of, remembered, step_target_admitting,
 )

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from .distributed import GraphShare, budget_for_step_target
+from .distributed import GraphShare
+from .distributed_errors import budget_for_step_target
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .units import format_gb_up
 
