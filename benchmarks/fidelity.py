@@ -65,9 +65,8 @@ RUN_ENVIRONMENT_BEFORE_IT_WAS_RECORDED = {"REMAT_SOURCE_COMMIT": "9da0372", "TOR
                                           "PYTHONHASHSEED": "0", "PYTHONPATH": "/tmp/snap"}
 ENV_RECORDED = ("PYTHONHASHSEED", "TORCHINDUCTOR_COMPILE_THREADS", "REMAT_SOURCE_COMMIT", "PYTHONPATH", "OMP_NUM_THREADS")
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
 import remat  # noqa: E402
-from common import grads_of, machine_info, max_relative_grad_error, source_info  # noqa: E402
+from common import grads_of, machine_info, max_relative_grad_error, source_info  # noqa: E402  (run as a script: benchmarks/ is sys.path[0])
 from remat.testing import corpus as corpus_mod  # noqa: E402
 
 

@@ -17,14 +17,12 @@ import argparse
 import gc
 import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import remat  # noqa: E402
-from fidelity import STEP_SEED  # noqa: E402
+from fidelity import STEP_SEED  # noqa: E402  (run as a script: benchmarks/ is sys.path[0])
 from remat.testing import corpus as corpus_mod  # noqa: E402
 
 

@@ -73,16 +73,6 @@ def _compile_and_measure(name: str, budget_gb: Optional[float], reuse: bool) -> 
     from remat.passes import schedule
     from remat.testing.zoo import ZOO
 
-    captured: list[Any] = []
-    backend_module = sys.modules["remat.backend"]
-    read = backend_module.read_joint_graph
-
-    def capture(*args, **kwargs):   # keep the joint graph's facts to re-simulate the plan
-        facts = read(*args, **kwargs)
-        captured.append(facts)
-        return facts
-
-    backend_module.read_joint_graph = capture
     torch._dynamo.reset()
     model, inputs = ZOO[name]()
     be = remat.backend(budget_gb, headroom_fraction=0.0)
@@ -93,11 +83,10 @@ def _compile_and_measure(name: str, budget_gb: Optional[float], reuse: bool) -> 
             compiled(*inputs).float().sum().backward()   # compiles; warm-up step
     except BudgetInfeasibleError as error:
         return {"infeasible": True, "min_feasible_bytes": error.min_feasible_bytes}
-    finally:
-        backend_module.read_joint_graph = read
     compile_s = time.perf_counter() - start
-    plan = be.compiled_graphs[-1].plan
-    facts = captured[-1]
+    record = be.compiled_graphs[-1]    # the plan accepted, and the facts it was made on (to re-simulate it)
+    assert record.facts is not None, f"{record.cache} restored no facts; rerun with REMAT_COMPILE_CACHE=0"
+    plan, facts = record.plan, record.facts
     steps, pinned = schedule.memory_steps(facts, schedule.partition_nodes(facts, set(plan.saved)))
     predicted = simulate_memory(steps, pinned, reuse_freed=reuse).peak_bytes
     measured = _measure(model, compiled, inputs)

@@ -187,9 +187,6 @@ def test_no_module_over_the_line_limit_but_the_known_ones() -> None:
 KNOWN_SYS_PATH_EDITS: dict[str, str] = {
     "examples/pareto_sweep.py": "runs benchmarks/pareto.py's sweep (the benchmark harness is not a package)",
     "benchmarks/distributed_budget.py": "tests/distributed_setup.py, the ranks' harness test_distributed.py shares",
-    "benchmarks/fidelity.py": "its own folder, which Python puts first anyway (another helper's file this session)",
-    "benchmarks/fidelity_diagnose.py": "its own folder, which Python puts first anyway (another helper's file)",
-    "tools/sim_vs_measured.py": "benchmarks/memory_accuracy.py's _measure",
     "tests/test_distributed.py": "its own folder, for the ranks it spawns (another helper's file this session)",
     "tests/test_solvers.py": "the determinism check's subprocess imports test_solvers itself",
 }

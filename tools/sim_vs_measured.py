@@ -6,16 +6,15 @@ without Inductor's buffer reuse, and the measured peak of the Inductor-compiled 
     THREADS=1 python tools/sim_vs_measured.py cnn none                        # torch threads Inductor compiles for
 
 Budgets in GB (1 GB = 1e9 bytes); printed sizes in MB (1e6 bytes). The measurement is
-benchmarks/memory_accuracy.py's (allocations made inside one step, gradients cleared before).
+benchmarks/memory_accuracy.py's: ``remat.measure_peak_bytes`` over one step (the allocations made
+inside it), gradients cleared before.
 For reproducible plans run with PYTHONHASHSEED=0.
 """
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))   # benchmarks/memory_accuracy.py's _measure
 import torch._inductor.config as inductor_config
 
 if os.environ.get("THREADS"):
@@ -25,7 +24,6 @@ for kv in filter(None, os.environ.get("INDUCTOR", "").split(",")):
     setattr(inductor_config, key, value == "1")
 
 import remat  # noqa: E402
-from memory_accuracy import _measure  # noqa: E402
 from remat.cost_model.memory import simulate_memory  # noqa: E402
 from remat.passes.schedule import memory_steps, partition_nodes  # noqa: E402
 from remat.testing.zoo import ZOO  # noqa: E402
@@ -37,7 +35,9 @@ for b in sys.argv[2:]:
     be = remat.backend(budget, headroom_fraction=0.0)
     c = torch.compile(model, backend=be)
     c(*inputs).float().sum().backward()
-    m = _measure(model, c, inputs)["peak_bytes"]
+    for p in model.parameters():
+        p.grad = None
+    m = remat.measure_peak_bytes(lambda: c(*inputs).float().sum().backward(), "cpu").peak_bytes
     record = be.compiled_graphs[-1]   # the accepted plan of the last graph, and the facts it was made on
     assert record.facts is not None, f"{record.graph_id}: {record.cache} restored no facts; rerun with REMAT_COMPILE_CACHE=0"
     facts, plan = record.facts, record.plan
