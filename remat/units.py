@@ -10,7 +10,6 @@ from decimal import Decimal
 from fractions import Fraction
 
 BYTES_PER_GB = 1_000_000_000
-BYTES_PER_MIB = 1 << 20
 GB_SIGNIFICANT_DIGITS = 4       # a budget printed in GB shows at least this many significant digits
 GB_MIN_DECIMALS = 4             # ... and at least this many decimals (0.0300 GB, 1.0000 GB)
 

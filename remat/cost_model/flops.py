@@ -35,6 +35,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
+from .inductor_rules import REDUCTION_OPS
 from .tensors import concrete_int, is_aliasing_op, iter_tensors, node_val, op_tags
 
 aten = torch.ops.aten
@@ -96,10 +97,6 @@ DATA_MOVEMENT_OPS = frozenset({
     "new_empty", "new_ones", "full_like", "zeros_like", "empty_like", "ones_like", "empty_strided",
     "lift_fresh_copy", "convert_element_type", "scalar_tensor", "_unsafe_view", "slice_backward",
     "select_backward", "masked_fill", "repeat", "tril", "triu", "flip", "roll",
-})
-REDUCTION_OPS = frozenset({
-    "sum", "mean", "amax", "amin", "var_mean", "var", "std", "any", "all", "max", "min",
-    "argmax", "argmin", "prod", "logsumexp", "norm", "linalg_vector_norm",
 })
 
 

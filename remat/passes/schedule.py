@@ -27,11 +27,6 @@ from ..cost_model.kernel_schedule import EXTERN, SCATTER
 from .shared_storage import one_value_per_storage, shared_storage_groups
 from .kernel_steps import RECOMPUTE_SUFFIX, forward_steps, graph_inductor_config, kernel_kinds, kernel_steps
 
-# The simulator no longer reads these: it follows Inductor's realization rules
-# (cost_model/kernel_schedule.py). solve_milp's linear memory model still does.
-INLINE_FUSED = True
-SINGLE_READER_ONLY = True
-
 
 def _register_only_uncached(facts: JointGraphFacts) -> frozenset[str]:
     bans = recompute_bans(facts)
