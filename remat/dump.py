@@ -71,9 +71,9 @@ def write_dump(
     report = render_report(plan, graph_id, regions, profile, correction)
     report += render_symbolic_sizes(plan, facts, (fw.graph, bw.graph))
     if pareto_points > 0:
-        curve = curve_for_graph(facts, 0, n_points=pareto_points)
-        png = plot_curve(curve, directory / "pareto.png")
-        report += "\n## Pareto curve\n\n" + render_table(curve)
+        curve = curve_for_graph(facts, 0, n_points=pareto_points)   # the index is remat.pareto's; named by graph_id
+        png = plot_curve(curve, directory / "pareto.png", graph_id)
+        report += "\n## Pareto curve\n\n" + render_table(curve, graph_id)
         report += f"\nPlot: `{png.name}`\n" if png else "\n(Install matplotlib, the `plot` extra, for pareto.png.)\n"
     (directory / "report.md").write_text(report)
     return str(directory)

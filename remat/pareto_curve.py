@@ -82,9 +82,11 @@ def curve_for_graph(facts: JointGraphFacts, graph_index: int, budgets_bytes: Opt
     return ParetoCurve(graph_index, smallest.no_remat_peak_bytes, low, tuple(_mark_knee(points)))
 
 
-def render_table(curve: ParetoCurve) -> str:
+def render_table(curve: ParetoCurve, graph_name: Optional[str] = None) -> str:
+    """The curve as a markdown table, titled with ``graph_name`` (default: "graph <graph_index>")."""
+    name = graph_name or f"graph {curve.graph_index}"
     lines = [
-        f"Pareto curve of graph {curve.graph_index}: no-remat peak {format_bytes(curve.no_remat_peak_bytes)}, "
+        f"Pareto curve of {name}: no-remat peak {format_bytes(curve.no_remat_peak_bytes)}, "
         f"smallest feasible peak {format_bytes(curve.min_feasible_bytes)} (1 GB = 1e9 bytes; predicted, not measured)",
         "",
         "| budget | predicted peak | est. extra time | recompute FLOPs | |",
@@ -96,8 +98,9 @@ def render_table(curve: ParetoCurve) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_curve(curve: ParetoCurve, path: Path) -> Optional[Path]:
-    """Write a PNG of the curve if matplotlib is installed; return its path, or None."""
+def plot_curve(curve: ParetoCurve, path: Path, graph_name: Optional[str] = None) -> Optional[Path]:
+    """Write a PNG of the curve (titled with ``graph_name``, default "graph <graph_index>") if matplotlib
+    is installed; return its path, or None."""
     try:
         import matplotlib
 
@@ -113,7 +116,7 @@ def plot_curve(curve: ParetoCurve, path: Path) -> Optional[Path]:
         ax.legend()
     ax.set_xlabel("predicted peak (MB, 1 MB = 1e6 bytes)")
     ax.set_ylabel("estimated extra time (ms)")
-    ax.set_title(f"remat: graph {curve.graph_index}")
+    ax.set_title(f"remat: {graph_name or f'graph {curve.graph_index}'}")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

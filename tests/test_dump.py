@@ -62,6 +62,7 @@ def test_dump_holds_code_plan_and_report(tmp_path):
     assert report.startswith(f"# remat report: {record.graph_id}")
     assert "budget 5.00 MB | predicted peak" in report
     assert "## Pareto curve" in report and "knee" in report
+    assert f"Pareto curve of {record.graph_id}: no-remat peak" in report   # was "graph 0" for every graph
     # The rewritten backward carries the region tags the dump shows.
     tagged = [n for n in bw.graph.nodes if "remat" in n.meta]
     assert len(tagged) == sum(len(r.nodes) for r in record.regions)
