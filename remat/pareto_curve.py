@@ -9,13 +9,15 @@ the planner (``pipeline.plan_graph``): no tracing (``remat.pareto`` traces a mod
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .errors import BudgetInfeasibleError
 from .passes.joint_graph import JointGraphFacts
-from .pipeline import budget_request, plan_graph
+from .options import smallest_budget_bytes
+from .pipeline import PlanningRequest, budget_request, plan_graph
 from .units import format_bytes, format_seconds
 
 
@@ -57,21 +59,30 @@ def _mark_knee(points: list[ParetoPoint]) -> list[ParetoPoint]:
 
 
 def curve_for_graph(facts: JointGraphFacts, graph_index: int, budgets_bytes: Optional[Sequence[int]] = None,
-                    n_points: int = 8) -> ParetoCurve:
-    """Plan ``facts`` at each budget (default: ``n_points`` evenly from the smallest peak the
-    planner reaches to the peak of the free min-cut, above which every budget gets the same
-    plan); budgets no plan meets are left out. Each budget is its own planning target
-    (``pipeline.budget_request``: no headroom), on the greedy solver."""
-    smallest = plan_graph(facts, budget_request(1, best_effort=True))
+                    n_points: int = 8, rule: Optional[PlanningRequest] = None) -> ParetoCurve:
+    """Plan ``facts`` at each budget (default: ``n_points`` budgets whose targets run evenly from the
+    smallest peak the planner reaches to the peak of the free min-cut, above which every budget gets
+    the same plan); budgets no plan meets are left out. ``rule`` says how a budget is planned: its
+    solver, and its headroom (``PlanningRequest.target_for``); default: greedy, each budget its own
+    planning target (``pipeline.budget_request``)."""
+    rule = rule or budget_request(None)
+
+    def at(budget_bytes: int, best_effort: bool = False) -> PlanningRequest:
+        return dataclasses.replace(rule, budget_bytes=budget_bytes, target_bytes=rule.target_for(budget_bytes),
+                                   best_effort=best_effort)
+
+    smallest = plan_graph(facts, at(1, best_effort=True))
     low, high = smallest.predicted_peak_bytes, smallest.mincut_peak_bytes
     if budgets_bytes is None:
         steps = max(n_points - 1, 1)
-        budgets_bytes = [int(high - (high - low) * i / steps) for i in range(n_points)]
+        targets = [int(high - (high - low) * i / steps) for i in range(n_points)]
+        budgets_bytes = [smallest_budget_bytes(lambda b, t=t: rule.target_for(b) >= t, start_bytes=max(t, 1))
+                         for t in targets]
     points = []
     seen_peaks: set[tuple[int, float]] = set()
     for budget in sorted(set(budgets_bytes), reverse=True):
         try:
-            plan = plan_graph(facts, budget_request(budget))
+            plan = plan_graph(facts, at(budget))
         except BudgetInfeasibleError:
             continue
         key = (plan.predicted_peak_bytes, plan.est_extra_time_s)
