@@ -231,6 +231,7 @@ class Point:
     simulated_no_remat_peak_bytes: Optional[int] = None     # remat: the plan's peak if every needed value were saved
     est_extra_time_s: Optional[float] = None
     min_feasible_bytes: Optional[int] = None
+    min_budget_bytes: Optional[int] = None               # remat refused: the smallest budget its error names
     monitor_warnings: list[str] = field(default_factory=list)
 
     @property
@@ -312,6 +313,7 @@ class Sweep:
         except remat.BudgetInfeasibleError as error:
             point.error = f"infeasible: {error}"
             point.min_feasible_bytes = error.min_feasible_bytes
+            point.min_budget_bytes = getattr(error, "min_budget_bytes", None)
             return point
         except Exception as error:  # noqa: BLE001 - a method that fails is reported, not dropped
             point.error = f"failed: {type(error).__name__}: {str(error).strip()[:400]}"

@@ -104,6 +104,37 @@ def hf_specs() -> list[HFModelSpec]:
     ]
 
 
+def benchmark_specs() -> list[HFModelSpec]:
+    """The models of ``benchmarks/hf_models.py``, at sizes where a plain Inductor step takes tens to
+    hundreds of milliseconds on one CPU thread (the corpus's ``hf_specs()`` stay small for memory
+    checks): 3 layers (T5: 2+2), hidden size 256, 4 heads, batch 4 (only call when ``available()`` is None)."""
+    llama_like = dict(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    return [
+        HFModelSpec("gpt2", "GPT2LMHeadModel 3 layers d=256, 4 heads, eager attention, dropout 0.1, vocab 512, batch 4 x 256",
+                    _decoder("GPT2LMHeadModel", "GPT2Config", "eager", vocab_size=512, n_positions=256, n_embd=256,
+                             n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0, use_cache=False), _tokens(512, 4, 256, True)),
+        HFModelSpec("llama", "LlamaForCausalLM 3 layers d=256, GQA 4/2 heads, SDPA, vocab 512, batch 4 x 256",
+                    _decoder("LlamaForCausalLM", "LlamaConfig", "sdpa", **llama_like), _tokens(512, 4, 256, True)),
+        HFModelSpec("qwen2", "Qwen2ForCausalLM 3 layers d=256, GQA 4/2 heads, eager attention, vocab 512, batch 4 x 256",
+                    _decoder("Qwen2ForCausalLM", "Qwen2Config", "eager", **llama_like), _tokens(512, 4, 256, True)),
+        HFModelSpec("bert", "BertForMaskedLM 3 layers d=256, 4 heads, eager attention, dropout 0.1, vocab 512, batch 4 x 256",
+                    _decoder("BertForMaskedLM", "BertConfig", "eager", vocab_size=512, hidden_size=256, num_hidden_layers=3,
+                             num_attention_heads=4, intermediate_size=1024, max_position_embeddings=256),
+                    _tokens(512, 4, 256, False)),
+        HFModelSpec("t5", "T5ForConditionalGeneration 2+2 layers d=256, 4 heads, dropout 0.1, vocab 512, batch 4, 128 -> 128 tokens",
+                    _decoder("T5ForConditionalGeneration", "T5Config", "eager", vocab_size=512, d_model=256, d_kv=64,
+                             d_ff=1024, num_layers=2, num_decoder_layers=2, num_heads=4,
+                             decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False),
+                    _seq2seq(512, 4, 128, 128)),
+        HFModelSpec("vit", "ViTForImageClassification 3 layers d=256, 4 heads, 128x128 images, patch 8 (256 patches), batch 4",
+                    _decoder("ViTForImageClassification", "ViTConfig", "eager", image_size=128, patch_size=8, hidden_size=256,
+                             num_hidden_layers=3, num_attention_heads=4, intermediate_size=1024, num_labels=10),
+                    _images(4, 128, 10)),
+    ]
+
+
 def build_hf(spec: HFModelSpec, seed: int, checkpoint_blocks: bool = False) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The model in training mode and its keyword inputs (``labels`` included), both fixed by ``seed``."""
     torch.manual_seed(seed)
