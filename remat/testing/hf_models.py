@@ -68,71 +68,87 @@ def _decoder(cls_name: str, config_name: str, attn: str, **config: Any) -> Calla
     return make
 
 
+VOCAB = 512
+
+
+def _gpt2(attn: str, d: int, layers: int) -> Callable[[], nn.Module]:
+    return _decoder("GPT2LMHeadModel", "GPT2Config", attn, vocab_size=VOCAB, n_positions=256, n_embd=d, n_layer=layers,
+                    n_head=4, bos_token_id=0, eos_token_id=0, use_cache=False)
+
+
+def _llama_like(hidden: int, intermediate: int, layers: int, **extra: Any) -> dict[str, Any]:
+    """The config of a Llama-family decoder with GQA (4 query heads, 2 key/value heads)."""
+    return dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
+                bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
+
+
+def _bert(hidden: int, layers: int, intermediate: int) -> Callable[[], nn.Module]:
+    return _decoder("BertForMaskedLM", "BertConfig", "eager", vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                    num_attention_heads=4, intermediate_size=intermediate, max_position_embeddings=256)
+
+
+def _t5(d: int, d_kv: int, d_ff: int, layers: int) -> Callable[[], nn.Module]:
+    return _decoder("T5ForConditionalGeneration", "T5Config", "eager", vocab_size=VOCAB, d_model=d, d_kv=d_kv, d_ff=d_ff,
+                    num_layers=layers, num_decoder_layers=layers, num_heads=4, decoder_start_token_id=0, pad_token_id=0,
+                    eos_token_id=1, use_cache=False)
+
+
+def _vit(image: int, patch: int, hidden: int, layers: int, intermediate: int) -> Callable[[], nn.Module]:
+    return _decoder("ViTForImageClassification", "ViTConfig", "eager", image_size=image, patch_size=patch,
+                    hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=intermediate,
+                    num_labels=10)
+
+
 def hf_specs() -> list[HFModelSpec]:
     """The Hugging Face corpus (only call when ``available()`` is None)."""
-    llama_like = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
-                      bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    llama_like = _llama_like(128, 352, 2)
     return [
         HFModelSpec("hf-gpt2-eager", "GPT2LMHeadModel 3 layers d=128, 4 heads, eager attention, dropout 0.1, batch 4 x 128",
-                    _decoder("GPT2LMHeadModel", "GPT2Config", "eager", vocab_size=512, n_positions=256, n_embd=128,
-                             n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0, use_cache=False), _tokens(512, 4, 128, True)),
+                    _gpt2("eager", 128, 3), _tokens(VOCAB, 4, 128, True)),
         HFModelSpec("hf-gpt2-sdpa", "GPT2LMHeadModel 2 layers d=256, 4 heads, SDPA, dropout 0.1, batch 2 x 128",
-                    _decoder("GPT2LMHeadModel", "GPT2Config", "sdpa", vocab_size=512, n_positions=256, n_embd=256,
-                             n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0, use_cache=False), _tokens(512, 2, 128, True)),
+                    _gpt2("sdpa", 256, 2), _tokens(VOCAB, 2, 128, True)),
         HFModelSpec("hf-llama-sdpa", "LlamaForCausalLM 2 layers d=128, GQA 4/2 heads, SDPA, batch 4 x 128",
-                    _decoder("LlamaForCausalLM", "LlamaConfig", "sdpa", **llama_like), _tokens(512, 4, 128, True)),
+                    _decoder("LlamaForCausalLM", "LlamaConfig", "sdpa", **llama_like), _tokens(VOCAB, 4, 128, True)),
         HFModelSpec("hf-llama-eager", "LlamaForCausalLM 3 layers d=128, tied embeddings, eager attention, batch 2 x 128",
-                    _decoder("LlamaForCausalLM", "LlamaConfig", "eager", **{**llama_like, "num_hidden_layers": 3},
-                             tie_word_embeddings=True), _tokens(512, 2, 128, True)),
+                    _decoder("LlamaForCausalLM", "LlamaConfig", "eager",
+                             **_llama_like(128, 352, 3, tie_word_embeddings=True)),
+                    _tokens(VOCAB, 2, 128, True)),
         HFModelSpec("hf-mistral-sdpa", "MistralForCausalLM 2 layers d=128, GQA 4/2 heads, SDPA, batch 4 x 64",
-                    _decoder("MistralForCausalLM", "MistralConfig", "sdpa", **llama_like), _tokens(512, 4, 64, True)),
+                    _decoder("MistralForCausalLM", "MistralConfig", "sdpa", **llama_like), _tokens(VOCAB, 4, 64, True)),
         HFModelSpec("hf-qwen2-eager", "Qwen2ForCausalLM 2 layers d=128, GQA 4/2 heads, eager attention, batch 4 x 128",
-                    _decoder("Qwen2ForCausalLM", "Qwen2Config", "eager", **llama_like), _tokens(512, 4, 128, True)),
+                    _decoder("Qwen2ForCausalLM", "Qwen2Config", "eager", **llama_like), _tokens(VOCAB, 4, 128, True)),
         HFModelSpec("hf-bert-mlm", "BertForMaskedLM 2 layers d=128, 4 heads, eager attention, dropout 0.1, batch 4 x 128",
-                    _decoder("BertForMaskedLM", "BertConfig", "eager", vocab_size=512, hidden_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, intermediate_size=512, max_position_embeddings=256),
-                    _tokens(512, 4, 128, False)),
+                    _bert(128, 2, 512), _tokens(VOCAB, 4, 128, False)),
         HFModelSpec("hf-t5", "T5ForConditionalGeneration 2+2 layers d=128, 4 heads, dropout 0.1, batch 4, 64 -> 32 tokens",
-                    _decoder("T5ForConditionalGeneration", "T5Config", "eager", vocab_size=512, d_model=128, d_kv=32,
-                             d_ff=256, num_layers=2, num_decoder_layers=2, num_heads=4,
-                             decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False), _seq2seq(512, 4, 64, 32)),
+                    _t5(128, 32, 256, 2), _seq2seq(VOCAB, 4, 64, 32)),
         HFModelSpec("hf-vit", "ViTForImageClassification 2 layers d=128, 4 heads, 32x32 images, patch 4, batch 8",
-                    _decoder("ViTForImageClassification", "ViTConfig", "eager", image_size=32, patch_size=4, hidden_size=128,
-                             num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, num_labels=10),
-                    _images(8, 32, 10)),
+                    _vit(32, 4, 128, 2, 256), _images(8, 32, 10)),
     ]
 
 
 def benchmark_specs() -> list[HFModelSpec]:
     """The models of ``benchmarks/hf_models.py``, at sizes where a plain Inductor step takes tens to
     hundreds of milliseconds on one CPU thread (the corpus's ``hf_specs()`` stay small for memory
-    checks): 3 layers (T5: 2+2), hidden size 256, 4 heads, batch 4 (only call when ``available()`` is None)."""
-    llama_like = dict(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
-                      bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    return [
-        HFModelSpec("gpt2", "GPT2LMHeadModel 3 layers d=256, 4 heads, eager attention, dropout 0.1, vocab 512, batch 4 x 256",
-                    _decoder("GPT2LMHeadModel", "GPT2Config", "eager", vocab_size=512, n_positions=256, n_embd=256,
-                             n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0, use_cache=False), _tokens(512, 4, 256, True)),
-        HFModelSpec("llama", "LlamaForCausalLM 3 layers d=256, GQA 4/2 heads, SDPA, vocab 512, batch 4 x 256",
-                    _decoder("LlamaForCausalLM", "LlamaConfig", "sdpa", **llama_like), _tokens(512, 4, 256, True)),
-        HFModelSpec("qwen2", "Qwen2ForCausalLM 3 layers d=256, GQA 4/2 heads, eager attention, vocab 512, batch 4 x 256",
-                    _decoder("Qwen2ForCausalLM", "Qwen2Config", "eager", **llama_like), _tokens(512, 4, 256, True)),
-        HFModelSpec("bert", "BertForMaskedLM 3 layers d=256, 4 heads, eager attention, dropout 0.1, vocab 512, batch 4 x 256",
-                    _decoder("BertForMaskedLM", "BertConfig", "eager", vocab_size=512, hidden_size=256, num_hidden_layers=3,
-                             num_attention_heads=4, intermediate_size=1024, max_position_embeddings=256),
-                    _tokens(512, 4, 256, False)),
-        HFModelSpec("t5", "T5ForConditionalGeneration 2+2 layers d=256, 4 heads, dropout 0.1, vocab 512, batch 4, 128 -> 128 tokens",
-                    _decoder("T5ForConditionalGeneration", "T5Config", "eager", vocab_size=512, d_model=256, d_kv=64,
-                             d_ff=1024, num_layers=2, num_decoder_layers=2, num_heads=4,
-                             decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False),
-                    _seq2seq(512, 4, 128, 128)),
-        HFModelSpec("vit", "ViTForImageClassification 3 layers d=256, 4 heads, 128x128 images, patch 8 (256 patches), batch 4",
-                    _decoder("ViTForImageClassification", "ViTConfig", "eager", image_size=128, patch_size=8, hidden_size=256,
-                             num_hidden_layers=3, num_attention_heads=4, intermediate_size=1024, num_labels=10),
-                    _images(4, 128, 10)),
-    ]
+    checks): 3 layers (T5: 2+2), hidden size 256, 4 heads, vocabulary 512, batch 4 of 256 tokens
+    (T5: 128 -> 128; ViT: 128x128 images in 8x8 patches, 256 of them). Only call when ``available()`` is None."""
+    batch, seq, layers = 4, 256, 3
+    tokens = _tokens(VOCAB, batch, seq, True)
+    sizes = f"{layers} layers d=256, 4 heads"
+    llama = {"llama": ("LlamaForCausalLM", "LlamaConfig", "sdpa", "SDPA"),
+             "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", "eager", "eager attention")}
+    specs = [HFModelSpec("gpt2", f"GPT2LMHeadModel {sizes}, eager attention, dropout 0.1, batch {batch} x {seq}",
+                         _gpt2("eager", 256, layers), tokens)]
+    specs += [HFModelSpec(name, f"{cls} {sizes} (GQA: 2 key/value heads), {attn_text}, batch {batch} x {seq}",
+                          _decoder(cls, config, attn, **_llama_like(256, 704, layers)), tokens)
+              for name, (cls, config, attn, attn_text) in llama.items()]
+    specs.append(HFModelSpec("bert", f"BertForMaskedLM {sizes}, eager attention, dropout 0.1, batch {batch} x {seq}",
+                             _bert(256, layers, 1024), _tokens(VOCAB, batch, seq, False)))
+    specs.append(HFModelSpec("t5", f"T5ForConditionalGeneration 2+2 layers d=256, 4 heads, dropout 0.1, batch {batch}, "
+                             "128 -> 128 tokens", _t5(256, 64, 1024, 2), _seq2seq(VOCAB, batch, 128, 128)))
+    specs.append(HFModelSpec("vit", f"ViTForImageClassification {sizes}, 128x128 images, patch 8, batch {batch}",
+                             _vit(128, 8, 256, layers, 1024), _images(batch, 128, 10)))
+    return specs
 
 
 def build_hf(spec: HFModelSpec, seed: int, checkpoint_blocks: bool = False) -> tuple[nn.Module, dict[str, torch.Tensor]]:
