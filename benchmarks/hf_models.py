@@ -40,6 +40,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -369,7 +370,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device("cpu")
     configure_torch(device, args.threads)
     specs = {s.name: s for s in (hf.hf_specs() if args.smoke else hf.benchmark_specs())}
-    run_info = {"benchmark": "hf_models", "command": " ".join(["python"] + sys.argv), "note": args.note,
+    run_info = {"benchmark": "hf_models", "command": shlex.join(["python"] + sys.argv), "note": args.note,
                 "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "machine": machine_info(device),
                 "source": source_info(), "transformers": transformers.__version__,
                 "environment": {k: os.environ.get(k) for k in ("PYTHONHASHSEED", "TORCHINDUCTOR_COMPILE_THREADS")},
