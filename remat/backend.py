@@ -126,7 +126,7 @@ class RematBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         verify = self.options.verify_peak > 0
-        judge = self.options.inductor_check and self.options.budget_bytes is not None
+        judge = self.options.inductor_check   # with no budget, the check only reports the plan's peak
         budget = self.options.budget_bytes is not None   # the step's account re-plans graphs (remat/step_budget.py)
         # AOTAutograd's cache skips the partitioner on a hit: its record and dump are restored from the
         # entry stored with the compile that made them (remat/compile_cache.py), where that is safe

@@ -59,8 +59,9 @@ class RematOptions:
     # Steps measured after each compile by the feedback loop (remat/feedback.py); 0 turns it off.
     verify_peak: int = DEFAULT_VERIFY_PEAK
     # Inductor judges each plan before its first step (remat/inductor_check.py): the peak of the code it
-    # generated is the number the plan is accepted on. False: the simulated peak stands and only the
-    # feedback loop corrects it, from the measured step.
+    # generated is the number the plan is accepted on (with no budget, the number report.md gives as the
+    # plan's peak). False: the simulated peak stands and only the feedback loop corrects it, from the
+    # measured step.
     inductor_check: bool = True
     # Whether the training step keeps the model's outputs alive through its backward (``out = step(x);
     # loss_fn(out).backward(); use(out)``). False (the usual ``loss_fn(step(x)).backward()``): they are

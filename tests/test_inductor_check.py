@@ -338,3 +338,21 @@ def test_a_cnn_with_pooling_is_checked_and_its_check_is_what_the_step_measures(t
     loss_weights_bytes = model(x).numel() * 4
     assert graph.judgement.checked_peak_bytes <= measured <= graph.judgement.checked_peak_bytes + loss_weights_bytes + 64, \
         (graph.judgement, measured, loss_weights_bytes)
+
+
+def test_with_no_budget_the_check_reports_the_plans_peak(tmp_path, monkeypatch):
+    """No budget: nothing to accept or refuse, but the plan's record and report.md carry the peak read
+    from Inductor's code, the number the step then measures (less the eager loss's bytes)."""
+    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    backend = remat.backend(None, dump_dir=str(tmp_path / "dump"))
+    run_step(torch.compile(model, backend=backend), model, inputs)
+    close_open_window()
+    (graph,) = backend.compiled_graphs
+    assert graph.judgement is not None and graph.judgement.action == "accepted" and graph.judgement.target_bytes is None
+    (event,) = backend.feedback_events
+    loss_weights_bytes = model(*inputs).numel() * 4        # run_step's eager loss: one output-sized tensor
+    assert graph.judgement.checked_peak_bytes <= event.measured_peak_bytes \
+        <= graph.judgement.checked_peak_bytes + loss_weights_bytes + 64, (graph.judgement, event)
+    assert "accepted on the Inductor-checked peak" in (tmp_path / "dump" / "graph_000" / "report.md").read_text()
