@@ -218,6 +218,18 @@ def test_a_library_output_of_unstated_size_leaves_the_plan_on_its_simulated_peak
     assert checked_peak_of([(False, forward, 4)], "cpu") is None     # no backward compiled
 
 
+def _one_mlp_step(backend):
+    """A fresh MLP's first step compiled with ``backend``, measured: ``((model, inputs), its one
+    record, its one feedback event)``."""
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    run_step(torch.compile(model, backend=backend), model, inputs)
+    close_open_window()
+    (graph,) = backend.compiled_graphs
+    (event,) = backend.feedback_events
+    return (model, inputs), graph, event
+
+
 OVER_SCALE = 1.4            # a simulator that over-predicts: its peaks are 140% of the real simulator's
 
 
@@ -238,15 +250,10 @@ def test_a_budget_the_simulator_refuses_runs_when_inductors_check_fits_it(tmp_pa
     with pytest.raises(remat.BudgetInfeasibleError):
         run_step(torch.compile(model, backend=remat.backend(budget_gb, inductor_check=False)), model, inputs)
 
-    torch._dynamo.reset()
-    model, inputs = make_mlp()
     backend = remat.backend(budget_gb, dump_dir=str(tmp_path / "dump"))
-    run_step(torch.compile(model, backend=backend), model, inputs)
-    close_open_window()
-    (graph,) = backend.compiled_graphs
+    _, graph, event = _one_mlp_step(backend)
     assert graph.judgement.action == "accepted: Inductor's check overrules the simulator", graph.judgement
     assert graph.judgement.checked_peak_bytes <= graph.base_target_bytes < graph.plan.predicted_peak_bytes
-    (event,) = backend.feedback_events
     assert event.measured_peak_bytes <= backend.options.budget_bytes, event
     assert "overrules the simulator" in (tmp_path / "dump" / graph.graph_id / "report.md").read_text()
 
@@ -344,14 +351,8 @@ def test_with_no_budget_the_check_reports_the_plans_peak(tmp_path, monkeypatch):
     """No budget: nothing to accept or refuse, but the plan's record and report.md carry the peak read
     from Inductor's code, the number the step then measures (less the eager loss's bytes)."""
     monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
-    torch._dynamo.reset()
-    model, inputs = make_mlp()
-    backend = remat.backend(None, dump_dir=str(tmp_path / "dump"))
-    run_step(torch.compile(model, backend=backend), model, inputs)
-    close_open_window()
-    (graph,) = backend.compiled_graphs
+    (model, inputs), graph, event = _one_mlp_step(remat.backend(None, dump_dir=str(tmp_path / "dump")))
     assert graph.judgement is not None and graph.judgement.action == "accepted" and graph.judgement.target_bytes is None
-    (event,) = backend.feedback_events
     loss_weights_bytes = model(*inputs).numel() * 4        # run_step's eager loss: one output-sized tensor
     assert graph.judgement.checked_peak_bytes <= event.measured_peak_bytes \
         <= graph.judgement.checked_peak_bytes + loss_weights_bytes + 64, (graph.judgement, event)
