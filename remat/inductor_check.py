@@ -263,6 +263,16 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
             break
         elif (match := _VIEW.match(statement)) and match.group(2) in state.root:
             state.bind(match.group(1), state.root[match.group(2)])
+        elif (match := _ASSIGN.match(statement)) and match.group(2) in pending:
+            # another name for a library call's result not sized yet (``buf6 = buf5``, then the assert on buf6)
+            state.unbind(match.group(1))
+            pending.discard(match.group(2))
+            pending.add(match.group(1))
+            if match.group(2) in tuple_elements:
+                tuple_elements.discard(match.group(2))
+                tuple_elements.add(match.group(1))
+            if match.group(2) in element_index:
+                element_index[match.group(1)] = element_index.pop(match.group(2))
         elif (match := _ASSIGN.match(statement)) and not match.group(2).startswith(("reinterpret_tensor(", "empty_strided")):
             # a library call's result: sized by the assert_size_stride that follows it, if any
             state.unbind(match.group(1))

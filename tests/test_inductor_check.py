@@ -357,3 +357,22 @@ def test_with_no_budget_the_check_reports_the_plans_peak(tmp_path, monkeypatch):
     assert graph.judgement.checked_peak_bytes <= event.measured_peak_bytes \
         <= graph.judgement.checked_peak_bytes + loss_weights_bytes + 64, (graph.judgement, event)
     assert "accepted on the Inductor-checked peak" in (tmp_path / "dump" / "graph_000" / "report.md").read_text()
+
+
+def test_a_library_result_renamed_before_its_assert_is_sized_once():
+    """``buf5 = cumsum(...)``, ``buf6 = buf5``, the assert on ``buf6``: one int64 storage, nothing unsized."""
+    code = '''
+class Runner:
+    def call(self, args):
+        primals_1, = args
+        args.clear()
+        buf5 = torch.ops.aten.cumsum.default(primals_1, dim=-1, dtype=torch.int64)
+        buf6 = buf5
+        assert_size_stride(buf6, (4, 64), (64, 1), 'torch.ops.aten.cumsum.default')
+        del buf5
+        buf84 = buf6
+        del buf6
+        return (buf84, )
+'''
+    replay = replay_wrapper(code, {}, "cpu", library_itemsizes={("aten.cumsum.default", -1): 8})
+    assert replay.unsized == () and replay.peak_bytes == replay.end_bytes == 4 * 64 * 8
