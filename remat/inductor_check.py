@@ -15,7 +15,9 @@ outputs (``assert_size_stride``). ``replay_wrapper`` walks that code and counts 
 - then the backward, starting from what the forward handed over: every storage the forward
   returned (saved tensors and user outputs; a returned input or a view of one costs nothing),
   plus the incoming gradients (tangents, made by the autograd engine before the backward
-  runs, and held by it until the backward returns, whatever the code's last reader). Saved storages no user output shares are freed where the backward drops its last
+  runs, and held by it until the backward returns, whatever the code's last reader; but zeros
+  AOTAutograd makes for an output without a gradient, ``GraphCode.gradless_tangents``, are freed
+  where the code drops them). Saved storages no user output shares are freed where the backward drops its last
   reference (AOTAutograd donates them), as the generated code says. User outputs the backward
   does not read stay only when the caller holds them through its backward (``outputs_held``,
   the same convention as the simulator's); by default the caller dropped them.
@@ -91,6 +93,9 @@ class GraphCode:
     # the item size of a library call's output, by (op as ``aten.x.default``, index in its tuple or
     # -1 for a single tensor), where every node of that op in the FX graph agrees (``library_itemsizes``)
     library_itemsizes: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    # a backward's tangents the step leaves without a gradient (``joint_graph.tangents_without_gradient``):
+    # zeros AOTAutograd makes, freed at their last reader instead of held by the autograd engine
+    gradless_tangents: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -315,7 +320,7 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
     tangent_bytes = 0
     for name, nbytes in zip(backward.input_names, backward.input_bytes):
         if name.startswith("tangents_"):    # the autograd engine holds them until the backward returns
-            inputs[name] = InputStorage(f"tangent:{name}", nbytes, False)
+            inputs[name] = InputStorage(f"tangent:{name}", nbytes, name in backward.gradless_tangents)
             tangent_bytes += nbytes
         elif (storage := by_name.get(name)) is not None:
             inputs[name] = InputStorage(storage, fw.storage_bytes[storage], storage not in user_storages)
@@ -379,9 +384,12 @@ def graph_code(gm: torch.fx.GraphModule, source_code: str) -> GraphCode:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    from .passes.joint_graph import static_tangent_numels, tangents_without_gradient
+
     return GraphCode(source_code, tuple(n.name for n in placeholders),
                      tuple(v.name if isinstance(v, torch.fx.Node) else "" for v in values),
-                     tuple(_nbytes(n.meta.get("val")) for n in placeholders), library_itemsizes(gm))
+                     tuple(_nbytes(n.meta.get("val")) for n in placeholders), library_itemsizes(gm),
+                     tangents_without_gradient(static_tangent_numels(placeholders)))
 
 
 def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str,

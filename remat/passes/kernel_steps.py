@@ -485,7 +485,8 @@ def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequenc
     steps = fw_steps + [Step("<tangents>", "backward", cache.tangent_allocs, (), external=True)] + bw_steps
     # the incoming gradients live to the backward's end: the autograd engine holds the tangents it
     # passed to AOTAutograd's backward node until the node returns (measured: they are freed after the
-    # compiled backward's last allocation, whatever its last reader)
-    held_tangents = {sid for sid, _ in cache.tangent_allocs}
+    # compiled backward's last allocation, whatever its last reader); but the zeros AOTAutograd makes
+    # for an output without a gradient die at their last reader (``joint_graph.tangents_without_gradient``)
+    held_tangents = {sid for sid, _ in cache.tangent_allocs if storage_owner(sid) not in facts.gradless_tangents}
     pinned = pinned_fw | held_tangents | {s for o in outputs for s in bw_storages(o)}
     return steps, pinned
