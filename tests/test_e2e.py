@@ -149,7 +149,13 @@ def test_measured_peak_within_budget(name, fraction, no_remat_peak, tmp_path_fac
         assert plan.predicted_peak_bytes == plan.mincut_peak_bytes
         return
     assert plan.budget_bytes == round(case_run.budget_gb * 1e9)
-    assert plan.fits_budget and plan.predicted_peak_bytes <= plan.target_bytes, _numbers(case_run, plan)
+    # accepted on the simulator's number, or on Inductor's check where the simulator refused the budget
+    verdict = case_run.backend.compiled_graphs[0].judgement
+    if plan.fits_budget:
+        assert plan.predicted_peak_bytes <= plan.target_bytes, _numbers(case_run, plan)
+    else:
+        assert verdict is not None and verdict.action.startswith("accepted: Inductor's check"), (verdict, _numbers(case_run, plan))
+        assert verdict.checked_peak_bytes <= verdict.target_bytes, (verdict, _numbers(case_run, plan))
     assert case_run.measured_peak_bytes <= plan.budget_bytes, _numbers(case_run, plan)
 
 
