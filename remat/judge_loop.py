@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ._torch_dynamo import passthrough_error_class
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
-from .inductor_check import checked_peak_of
+from .inductor_check import CheckedPeak, checked_peak_of, trusted_peak_bytes
 from .inductor_verdict import Judgement, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
 from .units import format_bytes, format_gb_up
 
@@ -55,11 +55,11 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         compiled_graphs.append(record)
         checked = checked_peak_of(capture.graphs, device_type, outputs_held)
         if record.refusal is not None:
-            return overrule_or_refuse(fn, compiled_graphs, None if checked is None else checked.peak_bytes,
+            return overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                                       None if compile_candidate is None else
                                       lambda: _checked_candidate(compile_candidate, record.graph_key, record.graph_id,
                                                                  device_type, outputs_held))
-        verdict = judge_plan(record.plan.predicted_peak_bytes, None if checked is None else checked.peak_bytes,
+        verdict = judge_plan(record.plan.predicted_peak_bytes, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                              record.base_target_bytes, record.plan.budget_bytes,
                              may_replan=record.plan.fits_budget and round_ < MAX_JUDGED_REPLANS,
                              graph_id=record.graph_id, rejected=rejected)
@@ -89,21 +89,20 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
 
 
 def _checked_candidate(compile_candidate: Callable[[str, str], tuple[Callable[..., Any], "CodeCapture"]], graph_key: str,
-                       graph_id: str, device_type: str, outputs_held: bool) -> tuple[Callable[..., Any], Optional[int]]:
+                       graph_id: str, device_type: str, outputs_held: bool) -> tuple[Callable[..., Any], Optional[CheckedPeak]]:
     """Compile the refused graph's candidate plan (its record is appended) and read its checked peak."""
     fn, capture = compile_candidate(graph_key, graph_id)
-    checked = checked_peak_of(capture.graphs, device_type, outputs_held)
-    return fn, None if checked is None else checked.peak_bytes
+    return fn, checked_peak_of(capture.graphs, device_type, outputs_held)
 
 
 def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
                        checked_peak_bytes: Optional[int],
-                       candidate: Optional[Callable[[], tuple[Callable[..., Any], Optional[int]]]] = None) -> Callable[..., Any]:
+                       candidate: Optional[Callable[[], tuple[Callable[..., Any], Optional[CheckedPeak]]]] = None) -> Callable[..., Any]:
     """Inductor's verdict on the smallest-peak plan of a budget the simulator refused (the last record of
-    ``compiled_graphs``): at or under the planning target, the plan runs (the simulator over-predicted
-    it) and the record carries the verdict. Otherwise, when ``candidate`` is given, the free min-cut plan
-    is compiled and checked too (``candidate()`` appends its record and returns its callable and checked
-    peak): the simulator can rank two plans the wrong way round (its smallest-peak plan may check above
+    ``compiled_graphs``; ``checked_peak_bytes``: its trusted checked peak, ``trusted_peak_bytes``): at or
+    under the planning target, the plan runs (the simulator over-predicted it) and the record carries
+    the verdict. Otherwise, when ``candidate`` is given, the free min-cut plan is compiled and checked
+    too (``candidate()`` appends its record and returns its callable and checked peak): the simulator can rank two plans the wrong way round (its smallest-peak plan may check above
     the plan it thinks larger), and Inductor's number decides, so the candidate runs if it checks at or
     under the target. Otherwise the records leave ``compiled_graphs`` and the refusal is raised, naming
     the budget at which this same check accepts the plan that checked lowest, when that is below the
@@ -125,8 +124,9 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
              "target %d)", record.graph_id, record.plan.predicted_peak_bytes, checked_peak_bytes, record.base_target_bytes)
     smallest = record
     if candidate is not None:
-        candidate_fn, candidate_checked = candidate()
+        candidate_fn, other_checked = candidate()
         other = compiled_graphs[-1]
+        candidate_checked = trusted_peak_bytes(other_checked, other.plan.predicted_peak_bytes)
         other_verdict = overrule_refusal(other.plan.predicted_peak_bytes, candidate_checked, record.base_target_bytes,
                                          error.budget_bytes, other.graph_id)
         if other_verdict.action != "refused":

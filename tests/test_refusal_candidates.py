@@ -11,6 +11,7 @@ import pytest
 
 from remat.compiled_graph import CompiledGraph
 from remat.errors import BudgetInfeasibleError
+from remat.inductor_check import CheckedPeak
 from remat.inductor_verdict import Refusal
 from remat.judge_loop import overrule_or_refuse
 
@@ -32,7 +33,7 @@ def _record(graph_id: str, simulated: int) -> CompiledGraph:
 def _candidate(graphs: list, checked: int):
     def compile_and_check():
         graphs.append(_record("graph_000_r1", 1500))        # the simulator thinks it larger
-        return "free plan's callable", checked
+        return "free plan's callable", CheckedPeak(checked, checked, checked, 0, 0, 0, library_calls=frozenset({"mm"}))
     return compile_and_check
 
 
@@ -65,3 +66,17 @@ def test_when_both_check_over_the_budget_named_is_the_lower_checked_plans(smalle
     error = raised.value
     assert error.min_feasible_bytes == named_from
     assert _target_for(error.min_budget_bytes) >= named_from > _target_for(error.min_budget_bytes - 1)
+
+
+def test_a_candidate_whose_check_cannot_see_every_allocation_does_not_overrule():
+    """The free plan checks under the target, but its graphs call a convolution (which may allocate
+    inside itself) and the check is below the simulator's figure: the simulator's refusal stands."""
+    graphs = [_record("graph_000", 1200)]
+
+    def convolution_candidate():
+        graphs.append(_record("graph_000_r1", 1500))
+        return "free", CheckedPeak(990, 990, 990, 0, 0, 0, library_calls=frozenset({"convolution"}))
+
+    with pytest.raises(BudgetInfeasibleError) as raised:
+        overrule_or_refuse("smallest", graphs, 1300, convolution_candidate)
+    assert graphs == [] and raised.value.min_feasible_bytes == 1200    # the simulator's figure stands
