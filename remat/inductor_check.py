@@ -49,9 +49,9 @@ _DEL = re.compile(r"^del ([\w, ]+)$")
 _ELEMENT = re.compile(r"^(\w+)\[\d+\]$")
 _LIBRARY_CALL = re.compile(r"\b(?:extern_kernels|torch\.ops\.\w+|aten)\.(\w+)\(|\b(?:torch\.ops\.\w+|aten)\.(\w+)\.\w+\(")
 # Library calls that write into buffers the generated code allocated (``out=``) and allocate nothing the
-# step's measurement sees: the matrix products and the RNG seed draw. On the CPU corpus every checked
-# plan whose graphs call only these measured its checked peak to 8 bytes; graphs that call others
-# (oneDNN convolutions, SDPA's flash attention) measured up to 8.3% and 12.4% above it
+# step's measurement sees: the matrix products and the RNG seed draw. On the CPU corpus no checked plan
+# measured above its checked peak (beyond the loss's 8 bytes) unless its graphs called others: oneDNN
+# convolutions (up to 8.3% above) or SDPA's flash attention (12.4%)
 # (benchmarks/results/fidelity-cpu.md, "Inductor's check vs the measured step").
 EXACT_LIBRARY_CALLS = frozenset({"mm", "addmm", "bmm", "baddbmm", "randint"})
 
