@@ -180,8 +180,11 @@ def floor_line(probe: Probe, graphs: list[dict[str, Any]], floor_point: Optional
     """One line: the floor, where the floor plan peaks, what it saves, and what is live at the smallest peak."""
     if probe.min_budget_bytes is None:
         return f"no floor: the 1 kB probe {short(probe.error)}"
-    text = (f"floor {mb(probe.min_budget_bytes)} MB (the smallest simulated peak is {mb(probe.min_feasible_bytes)} MB"
-            + "".join(f"; {reason}" for reason in probe.reasons) + "). ")
+    accepted = floor_point.budget_bytes if floor_point is not None and not floor_point.error else None
+    retried = (f"; compiled at the probe's figure it was refused, and the floor accepted is {mb(accepted)} MB"
+               if accepted is not None and accepted != probe.min_budget_bytes else "")
+    text = (f"floor {mb(probe.min_budget_bytes)} MB as the 1 kB probe names it{retried} (the smallest simulated peak "
+            f"is {mb(probe.min_feasible_bytes)} MB" + "".join(f"; {reason}" for reason in probe.reasons) + "). ")
     if floor_point is not None and floor_point.error:
         return text + f"The floor plan did not run: {short(floor_point.error, 160)}"
     for g in graphs:
