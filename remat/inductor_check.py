@@ -39,6 +39,8 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from .passes.joint_graph import gradless_tangents_of
+
 CUDA_BLOCK_BYTES = 512       # the CUDA caching allocator rounds every block up to this
 
 _ALLOC = re.compile(r"^(\w+) = empty_strided_(\w+)\(\(([^)]*)\), \(([^)]*)\), torch\.(\w+)")
@@ -85,6 +87,7 @@ class WrapperReplay:
     outputs: tuple[Optional[str], ...]
     storage_bytes: Mapping[str, int]
     unsized: tuple[str, ...]
+    library_calls: frozenset[str] = frozenset()    # ``library_calls`` of the code replayed
 
 
 @dataclass(frozen=True)
@@ -152,11 +155,12 @@ def library_calls(source_code: str) -> frozenset[str]:
     """The library calls a generated wrapper's ``call`` makes, by op name (``extern_kernels.addmm(`` ->
     "addmm", ``torch.ops.aten.convolution_backward.default(`` -> "convolution_backward"); empty when the
     code has no readable ``call``. Inductor's own kernels are not library calls: their buffers are all
-    in the code."""
-    names: set[str] = set()
-    for statement in call_body(source_code) or []:
-        names.update(a or b for a, b in _LIBRARY_CALL.findall(statement))
-    return frozenset(names)
+    in the code. (``replay_wrapper`` reports the same set for the code it replays.)"""
+    return _library_calls(call_body(source_code) or [])
+
+
+def _library_calls(body: Sequence[str]) -> frozenset[str]:
+    return frozenset(a or b for statement in body for a, b in _LIBRARY_CALL.findall(statement))
 
 
 def trusted_peak_bytes(checked: Optional["CheckedPeak"], simulated_peak_bytes: int) -> Optional[int]:
@@ -323,7 +327,8 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
     # max-pool's indices int64): counted at the activation's itemsize it could be 4x off, so it is unsized
     unsized = sorted({name for name in pending if not any(f"= {name}[" in statement for statement in body)}
                      | tuple_elements)
-    return WrapperReplay(start_bytes, state.peak, state.live, outputs, dict(state.nbytes), tuple(unsized))
+    return WrapperReplay(start_bytes, state.peak, state.live, outputs, dict(state.nbytes), tuple(unsized),
+                         _library_calls(body))
 
 
 def _output_storage(state: _Live, value: str) -> Optional[str]:
@@ -369,7 +374,7 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
     handed_bytes = sum(fw.storage_bytes[s] for s in handed)
     return CheckedPeak(max(fw.peak_bytes, bw.peak_bytes), fw.peak_bytes, bw.peak_bytes, handed_bytes, tangent_bytes,
                        len(fw.unsized) + len(bw.unsized), sum(fw.storage_bytes[s] for s in held & user_storages),
-                       library_calls(forward.source_code) | library_calls(backward.source_code))
+                       fw.library_calls | bw.library_calls)
 
 
 def _nbytes(value: object) -> int:
@@ -418,12 +423,10 @@ def graph_code(gm: torch.fx.GraphModule, source_code: str) -> GraphCode:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    from .passes.joint_graph import static_tangent_numels, tangents_without_gradient
-
     return GraphCode(source_code, tuple(n.name for n in placeholders),
                      tuple(v.name if isinstance(v, torch.fx.Node) else "" for v in values),
                      tuple(_nbytes(n.meta.get("val")) for n in placeholders), library_itemsizes(gm),
-                     tangents_without_gradient(static_tangent_numels(placeholders)))
+                     gradless_tangents_of(placeholders))
 
 
 def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str,

@@ -102,9 +102,9 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     ``compiled_graphs``; ``checked_peak_bytes``: its trusted checked peak, ``trusted_peak_bytes``): at or
     under the planning target, the plan runs (the simulator over-predicted it) and the record carries
     the verdict. Otherwise, when ``candidate`` is given, the free min-cut plan is compiled and checked
-    too (``candidate()`` appends its record and returns its callable and checked peak): the simulator can rank two plans the wrong way round (its smallest-peak plan may check above
-    the plan it thinks larger), and Inductor's number decides, so the candidate runs if it checks at or
-    under the target. Otherwise the records leave ``compiled_graphs`` and the refusal is raised, naming
+    too (``candidate()`` appends its record and returns its callable and checked peak): the simulator
+    can rank two plans the wrong way round (its smallest-peak plan may check above the plan it thinks
+    larger), and Inductor's number decides, so the candidate runs if it checks at or under the target. Otherwise the records leave ``compiled_graphs`` and the refusal is raised, naming
     the budget at which this same check accepts the plan that checked lowest, when that is below the
     simulator's figure (``inductor_verdict.named_budget_after_check``)."""
     record = compiled_graphs[-1]

@@ -247,16 +247,17 @@ def _ancestors(roots: list[fx.Node], stop: set[str]) -> set[str]:
     return seen
 
 
-def static_tangent_numels(placeholders: Iterable[fx.Node]) -> dict[str, int]:
-    """The element count of each ``tangents_*`` placeholder, -1 where a size is symbolic (read without
-    adding a guard: a symbolic size is never taken for a scalar)."""
+def gradless_tangents_of(placeholders: Iterable[fx.Node]) -> frozenset[str]:
+    """``tangents_without_gradient`` of a graph's placeholders: each ``tangents_*`` by its element count,
+    -1 where a size is symbolic (read without adding a guard: a symbolic size is never taken for a
+    scalar). The joint graph's facts and Inductor's check of the backward both read it here."""
     numels = {}
     for node in placeholders:
         value = node.meta.get("val")
         if node.name.startswith("tangents_") and isinstance(value, torch.Tensor):
             static = all(isinstance(d, int) for d in value.shape)
             numels[node.name] = math.prod(value.shape) if static else -1
-    return numels
+    return tangents_without_gradient(numels)
 
 
 def tangents_without_gradient(tangent_numels: Mapping[str, int]) -> frozenset[str]:
@@ -341,5 +342,5 @@ def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_out
         forward_required=frozenset(n for n in forward_required if nodes.get(n) is not None and nodes[n].role == "forward"),
         needed_by_backward=tuple(needed),
         outputs_held=outputs_held,
-        gradless_tangents=tangents_without_gradient(static_tangent_numels(graph.find_nodes(op="placeholder"))),
+        gradless_tangents=gradless_tangents_of(graph.find_nodes(op="placeholder")),
     )
