@@ -68,9 +68,9 @@ def _compile_and_measure(name: str, budget_gb: Optional[float], reuse: bool) -> 
     import torch._inductor.config as inductor_config
 
     import remat
-    from remat.cost_model.memory import simulate_memory
+    from remat.simulator.memory_timeline import simulate_memory
     from remat.errors import BudgetInfeasibleError
-    from remat.passes import schedule
+    from remat.simulator import schedule
     from remat.testing.zoo import ZOO
 
     torch._dynamo.reset()

@@ -68,8 +68,8 @@ def _smallest_target(facts, min_cut_peak: int) -> dict[str, Any]:
             best, high = make_plan(facts, middle), middle
         except BudgetInfeasibleError:
             low = middle
-    from remat.passes.evaluate import evaluate
-    from remat.passes import schedule
+    from remat.simulator import evaluate
+    from remat.simulator import schedule
 
     evaluated = evaluate(facts, set(best.saved))
     recomputations = sum(1 for s in schedule.backward_order(facts, evaluated.partition) if s.region >= 0)
@@ -86,7 +86,7 @@ def _smallest_target(facts, min_cut_peak: int) -> dict[str, Any]:
 
 
 def _with_schedule(held: bool, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    from remat.passes import schedule
+    from remat.simulator import schedule
 
     original = schedule.backward_order
     if held:   # every schedule the planner weighs holds its intermediates (both of simulate_partition's)

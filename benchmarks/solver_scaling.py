@@ -47,7 +47,7 @@ import torch
 import remat
 from remat.cost_model import annotate_costs, get_profile
 from remat.errors import BudgetInfeasibleError
-from remat.passes import schedule as schedule_module
+from remat.simulator import schedule as schedule_module
 from remat.passes import plan as plan_module
 from remat.passes.solve_greedy import solve_greedy
 from remat.passes.joint_graph import JointGraphFacts, read_joint_graph

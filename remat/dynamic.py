@@ -184,7 +184,7 @@ def size_reach(joint: fx.GraphModule, num_fwd_outputs: int, profile: Any, plan: 
     Guarantees, for each answer n < ``searched_to``: the plan fits at n and not at n + 1.
     Re-annotates ``joint``'s costs at each size tried (nothing reads them after partitioning).
     """
-    from .passes.evaluate import evaluate
+    from .simulator import evaluate
     from .pipeline import facts_at_sizes
     from .sizing import search_largest
 

@@ -1,7 +1,7 @@
 """Inductor judges a plan: the step's peak read from the code Inductor generated for it.
 
-remat plans on its own simulator of Inductor's memory behaviour (``cost_model/memory.py``,
-``passes/kernel_steps.py``). Once a plan's forward and backward are compiled, the generated
+remat plans on its own simulator of Inductor's memory behaviour (``simulator/``:
+``memory_timeline.py``, ``kernel_steps.py``). Once a plan's forward and backward are compiled, the generated
 Python wrapper of each (``CompiledFxGraph.source_code``, the ``call`` function) *is* the
 program that allocates and frees the step's buffers: every ``empty_strided_*`` allocation,
 every ``del`` (where Python frees a buffer at its last reference), every buffer Inductor

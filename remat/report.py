@@ -16,7 +16,7 @@ from .cost_model.symbolic import format_expr, shape_hints, symbol_sources, to_sy
 from .dynamic import size_environment
 from .feedback_store import Correction
 from .passes.joint_graph import JointGraphFacts
-from .passes.evaluate import evaluate
+from .simulator import evaluate
 from .passes.plan import Plan
 from .passes.rewrite import RegionSummary, describe_region
 from .units import format_bytes, format_seconds

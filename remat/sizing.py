@@ -42,7 +42,7 @@ from .cost_model.tensors import iter_tensors
 from .devices import free_device_bytes
 from .errors import BudgetInfeasibleError
 from .options import make_options, smallest_budget_bytes
-from .passes.evaluate import evaluate
+from .simulator import evaluate
 from .passes.joint_graph import JointGraphFacts
 from .pipeline import PlanningRequest, PreparedGraph, facts_at_sizes, plan_graph, prepare_graph, request_for, \
     trace_joint_facts

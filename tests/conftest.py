@@ -147,7 +147,7 @@ def scale_simulated_peaks(monkeypatch: pytest.MonkeyPatch, scale: float) -> None
     mis-models), for the feedback loop's, the Inductor check's and the step budget's tests."""
     import dataclasses
 
-    from remat.passes import schedule
+    from remat.simulator import schedule
 
     real = schedule.simulate_partition
 

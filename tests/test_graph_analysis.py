@@ -11,10 +11,10 @@ from dataclasses import replace
 import torch
 
 from remat.passes.graph_analysis import GraphAnalysis
-from remat.passes.kernel_steps import graph_inductor_config
+from remat.simulator.kernel_facts import graph_inductor_config
 from remat.passes.mincut import min_cut_saved
 from remat.passes.recompute_bans import why_not_recomputable
-from remat.passes.schedule import partition_nodes, register_only, simulate_partition
+from remat.simulator.schedule import partition_nodes, register_only, simulate_partition
 
 from joint_graphs import capture_joint
 

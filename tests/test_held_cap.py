@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat.passes.evaluate import evaluate
+from remat.simulator import evaluate
 from remat.passes.held_cap import reduce_saved_bytes, saved_bytes_of
 from remat.passes.plan import make_plan
 

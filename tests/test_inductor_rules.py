@@ -14,7 +14,8 @@ from torch._inductor import config as inductor_settings
 
 from remat._torch_inductor import InductorConfig, inductor_config
 from remat.cost_model import inductor_rules as rules
-from remat.cost_model.kernel_schedule import EXTERN, POINTWISE, REDUCTION, GraphOp, schedule_kernels
+from remat.simulator.kernel_lowering import EXTERN, POINTWISE, REDUCTION, GraphOp
+from remat.simulator.kernel_schedule import schedule_kernels
 
 MIB = 1 << 20
 OP_FAMILIES = [name for name in rules.__all__ if name != "COLLECTIVE_NAMESPACES"]

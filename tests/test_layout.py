@@ -30,12 +30,6 @@ MAX_LINES = 450
 # (importer, imported): edges that close a cycle today, with why each is still there (none today).
 KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {}
 
-# Modules over MAX_LINES today, with why each is still over.
-KNOWN_LONG_MODULES: dict[str, str] = {
-    "remat/passes/kernel_steps.py": "not split yet: the simulator's step builder, to move into a simulator package with kernel_schedule.py (issue 13)",
-    "remat/cost_model/kernel_schedule.py": "not split yet (issue 13: the simulator package)",
-}
-
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -174,12 +168,10 @@ def test_the_cycle_check_finds_a_cycle() -> None:
     assert cycles({("a", "b"), ("b", "c")}) == []
 
 
-def test_no_module_over_the_line_limit_but_the_known_ones() -> None:
+def test_no_module_over_the_line_limit() -> None:
     lengths = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines()) for p in MODULES.values()}
-    over = {name: n for name, n in lengths.items() if n > MAX_LINES and name not in KNOWN_LONG_MODULES}
+    over = {name: n for name, n in lengths.items() if n > MAX_LINES}
     assert not over, f"modules over {MAX_LINES} lines: {over}"
-    under = sorted(name for name in KNOWN_LONG_MODULES if lengths.get(name, 0) <= MAX_LINES)
-    assert not under, f"now at most {MAX_LINES} lines, remove them from KNOWN_LONG_MODULES: {under}"
 
 
 # Scripts that still edit sys.path, with why: the zoo and the step helpers are importable

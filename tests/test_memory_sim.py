@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat.cost_model.kernel_schedule import EXTERN, POINTWISE, REDUCTION, GraphOp, schedule_kernels
-from remat.cost_model.memory import Step, _inductor_estimate, _lifetimes, simulate_memory
-from remat.passes.kernel_steps import RECOMPUTE_SUFFIX
-from remat.passes.schedule import memory_steps, partition_nodes, recompute_instance
+from remat.simulator.kernel_lowering import EXTERN, POINTWISE, REDUCTION, GraphOp
+from remat.simulator.kernel_schedule import schedule_kernels
+from remat.simulator.memory_timeline import Step, _inductor_estimate, _lifetimes, simulate_memory
+from remat.simulator.kernel_facts import RECOMPUTE_SUFFIX
+from remat.simulator.schedule import memory_steps, partition_nodes, recompute_instance
 
 from joint_graphs import capture_joint
 
@@ -342,7 +343,7 @@ def test_cpu_convolution_gets_channels_last_copies_and_flattening_it_copies(tens
 
 
 def test_viewability_under_channels_last_matches_torch():
-    from remat.passes.kernel_steps import _viewable_in_channels_last
+    from remat.simulator.kernel_facts import _viewable_in_channels_last
 
     for shape, target in [((16, 16, 16, 16), (256, 256)), ((16, 16, 16, 16), (16, 16, 256)), ((16, 32, 1, 1), (16, 32)),
                           ((8, 3, 4, 5), (8, 60)), ((8, 3, 4, 5), (8, 3, 20)), ((2, 3, 4, 5), (2, 3, 4, 5))]:

@@ -19,11 +19,11 @@ import torch.nn as nn
 import remat
 from conftest import assert_grads_close, grads_of, loss_weights, run_step, zero_grads
 from remat.pipeline import trace_joint_facts
-from remat.cost_model.memory import simulate_memory
+from remat.simulator.memory_timeline import simulate_memory
 from remat.measure import close_open_window
-from remat.passes.kernel_steps import FORWARD_RETURNS
+from remat.simulator.kernel_steps import FORWARD_RETURNS
 from remat.passes.plan import make_plan
-from remat.passes.schedule import memory_steps, partition_nodes
+from remat.simulator.schedule import memory_steps, partition_nodes
 
 VOCAB, D_MODEL, TOKENS = 1024, 64, 512
 LOGIT_BYTES = TOKENS * VOCAB * 4

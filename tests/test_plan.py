@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from remat.errors import BudgetInfeasibleError
 from remat.units import format_gb_up
 from remat.passes.plan import make_plan
-from remat.passes.schedule import backward_order, partition_nodes
+from remat.simulator.schedule import backward_order, partition_nodes
 
 from joint_graphs import capture_joint
 

@@ -33,7 +33,7 @@ import pytest
 from remat.errors import BudgetInfeasibleError
 from remat.passes.joint_graph import JointGraphFacts
 from remat.passes.plan import Plan, make_plan
-from remat.passes.schedule import backward_order, partition_nodes
+from remat.simulator.schedule import backward_order, partition_nodes
 from remat.testing.zoo import ZOO
 
 RECORDED = Path(__file__).resolve().parent / "data" / "plan_hashes.json"

@@ -17,11 +17,12 @@ import torch
 
 from remat._torch_compile import split_joint
 from remat.dump import annotated_code
-from remat.cost_model.memory import simulate_memory
-from remat.passes.kernel_steps import kernel_steps, storage_owner
+from remat.simulator.memory_timeline import simulate_memory
+from remat.simulator.kernel_steps import kernel_steps
+from remat.simulator.kernel_facts import storage_owner
 from remat.passes.plan import make_plan
 from remat.passes.rewrite import REMAT_KEY, RecomputeTag, place_recompute_regions
-from remat.passes.schedule import (
+from remat.simulator.schedule import (
     backward_order, forward_order, memory_steps, partition_nodes, rebuilds_intermediates, recompute_instance,
     recompute_time_s,
 )

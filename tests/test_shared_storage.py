@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from joint_graphs import capture_joint
-from remat.passes.schedule import partition_nodes
-from remat.passes.shared_storage import shared_storage_groups
+from remat.simulator.schedule import partition_nodes
+from remat.simulator.shared_storage import shared_storage_groups
 
 
 def _relu_and_view(x, w1, w2):

@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from remat.cost_model.memory import simulate_memory
-from remat.passes import schedule
-from remat.passes.evaluate import evaluate
-from remat.passes.kernel_steps import kernel_steps
+from remat.simulator.memory_timeline import simulate_memory
+from remat.simulator import schedule
+from remat.simulator import evaluate
+from remat.simulator.kernel_steps import kernel_steps
 from remat.passes.plan import make_plan
 from remat.passes.solve_milp import relevant_forward
 

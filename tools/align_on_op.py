@@ -6,8 +6,8 @@ Measured values include the forward's calls; the simulated list is the backward'
 """
 import sys, torch
 import remat
-from remat.passes.schedule import memory_steps, partition_nodes
-from remat.cost_model.memory import simulate_memory
+from remat.simulator.schedule import memory_steps, partition_nodes
+from remat.simulator.memory_timeline import simulate_memory
 from remat.testing.zoo import ZOO
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile

@@ -15,7 +15,7 @@ import torch._inductor.codegen.wrapper as wrapper
 from torch._inductor.virtualized import V
 
 import remat
-from remat.passes.schedule import memory_steps, partition_nodes
+from remat.simulator.schedule import memory_steps, partition_nodes
 from remat.testing.zoo import ZOO
 
 graphs = []

@@ -20,8 +20,8 @@ for kv in filter(None, os.environ.get("INDUCTOR", "").split(",")):  # e.g. INDUC
     key, value = kv.split("=")
     setattr(inductor_config, key, value == "1")
 import remat  # noqa: E402
-from remat.cost_model.memory import simulate_memory  # noqa: E402
-from remat.passes.schedule import memory_steps, partition_nodes  # noqa: E402
+from remat.simulator.memory_timeline import simulate_memory  # noqa: E402
+from remat.simulator.schedule import memory_steps, partition_nodes  # noqa: E402
 from remat.testing.zoo import ZOO  # noqa: E402
 
 

@@ -9,7 +9,8 @@
 - ``loop_charges``: which node pays them.
 - ``calibrate``: measured kernel times per node, cached by graph hash.
 - ``symbolic``: costs as formulas in the shape symbols.
-- ``memory``: the memory simulator.
+
+The memory simulator that reads these costs is ``remat.simulator``.
 """
 
 from .calibrate import Calibration, calibrate, measure_node_times

@@ -1,8 +1,8 @@
 """What Inductor does with an op, by its ATen name: the one home of remat's op families.
 
 The time model's fusion (``fusion.py``, ``loop_charges.py``), the memory model's kernels
-(``passes/kernel_steps.py``), the joint graph's facts (``passes/joint_graph.py``), the
-recompute bans (``passes/schedule.py``) and the rewrite's dead-code roots all read their op
+(``simulator/kernel_facts.py``), the joint graph's facts (``passes/joint_graph.py``), the
+recompute bans (``passes/recompute_bans.py``) and the rewrite's dead-code roots all read their op
 families here. Each family says where in Inductor (torch 2.13.0, ``torch/_inductor/``) the rule
 comes from. Names are ATen overload-packet names (``aten.mm.default`` -> ``"mm"``), and the
 joint graphs remat plans are already decomposed by Inductor's table

@@ -2,8 +2,8 @@
 
 A ``GraphAnalysis`` is created with each ``JointGraphFacts`` (its ``analysis`` field) and
 filled lazily by the modules that compute each part: ``recompute_bans`` (why each node may
-not be recomputed, node positions), ``mincut`` (the free min-cut), ``schedule`` (register-only
-values, the rebuild decision per partition) and ``kernel_steps`` (the kernel model's
+not be recomputed, node positions), ``mincut`` (the free min-cut), ``simulator.schedule`` (register-only
+values, the rebuild decision per partition) and ``simulator.kernel_facts`` (the kernel model's
 per-node constants and Inductor's config, read when the graph is first simulated). It dies
 with its facts: no module keeps per-graph state, nothing is keyed by ``id(facts)``.
 
@@ -28,8 +28,8 @@ class GraphAnalysis:
     bans: Mapping[str, str | None] | None = None    # node -> why it may not be recomputed, or None
     positions: Mapping[str, int] | None = None         # node -> index in the graph's order
     min_cut_saved: frozenset[str] | None = None        # mincut.min_cut_saved
-    register_only: frozenset[str] | None = None        # schedule.register_only
-    kernel_facts: Any = None                              # kernel_steps' per-node constants (its _FactsCache)
+    register_only: frozenset[str] | None = None        # simulator.schedule.register_only
+    kernel_facts: Any = None                              # simulator.kernel_facts.KernelFacts
     # (saved, recomputed) -> whether that partition's backward rebuilds intermediates per use
     rebuilds: dict[tuple[frozenset[str], frozenset[str]], bool] = field(default_factory=dict)
 

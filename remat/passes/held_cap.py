@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .evaluate import Evaluated, evaluate
+from ..simulator import Evaluated, evaluate
 from .joint_graph import JointGraphFacts
 from .mincut import saved_cost_bytes
-from .schedule import why_not_recomputable
+from .recompute_bans import why_not_recomputable
 
 # Each round simulates one plan per saved value it could drop; a cap needing more rounds than
 # this is left unmet (the caller sees ``saved_bytes`` over the cap and decides).

@@ -1,8 +1,8 @@
 """The records a plan's schedule is made of: which forward values the backward gets and how
 (``Partition``), and each node of the backward in the order it runs (``Scheduled``).
 
-``schedule`` builds them, ``kernel_steps`` simulates them and ``rewrite`` emits them; they live
-here, apart from all three, so the simulator reads them without importing the scheduler.
+``simulator.schedule`` builds them, ``simulator.kernel_steps`` simulates them and ``rewrite`` emits
+them; they live here, apart from all three, so the simulator reads them without importing the scheduler.
 """
 
 from __future__ import annotations

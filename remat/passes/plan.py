@@ -29,12 +29,12 @@ from typing import Callable, Iterator, Optional
 from ..errors import BudgetInfeasibleError, raise_budget_hint
 from ..options import DEFAULT_MILP_TIME_LIMIT_S, SOLVERS, smallest_budget_bytes
 from ..units import format_bytes, format_gb_up, format_seconds
-from .evaluate import Evaluated, evaluate
+from ..simulator import Evaluated, evaluate
 from .held_cap import reduce_saved_bytes
 from .joint_graph import JointGraphFacts
-from .kernel_steps import storage_owner
+from ..simulator.kernel_facts import storage_owner
 from .mincut import min_cut_saved, saved_cost_bytes
-from .schedule import register_only
+from ..simulator.schedule import register_only
 from .solve_greedy import smallest_peak_plan, solve_greedy
 from .solve_milp import solve_min_time
 

@@ -20,7 +20,7 @@ from ..cost_model.tensors import is_mutating_op
 from ..units import format_bytes
 from .joint_graph import JointGraphFacts, is_collective
 from .plan import Plan
-from .schedule import Scheduled, backward_order, partition_nodes
+from ..simulator.schedule import Scheduled, backward_order, partition_nodes
 
 REMAT_KEY = "remat"
 

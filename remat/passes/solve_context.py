@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from .evaluate import Evaluated, evaluate
+from ..simulator import Evaluated, evaluate
 from .joint_graph import JointGraphFacts
-from .schedule import why_not_recomputable
+from .recompute_bans import why_not_recomputable
 
 
 class SearchContext:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .evaluate import Evaluated
+from ..simulator import Evaluated
 from .solve_context import SearchContext
 
 

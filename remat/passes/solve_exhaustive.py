@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 
 from .joint_graph import JointGraphFacts
 from .mincut import saved_cost_bytes
-from .evaluate import evaluate
-from .schedule import why_not_recomputable
+from ..simulator import evaluate
+from .recompute_bans import why_not_recomputable
 from .solve_milp import relevant_forward
 
 MAX_CANDIDATES = 16

@@ -52,9 +52,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .evaluate import Evaluated
+from ..simulator import Evaluated
 from .joint_graph import JointGraphFacts
-from .kernel_steps import RECOMPUTE_SUFFIX
+from ..simulator.kernel_facts import RECOMPUTE_SUFFIX
 from .solve_context import SearchContext
 from .solve_drops import drop_options
 from .solve_local import LOCAL_SEARCH_MAX_STEPS, local_search

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .evaluate import Evaluated
-from .schedule import forward_ancestors
+from ..simulator import Evaluated
+from ..simulator.schedule import forward_ancestors
 from .solve_context import SearchContext
 
 LOCAL_SEARCH_STEPS = 8_000      # simulated steps each local search may spend

@@ -73,8 +73,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_matrix
 
-from . import schedule
-from .evaluate import evaluate
+from ..simulator import schedule
+from ..simulator import evaluate
 from .joint_graph import JointGraphFacts
 from .mincut import min_cut_saved, saved_cost_bytes
 from .solve_milp_liveness import Liveness

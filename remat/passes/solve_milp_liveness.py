@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass
 from typing import AbstractSet, Mapping, Optional, Protocol
 
-from ..cost_model.kernel_schedule import ALIAS, EXTERN, POINTWISE, SCATTER
+from ..simulator.kernel_lowering import ALIAS, EXTERN, POINTWISE, SCATTER
 from .joint_graph import JointGraphFacts
-from .kernel_steps import RECOMPUTE_SUFFIX, kernel_kind
+from ..simulator.kernel_facts import RECOMPUTE_SUFFIX, kernel_kind
 
 MAX_VIEW_CHAIN = 8       # views of views followed back to the storage they alias
 

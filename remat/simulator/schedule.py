@@ -16,16 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AbstractSet, Iterable, Mapping
 
-from ..cost_model.memory import MemorySimulation, Step, simulate_memory
-from .graph_analysis import REBUILD_ENTRIES
-from .partition import Partition, Scheduled
-from .joint_graph import JointGraphFacts
-from .mincut import min_cut_saved
-from .recompute_bans import node_positions, recompute_bans
-from .recompute_bans import why_not_recomputable  # noqa: F401  (the solvers ask it here)
-from ..cost_model.kernel_schedule import EXTERN, SCATTER
+from ..passes.graph_analysis import REBUILD_ENTRIES
+from ..passes.joint_graph import JointGraphFacts
+from ..passes.mincut import min_cut_saved
+from ..passes.partition import Partition, Scheduled
+from ..passes.recompute_bans import node_positions, recompute_bans
+from ..passes.recompute_bans import why_not_recomputable  # noqa: F401  (the solvers ask it here)
+from .kernel_facts import RECOMPUTE_SUFFIX, graph_inductor_config, kernel_kinds
+from .kernel_lowering import EXTERN, SCATTER
+from .kernel_steps import forward_steps, kernel_steps
+from .memory_timeline import MemorySimulation, Step, simulate_memory
 from .shared_storage import one_value_per_storage, shared_storage_groups
-from .kernel_steps import RECOMPUTE_SUFFIX, forward_steps, graph_inductor_config, kernel_kinds, kernel_steps
 
 
 def _register_only_uncached(facts: JointGraphFacts) -> frozenset[str]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AbstractSet
 
-from ..cost_model.memory import MemorySimulation, Step
+from ..passes.joint_graph import JointGraphFacts
+from ..passes.partition import Partition
 from . import schedule
-from .joint_graph import JointGraphFacts
-from .partition import Partition
+from .memory_timeline import MemorySimulation, Step
 from .shared_storage import one_value_per_storage
 
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from typing import AbstractSet, Optional
 
-from .joint_graph import JointGraphFacts
-from .kernel_steps import storage_owner
+from ..passes.joint_graph import JointGraphFacts
+from .kernel_facts import storage_owner
 
 
 def _storage_owner(facts: JointGraphFacts, storage: str) -> Optional[str]:
     """The node whose value *is* ``storage`` (not a view of it): the node that allocates it
-    (``kernel_steps.storage_owner`` names it), or for one output of a multi-output op, the
+    (``kernel_facts.storage_owner`` names it), or for one output of a multi-output op, the
     getitem that selects that output (found by a walk: only such storages need one)."""
     allocator = facts.nodes.get(storage_owner(storage))
     if allocator is None or not allocator.is_multi_output:

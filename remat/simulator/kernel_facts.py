@@ -1,0 +1,215 @@
+"""What the kernel model needs of each node of a joint graph, whatever the partition.
+
+``kernel_kind`` says how Inductor lowers a node (a loop it may inline, a reduction, a library
+call, a scatter, a view); ``KernelFacts`` holds, per graph, each node's kind, CPU layout and
+buffers, worked out once when the graph is first simulated and kept in its ``GraphAnalysis``
+(``kernel_facts_of``). ``kernel_steps`` builds the simulator's steps from them.
+
+Storage ids are those of ``NodeFacts.allocs``; the simulator suffixes a recomputation's with
+its instance (``RECOMPUTE_SUFFIX``), a channels-last copy's and a copied reshape's with
+``CHANNELS_LAST_SUFFIX`` and ``COPY_SUFFIX``; ``storage_owner`` reads the node back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from .._torch_inductor import InductorConfig, inductor_config
+from ..cost_model.inductor_rules import ALWAYS_STORED_LOOPS, HEAVY_OPS, LOOP_OPS, MUTATIONS, SCATTER_OPS
+from ..passes.joint_graph import JointGraphFacts, NodeFacts
+from .kernel_lowering import ALIAS, EXTERN, POINTWISE, REDUCTION, SCATTER
+
+
+RECOMPUTE_SUFFIX = "@r"          # followed by the instance number: "@r0", "@r1", ...
+CHANNELS_LAST_SUFFIX = "#cl"
+COPY_SUFFIX = "#copy"
+CHANNELS_LAST = "channels_last"
+_RESHAPES = frozenset({"view", "_unsafe_view", "reshape"})
+
+
+def storage_owner(sid: str) -> str:
+    """The node whose value a storage id belongs to: ``mm_3#1@r2`` -> ``mm_3``."""
+    return sid.split("#")[0].split(RECOMPUTE_SUFFIX)[0]
+
+
+def op_short_name(node: NodeFacts) -> str:
+    parts = node.op.split(".")
+    return parts[1] if len(parts) >= 3 else node.op
+
+
+def kernel_kind(facts: JointGraphFacts, name: str) -> str:
+    """How Inductor lowers the node: a loop it may inline, a reduction, an extern call, a scatter, or a view."""
+    node = facts.nodes[name]
+    if not node.is_tensor or node.op == "placeholder":
+        return ALIAS
+    if node.is_getitem:
+        source = facts.nodes[node.inputs[0]]
+        if not source.is_multi_output:
+            return ALIAS
+        # an output of a multi-output call (Inductor's MultiOutput), or one buffer of a multi-output loop
+        return EXTERN if kernel_kind(facts, source.name) in (EXTERN, SCATTER) else REDUCTION
+    if node.is_view:
+        return ALIAS
+    short = op_short_name(node)
+    if short in SCATTER_OPS:
+        return SCATTER
+    if short in ALWAYS_STORED_LOOPS:
+        return REDUCTION
+    if node.inlinable or short in LOOP_OPS or short in MUTATIONS:
+        return POINTWISE
+    if node.fusible_consumer:
+        return REDUCTION
+    return EXTERN
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What the kernel model needs of a node, whatever the partition."""
+
+    kind: str
+    inputs: tuple[str, ...]               # tensor inputs
+    allocs: tuple[tuple[str, int], ...]   # what its buffer allocates (none for a call's outputs, mutations)
+    nbytes: int
+    numel: int
+    loop_numel: int
+    heavy: bool
+    mutation: bool
+    inner_reduction: bool
+    layout: str                           # "channels_last" when Inductor lays it out so, else ""
+
+
+def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layouts: Mapping[str, str],
+               storage_bytes: Mapping[str, int]) -> _Static:
+    node = facts.nodes[name]
+    kind = kinds[name]
+    short = op_short_name(node)
+    allocs = node.allocs
+    loop = node.numel
+    inner = node.inner_reduction
+    if short in MUTATIONS or (node.is_multi_output and kind in (POINTWISE, REDUCTION)):
+        allocs = ()   # a multi-output loop's buffers are allocated by its getitems
+    elif node.is_getitem:
+        parent = facts.nodes[node.inputs[0]]
+        index = node.getitem_index
+        allocs = ()
+        if kind == REDUCTION and index is not None and index < len(parent.allocs):
+            allocs = (parent.allocs[index],)
+            inner = parent.inner_reduction
+            loop = max((facts.nodes[i].numel for i in parent.inputs), default=parent.numel)
+    if kind == REDUCTION and node.inputs and not node.is_getitem:
+        loop = max((facts.nodes[i].numel for i in node.inputs), default=node.numel)
+    if node.is_view and kind == POINTWISE:   # a reshape Inductor must copy (see _layouts)
+        allocs = ((name + COPY_SUFFIX, sum(storage_bytes.get(s, 0) for s in node.value_storages)),)
+    return _Static(
+        kind=kind,
+        inputs=tuple(i for i in node.inputs if facts.nodes[i].is_tensor),
+        allocs=allocs,
+        numel=node.numel,
+        nbytes=sum(n for _, n in allocs),
+        loop_numel=loop,
+        heavy=short in HEAVY_OPS,
+        mutation=short in MUTATIONS,
+        inner_reduction=inner,
+        layout=layouts.get(name, ""),
+    )
+
+
+def _viewable_in_channels_last(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a channels-last tensor of 4-d ``shape`` can be viewed as ``target`` (ATen's computeStride)."""
+    n, c, h, w = shape
+    strides = (c * h * w, 1, w * c, c)
+    if n * c * h * w == 0:
+        return True
+    view_d = len(target) - 1
+    chunk_base_stride = strides[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[tensor_d]
+        if tensor_d == 0 or (shape[tensor_d - 1] != 1 and strides[tensor_d - 1] != tensor_numel * chunk_base_stride):
+            while view_d >= 0 and (view_numel < tensor_numel or target[view_d] == 1):
+                view_numel *= target[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return False
+            if tensor_d > 0:
+                chunk_base_stride = strides[tensor_d - 1]
+                tensor_numel = view_numel = 1
+    return view_d == -1
+
+
+def _layouts(facts: JointGraphFacts, kinds: dict[str, str]) -> dict[str, str]:
+    """Values Inductor lays out channels-last, on a CPU graph with convolutions.
+
+    Its layout optimization makes convolution inputs, outputs and input gradients
+    channels-last, and loops over a 4-d value follow a channels-last input of their
+    shape. A reshape of such a value that no strides can express is no view: an
+    extern reading it gets a copy, so the reshape becomes a loop (``kinds`` is updated).
+    """
+    if not any(op_short_name(facts.nodes[n]) == "convolution" and facts.nodes[n].device == "cpu" for n in facts.order):
+        return {}
+    layout: dict[str, str] = {}
+    for name in facts.order:
+        node = facts.nodes[name]
+        short = op_short_name(node)
+        if short == "convolution":
+            layout[name] = CHANNELS_LAST
+            for source in node.inputs[:2]:
+                if facts.nodes[source].role == "primal" and len(facts.nodes[source].shape) == 4:
+                    layout[source] = CHANNELS_LAST
+            continue
+        if len(node.shape) != 4 or not node.inputs:
+            if node.is_view and node.inputs and layout.get(node.inputs[0]) and short in _RESHAPES \
+                    and not _viewable_in_channels_last(facts.nodes[node.inputs[0]].shape, node.shape):
+                kinds[name] = POINTWISE
+            continue
+        if node.is_getitem:
+            parent = facts.nodes[node.inputs[0]]
+            if op_short_name(parent) == "convolution_backward" and node.getitem_index == 0:
+                layout[name] = CHANNELS_LAST
+            elif kinds[parent.name] in (POINTWISE, REDUCTION) and any(layout.get(i) for i in parent.inputs):
+                layout[name] = CHANNELS_LAST
+        elif node.is_view:
+            if layout.get(node.inputs[0]) and facts.nodes[node.inputs[0]].shape == node.shape:
+                layout[name] = CHANNELS_LAST
+        elif kinds[name] in (POINTWISE, REDUCTION):
+            if any(layout.get(i) and facts.nodes[i].shape == node.shape for i in node.inputs):
+                layout[name] = CHANNELS_LAST
+    return layout
+
+
+class KernelFacts:
+    """Per-joint-graph constants, computed once: the planner simulates one graph many times."""
+
+    def __init__(self, facts: JointGraphFacts) -> None:
+        self.inductor = inductor_config()      # read once per graph, when it is first simulated
+        kinds: dict[str, str] = {}
+        for name in facts.order:
+            kinds[name] = kernel_kind(facts, name)
+        self.storage_bytes = {sid: n for node in facts.nodes.values() for sid, n in node.allocs}
+        self.layouts = _layouts(facts, kinds)
+        self.static = {name: _static_of(facts, name, kinds, self.layouts, self.storage_bytes) for name in facts.order}
+        # storages a step allocates (a primal's or a tangent's is there before the step starts)
+        self.owned = frozenset(sid for node in facts.nodes.values() if node.role in ("forward", "backward")
+                               for sid, _ in node.allocs)
+        self.tangent_allocs = tuple(alloc for name in facts.order if facts.nodes[name].role == "tangent"
+                                    for alloc in facts.nodes[name].allocs)
+
+
+def kernel_kinds(facts: JointGraphFacts) -> Mapping[str, str]:
+    """``kernel_kind`` of every node of the graph (with CPU layout copies), worked out once per graph."""
+    return {name: info.kind for name, info in kernel_facts_of(facts).static.items()}
+
+
+def graph_inductor_config(facts: JointGraphFacts) -> InductorConfig:
+    """Inductor's config as this graph's simulation reads it: read when the graph is first simulated."""
+    return kernel_facts_of(facts).inductor
+
+
+def kernel_facts_of(facts: JointGraphFacts) -> KernelFacts:
+    """This graph's ``KernelFacts``, made when the graph is first simulated and kept in its
+    ``GraphAnalysis``."""
+    analysis = facts.analysis
+    if analysis.kernel_facts is None:
+        analysis.kernel_facts = KernelFacts(facts)
+    return analysis.kernel_facts

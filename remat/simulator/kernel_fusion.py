@@ -1,0 +1,149 @@
+"""Steps 2 and 3 of Inductor's kernel model (``kernel_schedule``): fuse realized loops, order the kernels.
+
+``fuse`` groups realized loop nodes that share buffers (``Scheduler.fuse_nodes``),
+``topological_order`` orders the fused kernels (``topological_sort_schedule``), and
+``phantom_buffers`` names the realized values codegen removes (every reader in the same kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from .._torch_inductor import InductorConfig
+from .kernel_lowering import LOOP_KINDS, POINTWISE, REDUCTION, GraphOp
+
+
+class UnionFind:
+    def __init__(self, names: Sequence[str]) -> None:
+        self.parent = {n: n for n in names}
+        self.members = {n: [n] for n in names}
+
+    def find(self, name: str) -> str:
+        root = name
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[name] != root:
+            self.parent[name], name = root, self.parent[name]
+        return root
+
+    def union(self, a: str, b: str) -> str:
+        if len(self.members[a]) < len(self.members[b]):
+            a, b = b, a
+        self.parent[b] = a
+        self.members[a] += self.members.pop(b)
+        return a
+
+
+def _loops_match(a: GraphOp, b: GraphOp) -> bool:
+    if a.kind == POINTWISE and b.kind == POINTWISE:
+        return a.numel == b.numel
+    if a.kind == REDUCTION and b.kind == REDUCTION:
+        return a.loop_numel == b.loop_numel and a.numel == b.numel
+    reduction, loop = (a, b) if a.kind == REDUCTION else (b, a)
+    if loop.numel == reduction.numel:
+        return True   # a loop over the reduced result: the reduction's epilogue
+    return reduction.inner_reduction and loop.numel == reduction.loop_numel   # same rows, outer loop shared
+
+
+def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, frozenset[str]],
+          sizes: Mapping[str, int], config: InductorConfig) -> tuple[UnionFind, dict[str, int], dict[str, int]]:
+    """Step 2: greedy fusion of loop nodes that share buffers, most shared bytes first."""
+    index = {n: i for i, n in enumerate(nodes)}
+    deps = {n: [d for d in loads[n] if d in index] for n in nodes}
+    ancestors: dict[str, int] = {}
+    for n in nodes:
+        bits = 0
+        for d in deps[n]:
+            bits |= ancestors[d] | (1 << index[d])
+        ancestors[n] = bits
+    descendants = {n: 0 for n in nodes}
+    for n in reversed(nodes):
+        for d in deps[n]:
+            descendants[d] |= descendants[n] | (1 << index[n])
+    loop_nodes = [n for n in nodes if ops[n].kind in LOOP_KINDS]
+    touching: dict[str, list[str]] = {}
+    for n in loop_nodes:
+        for buffer in loads[n] | {n}:
+            touching.setdefault(buffer, []).append(n)
+    scored: dict[tuple[str, str], int] = {}
+    for buffer, group in touching.items():
+        for i, a in enumerate(group):
+            for b in group[i + 1:i + 1 + config.max_fusion_buffer_group_pairwise_attempts]:
+                key = (a, b) if index[a] < index[b] else (b, a)
+                if key not in scored:
+                    shared = (loads[a] | {a}) & (loads[b] | {b})
+                    scored[key] = sum(sizes.get(s, 0) for s in shared)
+    pairs = sorted((key for key, score in scored.items() if score > 0),
+                   key=lambda k: (-scored[k], index[k[1]] - index[k[0]], index[k[0]]))
+    sets = UnionFind(nodes)
+    bits = {n: 1 << index[n] for n in nodes}
+    anc = dict(ancestors)
+    desc = dict(descendants)
+    for a, b in pairs:
+        ra, rb = sets.find(a), sets.find(b)
+        if ra == rb or len(sets.members[ra]) + len(sets.members[rb]) > config.max_fusion_size:
+            continue
+        if not _loops_match(ops[a], ops[b]):
+            continue
+        inside = bits[ra] | bits[rb]
+        if (desc[ra] & anc[rb] & ~inside) or (desc[rb] & anc[ra] & ~inside):
+            continue  # a path leaves one kernel and re-enters the other: fusing makes a cycle
+        root = sets.union(ra, rb)
+        bits[root] = inside
+        anc[root] = anc[ra] | anc[rb]
+        desc[root] = desc[ra] | desc[rb]
+    return sets, ancestors, index
+
+
+def topological_order(nodes: list[str], sets: UnionFind, loads: Mapping[str, frozenset[str]],
+                 position: Mapping[str, float]) -> list[str]:
+    """Step 3: fused kernels by earliest member, each preceded by the kernels it needs."""
+    roots = {n: sets.find(n) for n in nodes}
+    first = {r: min(position[m] for m in members) for r, members in sets.members.items()}
+    needs = {r: sorted({roots[d] for m in members for d in loads[m] if d in roots} - {r}, key=first.__getitem__)
+             for r, members in sets.members.items()}
+    order: list[str] = []
+    state: dict[str, int] = {}
+    for root in sorted(sets.members, key=first.__getitem__):
+        stack = [(root, iter(needs[root]))]
+        state[root] = state.get(root, 0) or 1
+        if state[root] == 2:
+            continue
+        while stack:
+            current, pending = stack[-1]
+            nxt = next((d for d in pending if state.get(d, 0) == 0), None)
+            if nxt is not None:
+                state[nxt] = 1
+                stack.append((nxt, iter(needs[nxt])))
+                continue
+            stack.pop()
+            if state[current] != 2:
+                state[current] = 2
+                order.append(current)
+    return order
+
+
+def phantom_buffers(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, frozenset[str]],
+              roots: Mapping[str, str]) -> set[str]:
+    """Realized loop values whose readers are all in their kernel, within one loop nest."""
+    readers: dict[str, list[str]] = {}
+    for n in nodes:
+        for d in loads[n]:
+            if d in roots:
+                readers.setdefault(d, []).append(n)
+    removed = set()
+    for n in nodes:
+        op = ops[n]
+        if op.kind != POINTWISE or op.is_output:
+            continue  # a reduction's result is read in a later loop nest: it stays in memory
+        mine = readers.get(n, [])
+        if not mine or any(roots[r] != roots[n] for r in mine):
+            continue
+        reductions = {r for r in mine if ops[r].kind == REDUCTION}
+        if reductions and any(loads[r] & reductions for r in mine):
+            continue  # read again after a reduction over it: a second loop nest needs it in memory
+        removed.add(n)
+    return removed
+
+
+__all__ = ["UnionFind", "fuse", "phantom_buffers", "topological_order"]
