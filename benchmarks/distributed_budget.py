@@ -34,12 +34,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))   # tests/distributed_setup.py: the ranks' harness, shared with tests/test_distributed.py
-from distributed_setup import CFG, STEPS, WORLD_SIZE, all_max, batches, run_ranks, worker_parser, wrap  # noqa: E402
-from remat.testing.zoo import GPT  # noqa: E402
+import remat
+from remat.testing.distributed_setup import CFG, STEPS, WORLD_SIZE, all_max, batches, run_ranks, worker_parser, wrap
+from remat.testing.zoo import GPT
 
-import remat  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RUN_TIMEOUT_S = 900
 

@@ -31,8 +31,7 @@ import torch.nn.functional as F
 import remat
 from remat.units import format_gb_up
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed_setup import (  # noqa: E402
+from remat.testing.distributed_setup import (
     CFG, STEPS, WORLD_SIZE, all_max, batches, make_model, run_ranks, worker_parser, wrap,
 )
 

@@ -177,9 +177,6 @@ def test_no_module_over_the_line_limit() -> None:
 # Scripts that still edit sys.path, with why: the zoo and the step helpers are importable
 # (remat.testing.zoo, remat.testing.steps), so none of these is for the models.
 KNOWN_SYS_PATH_EDITS: dict[str, str] = {
-    "examples/pareto_sweep.py": "runs benchmarks/pareto.py's sweep (the benchmark harness is not a package)",
-    "benchmarks/distributed_budget.py": "tests/distributed_setup.py, the ranks' harness test_distributed.py shares",
-    "tests/test_distributed.py": "its own folder, for the ranks it spawns (another helper's file this session)",
     "tests/test_solvers.py": "the determinism check's subprocess imports test_solvers itself",
 }
 

@@ -6,8 +6,9 @@ built from configs when ``transformers`` is installed (``hf_models``).
 
 ``remat.testing.zoo`` holds the model zoo the tests, benchmarks and examples share (an MLP, a
 GPT, a CNN with BatchNorm, a Llama-style stack: ``ZOO[name]()`` returns the model and its
-inputs), and ``remat.testing.steps`` one training step and the gradient comparisons. Neither
-is imported here: ``import remat.testing`` stays light.
+inputs), and ``remat.testing.steps`` one training step and the gradient comparisons;
+``remat.testing.distributed_setup`` is the two-rank harness the distributed test and benchmark
+share. None of them is imported here: ``import remat.testing`` stays light.
 """
 
 from .corpus import BENCHMARK_SEEDS, TEST_SEEDS, Built, CorpusEntry, entries, hf_skip_reason

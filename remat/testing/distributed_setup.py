@@ -1,4 +1,4 @@
-"""What the distributed test and benchmark share: the model, the batches, the wrapping.
+"""What the distributed test and benchmark share: the model, the batches, the wrapping, the ranks.
 
 ``tests/test_distributed.py`` and ``benchmarks/distributed_budget.py`` run the same two-rank
 training on 127.0.0.1 (gloo): the zoo GPT (its default 4 layers) without dropout, batch 4 per rank,

@@ -1,6 +1,6 @@
 """A short peak-memory vs step-time sweep on the zoo GPT, remat next to three baselines.
 
-    python examples/pareto_sweep.py --out-dir pareto_sweep
+    python benchmarks/pareto_sweep.py --out-dir pareto_sweep
 
 Compiles the zoo GPT (dropout 0.1) with plain ``backend="inductor"``, with PyTorch's
 ``activation_memory_budget=0.5``, with every block under ``torch.utils.checkpoint``, and
@@ -9,7 +9,8 @@ one at each baseline's measured peak and one at half of Inductor's). Measures ea
 peak above the memory resident at step start, its median forward, backward and step time
 (interleaved runs), and its gradients against plain Inductor; prints the table and the
 checks, and writes the JSON, the markdown and the plot (with matplotlib) to ``--out-dir``.
-The full benchmark, every baseline on three models, is ``benchmarks/pareto.py``.
+The full benchmark, every baseline on three models, is ``benchmarks/pareto.py``: this script runs its
+sweep (``import pareto``: benchmarks/ is ``sys.path[0]`` when it runs as a script).
 1 MB = 1e6 bytes.
 """
 
@@ -22,9 +23,8 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import pareto  # noqa: E402  (benchmarks/pareto.py: the sweep, the checks, the files)
-from common import MODELS  # noqa: E402
+import pareto  # benchmarks/pareto.py: the sweep, the checks, the files
+from common import MODELS
 
 SHORT = pareto.SweepConfig(ac_budgets=(0.5,), every_k=(), full_checkpoint=True, selective=False,
                            sweep_points=4, reps=11, peak_rounds=1)
