@@ -27,6 +27,7 @@ from . import _torch_cache
 from ._torch_compile import (CodeCapture, compile_with_partitioner, make_partitioner, register_dynamo_backend,
                              split_by_default, split_joint)
 from ._torch_dynamo import current_compile_id, passthrough_error_class
+from ._torch_graph_breaks import graph_break_follows
 from .compile_cache import CallCache, cached_plan, call_cacheable, partitioner_uuid
 from .compiled_graph import CompiledGraph
 from .devices import device_of, free_device_bytes
@@ -125,13 +126,23 @@ class RematBackend:
         return partition_at_planned_sizes(self.partition, self.options, self.compiled_graphs, joint, joint_inputs, kwargs)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        # a graph Dynamo compiled at a graph break: while the step's graphs are unknown, it takes its
+        # leanest plan (remat/step_budget.py); read by partition for this compile, not for later re-plans
+        self._replan.follows = graph_break_follows(gm)
+        try:
+            return self._compile(gm, example_inputs)
+        finally:
+            self._replan.follows = False
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         verify = self.options.verify_peak > 0
         judge = self.options.inductor_check   # with no budget, the check only reports the plan's peak
         budget = self.options.budget_bytes is not None   # the step's account re-plans graphs (remat/step_budget.py)
         # AOTAutograd's cache skips the partitioner on a hit: its record and dump are restored from the
         # entry stored with the compile that made them (remat/compile_cache.py), where that is safe
         call_cache = (CallCache(gm, example_inputs, self.cache_key())
-                      if call_cacheable(self.options, len(self.compiled_graphs), example_inputs) else None)
+                      if call_cacheable(self.options, len(self.compiled_graphs), example_inputs)
+                      and not self._replan.follows else None)
         pristine = _copy_or_none(gm) if verify or judge or budget or call_cache else None   # compile_fx's pre-grad passes rewrite gm in place
         before, hits = len(self.compiled_graphs), _torch_cache.autograd_cache_hits()
         capture = CodeCapture()
@@ -273,7 +284,7 @@ class RematBackend:
         if share is None and target_bytes is not None:   # graph breaks: one budget per step (remat/step_budget.py)
             step = self._step_hooks.account
             share = step.share_for_joint(slot_of(graph_id), target_bytes, joint, need_of(facts), num_fwd_outputs,
-                                         static_indices)
+                                         static_indices, follows=getattr(self._replan, "follows", False))
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
 
         def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
@@ -288,7 +299,7 @@ class RematBackend:
             else:  # the largest target the step's ledger admits (remat/distributed.py)
                 plan, share = fit_in_step(share, lambda share: fit_plan(
                     share, held_of, plan_at,
-                    self.options.budget_bytes, request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at)
+                    self.options.budget_bytes, request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at, held_of)
         except BudgetInfeasibleError as error:
             candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
             if correction is not None and candidate is None:

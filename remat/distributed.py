@@ -97,7 +97,7 @@ LOSS_OUTPUT_COPIES = 3
 class GraphShare:
     """What one graph of a distributed step was given, and why (all sizes bytes)."""
 
-    kind: str                      # "ddp" | "fsdp2" | "break" | "break-partial" (remat/step_budget.py)
+    kind: str                      # "ddp" | "fsdp2" | "break" | "break-partial" | "break-smallest" (step_budget.py)
     index: int                     # its position in the step (DDP piece, forward order); 0 for FSDP2
     count: int                     # pieces in the step (DDP) or 1 (FSDP2)
     repeats: int                   # times the graph runs per step (FSDP2 units of one class)
@@ -256,6 +256,10 @@ class GraphShare:
             "graph's peak plus what the earlier graphs hold, its inputs and the later graphs' gradients stays under "
             "the step target."
             + ("" if self.reserve_met else
+               " A graph break follows this graph and the later graphs are not known yet: the plan near the smallest "
+               "peak with the least held + peak was taken (its target is above), leaving the later graphs and their "
+               "gradients the most room; when the step completes it is re-planned with the whole sequence known."
+               if self.kind == "break-smallest" else
                " No plan fit next to what the earlier graphs hold (they were planned before the step's graphs were "
                "known): the smallest-peak plan was taken and this first step runs over; at its end the graphs whose "
                "plans break the step target are re-planned with the whole sequence known."

@@ -22,21 +22,33 @@ backward is really pending, and a complete step (nothing pending any more) gives
 When each step may run over the budget (the simulator's error aside, which the feedback loop
 corrects):
 
-- step 1 (the sequence is unknown): g_k is planned next to what the pending graphs hold, with
-  nothing reserved for later graphs, which are not known yet. g_k's backward then meets the later
-  graphs' gradients ``G_>k``, which its plan did not count: every graph but the last may run over;
-- from the end of step 1 the sequence is known (``complete_step`` returns it): every graph whose
-  plan breaks the condition above is re-planned at its next call (step 2), in forward order, under
-  ``piece_target``'s share with the later graphs' gradients and a reserve for them (each graph's
-  share sees the earlier graphs' plans of step 2). At each forward entry a graph whose plan no longer
-  fits next to what the pending graphs hold is re-planned before it runs (``check_entry``). So from
-  step 2 on the step fits in simulation; step 2 itself may still measure over, since the re-plans
-  compile inside it after earlier graphs ran their forward (measured: 1.04x-1.10x, the latter at a
-  budget at the step's floor, tests/test_graph_breaks.py), and so may step 1 (measured 1.13x-1.64x). A
-  re-plan no plan meets raises ``BudgetInfeasibleError`` at that call (step 2), naming a budget;
+- step 1 (the sequence is unknown): a graph Dynamo compiled at a graph break (more of its frame
+  runs after it, ``_torch_graph_breaks.graph_break_follows``) takes its leanest plan (``leanest_plan``:
+  the least held + peak near its smallest peak; kind "break-smallest"), since what the later
+  graphs hold and their gradients ``G_>k`` are unknown; a graph no break follows (the frame's last)
+  is planned next to what the pending graphs hold (kind "break-partial"). Step 1 then fits unless
+  the budget is below what the step's leanest plans compose, or the step's graphs come from
+  frames compiled apart (two ``torch.compile``d modules: no break tells the first that the second
+  follows, and it plans for the whole budget), or the assumption behind ``leanest_plan`` (the next
+  graph peaks like this one) is far off;
+- at the end of step 1 the sequence is known (``backward_done`` returns it): every graph planned
+  provisionally (``StepGraph.provisional``) and every graph whose plan breaks the condition above
+  is marked for a re-plan, under ``piece_target``'s share with the later graphs' gradients and a
+  reserve for them. The re-plans are made at the first graph's next forward entry, before anything
+  of step 2 runs, all of them in forward order (each share sees the earlier graphs' new plans), on
+  fake inputs (``remat/step_loop.py``). So step 2 fits in simulation and compiles nothing next to
+  what earlier graphs hold (a compile inside the step kept objects of the step alive until a
+  garbage collection: 1.04x-1.10x the budget where step 3 measured 0.90x-0.95x). At each forward entry a graph
+  whose plan no longer fits next to what the pending graphs hold is still re-planned before it runs
+  (``check_entry``). A re-plan no plan meets raises ``BudgetInfeasibleError`` at step 2's first
+  forward, naming a budget; step 1 may have run over then (the leanest plans composed over it).
+  Measured on tests/test_graph_breaks.py's models (1, 2 with dropout, 4 breaks at 50-70% of plain
+  Inductor's step peak; 1 break at the 46% a refusal named): 0.46x-0.95x the budget on step 1,
+  0.83x-0.95x on step 2, as on step 3 (before: 1.13x-1.64x, 1.04x-1.10x; docs/budget.md);
 - a graph that enters its forward again before its backward ran (a compiled block run several times
   per step, or a forward whose backward never ran) ends the accounting of that step: it is not
-  used as a sequence, and the first graph of the next step starts afresh.
+  used as a sequence, and the first graph of the next step starts afresh; graphs planned
+  provisionally in such steps keep those plans (leanest: slower, not larger).
 
 - the simulator's error on the composed step: once the sequence is known, whole steps are measured
   (``remat/step_loop.py``: first forward entry to last backward end); a step over the budget
@@ -80,6 +92,7 @@ class StepGraph:
     floor_peak_bytes: int = 0      # the graph's smallest simulated peak (any plan)
     floor_held_bytes: int = 0      # what its smallest-peak plan holds for its backward
     no_remat_peak_bytes: int = 0   # its simulated peak saving everything
+    provisional: bool = False      # planned before its step's graphs were known: re-planned when a step completes
 
 
 def later_demand_bytes(later: tuple[StepGraph, ...], floor: bool = True) -> int:
@@ -112,14 +125,15 @@ def step_overruns(graphs: tuple[StepGraph, ...]) -> tuple[int, ...]:
 
 def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], step_target_bytes: int,
                   input_activation_bytes: int, param_grad_bytes: int, need_bytes: int,
-                  sequence_known: bool, own_floor_bytes: int = 0) -> GraphShare:
+                  sequence_known: bool, own_floor_bytes: int = 0, smallest: bool = False) -> GraphShare:
     """The share of the step for a graph planned after ``earlier`` (their backward pending) and
     before ``later`` (known once a step completed): ``piece_target``'s rule with kind "break".
     The first graph's inputs count 0 (see the module docstring). Kind "break-partial" when the
     sequence is not known yet (step 1: ``later`` is empty and nothing is reserved for later graphs).
     The reserve for later graphs is ``later_demand_bytes`` (at their smallest plans, capped at their
     plans saving everything) plus their part, by need, of what is left once this graph's floor
-    ``own_floor_bytes`` (its smallest peak and inputs) is met."""
+    ``own_floor_bytes`` (its smallest peak and inputs) is met. ``smallest`` (sequence unknown, a graph
+    break follows): kind "break-smallest", the graph takes its smallest-peak plan (``fit_in_step``)."""
     graphs = earlier + (None,) + later
     needs = tuple(need_bytes if g is None else g.need_bytes for g in graphs)
     grads_before = sum(g.param_grad_bytes for g in earlier)
@@ -129,7 +143,8 @@ def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], 
         held_before_bytes=sum(g.held_bytes for g in earlier),
         input_activation_bytes=input_activation_bytes if earlier else 0,
         total_grad_bytes=grads_before + param_grad_bytes + later_grads,
-        grads_so_far_bytes=grads_before + param_grad_bytes, kind="break" if sequence_known else "break-partial",
+        grads_so_far_bytes=grads_before + param_grad_bytes,
+        kind="break" if sequence_known else "break-smallest" if smallest else "break-partial",
         own_grad_bytes=param_grad_bytes, later_estimate_bytes=later_demand_bytes(later) if later else None,
         own_floor_bytes=own_floor_bytes, later_ceiling_bytes=later_demand_bytes(later, floor=False) if later else None,
     )
@@ -169,11 +184,12 @@ class StepAccount:
         return None if graph_id is None else self._plans.get(graph_id)
 
     def share_for(self, slot: str, step_target_bytes: int, input_activation_bytes: int, param_grad_bytes: int,
-                  need_bytes: int) -> Optional[GraphShare]:
+                  need_bytes: int, follows: bool = False) -> Optional[GraphShare]:
         """The share of the step for graph ``slot`` about to be planned, or None when it is alone in
-        its step (nothing pending and no known sequence with other graphs: the whole budget, as for
-        one graph). In a known sequence: its earlier and later graphs' running plans; else the
-        graphs whose backward is pending now."""
+        its step (nothing pending, no graph break after it and no known sequence with other graphs:
+        the whole budget, as for one graph). In a known sequence: its earlier and later graphs'
+        running plans; else the graphs whose backward is pending now, and when a graph break
+        ``follows`` it, kind "break-smallest" (its smallest-peak plan: what later graphs need is unknown)."""
         with self._lock:
             floor = self._floors.get(slot)
             own_floor = 0 if floor is None else floor[0] + input_activation_bytes
@@ -185,16 +201,18 @@ class StepAccount:
             else:
                 earlier = tuple(g for s in self._pending if s != slot and (g := self._graph(s)) is not None)
                 later, known = (), False
-        if not earlier and not later:
+        smallest = follows and not known
+        if not earlier and not later and not smallest:
             return None
         return share_in_step(earlier, later, step_target_bytes, input_activation_bytes, param_grad_bytes,
-                             need_bytes, known, own_floor)
+                             need_bytes, known, own_floor, smallest)
 
     def share_for_joint(self, slot: str, step_target_bytes: int, joint: "fx.GraphModule", need_bytes: int,
-                        num_fwd_outputs: int, static_indices: Optional[Sequence[int]]) -> Optional[GraphShare]:
+                        num_fwd_outputs: int, static_indices: Optional[Sequence[int]],
+                        follows: bool = False) -> Optional[GraphShare]:
         """``share_for`` with the inputs and gradients read off the joint graph (``io_bytes``)."""
         inputs, grads = self.io_bytes(slot, joint, num_fwd_outputs, static_indices)
-        return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes)
+        return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows)
 
     def io_bytes(self, slot: str, joint: "fx.GraphModule", num_fwd_outputs: int,
                  static_indices: Optional[Sequence[int]]) -> tuple[int, int]:
@@ -260,18 +278,25 @@ class StepAccount:
                 f"{format_bytes(total)}, over the step target {format_bytes(graph.step_target_bytes)}")
 
     def backward_done(self, slot: str) -> Optional[tuple[str, ...]]:
-        """Graph ``slot``'s backward finished. Returns the step's sequence when this completes a
-        step of several graphs (nothing pending any more), else None."""
+        """Graph ``slot``'s backward finished. Returns the step's graphs in forward order when this
+        completes a step (nothing pending any more; a step in which a graph ran twice is none), else
+        None; a step of several graphs becomes the known ``sequence``."""
         with self._lock:
             if slot in self._pending:
                 self._pending.remove(slot)
             if self._pending or not self._order or self._spoiled:
                 return None
             order, self._order = tuple(self._order), []
-            if len(order) < 2 or len(set(order)) != len(order):
+            if len(set(order)) != len(order):
                 return None
-            self.sequence = order
+            if len(order) > 1:
+                self.sequence = order
             return order
+
+    def provisional(self, order: tuple[str, ...]) -> tuple[str, ...]:
+        """The slots of ``order`` whose running plans were made before their step's graphs were known."""
+        with self._lock:
+            return tuple(s for s in order if (g := self._graph(s)) is not None and g.provisional)
 
     def step_peak_bytes(self, sequence: tuple[str, ...]) -> int:
         """The step's predicted peak from the running plans of ``sequence``: the largest, over its
@@ -302,12 +327,19 @@ class StepAccount:
 
 
 def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, GraphShare]]",
-                plan_at: "Callable[[int], Any]") -> tuple[Any, GraphShare]:
-    """``fit(share)`` (``distributed_fit.fit_plan``), except in the first step (kind "break-partial"):
-    there a graph no plan fits next to what the earlier graphs hold (planned before the sequence
-    was known, they held as much as the whole budget let them) takes its smallest-peak plan, with
-    ``reserve_met`` False, and the step runs over until the end of the step re-plans the earlier
-    graphs with the sequence known. Elsewhere the error stands (it names the budget that fits)."""
+                plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]") -> tuple[Any, GraphShare]:
+    """``fit(share)`` (``distributed_fit.fit_plan``), except while the step's graphs are unknown.
+    A graph a graph break follows (kind "break-smallest") takes ``leanest_plan`` outright, with
+    ``reserve_met`` False: the later graphs, what they hold and their gradients are unknown, so it
+    takes the least room it can. A graph of kind "break-partial" (no break follows in its frame)
+    that no plan fits next to what the earlier graphs hold takes its smallest-peak plan. Either is
+    re-planned once its step completes (``StepGraph.provisional``). Elsewhere the error stands (it
+    names the budget that fits)."""
+    if share.kind == "break-smallest":
+        plan = leanest_plan(plan_at, held_of)
+        log.info("remat: graph %d of the first step takes its leanest plan until the step's graphs are known "
+                 "(a graph break follows it)", share.index + 1)
+        return plan, replace(share, target_bytes=plan.target_bytes or 0, reserve_met=False)
     try:
         return fit(share)
     except BudgetInfeasibleError as error:
@@ -324,6 +356,28 @@ def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, Graph
                  "taken until the step's graphs are re-planned", share.index + 1)
         return plan, replace(share, target_bytes=plan.target_bytes or 0, reserve_met=False)
     raise refused
+
+
+def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]") -> Any:
+    """The plan with the least ``held + peak`` among those near the smallest simulated peak
+    (``distributed_search.near_smallest``) and the plan saving least at the smallest peak's target
+    (cap 0 saved: one capped plan only, each one a slow solve, about a minute on GPT-2's body
+    under load, where the uncapped ones take a second). Why that sum: the step's condition charges
+    a graph's peak under what the earlier graphs hold, and what it holds under every later graph's
+    peak; with the later graphs unknown, it is taken that the next one peaks like this one, so
+    ``held + peak`` is what this graph adds to the worst pair it is in. The smallest-peak plan
+    alone often saves nearly everything (its peak is the backward's, not what it holds). Raises
+    ``BudgetInfeasibleError`` only when no target plans at all."""
+    from .distributed_search import holding_least, near_smallest
+
+    try:
+        return plan_at(1)    # best_effort: the smallest-peak plan found, nothing to compare it with
+    except BudgetInfeasibleError as error:
+        near = near_smallest(error, plan_at)
+        if not near:
+            raise
+    candidates = near + holding_least(near[:1], plan_at)[1:]
+    return min(candidates, key=lambda tc: (held_of(tc[1]) + tc[1].predicted_peak_bytes, tc[0]))[1]
 
 
 def smallest_plan(plan_at: "Callable[[int], Any]", fallback: Any) -> Any:
@@ -372,11 +426,12 @@ def note_step_plan(account: StepAccount, graph_id: str, share: Optional[GraphSha
     inputs, grads = account.io_bytes(slot, joint, num_fwd_outputs, static_indices)
     held_of = account.held_of(slot, joint, num_fwd_outputs, static_indices)
     floor = account.floor_of(slot)
+    provisional = share is not None and share.kind in ("break-partial", "break-smallest")
     if floor is None and share is not None:
         smallest = smallest_plan(plan_at, plan)
         floor = account.set_floor(slot, smallest.predicted_peak_bytes, held_of(smallest))
     floor_peak, floor_held = floor or (0, 0)
     account.note_plan(StepGraph(graph_id, slot, held_of(plan), inputs, grads, need_of(facts), plan.predicted_peak_bytes,
-                                step_target_bytes, floor_peak, floor_held, plan.no_remat_peak_bytes))
+                                step_target_bytes, floor_peak, floor_held, plan.no_remat_peak_bytes, provisional))
     if share is not None and dump_path is not None:
         write_share_to_dump(dump_path, share)

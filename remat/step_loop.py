@@ -4,11 +4,16 @@
 for the re-plans the account's condition needs, and measures whole steps:
 
 - **Re-plans.** A graph whose plan breaks the step's condition is re-planned
-  (``VerifiedGraph.request_replan``) at its next call: at its forward entry, when it does not fit
-  next to what the graphs pending now hold; at the end of a step, every graph of the sequence
-  before the last one over (they hold what it runs next to; it is re-planned at its entry if it
-  still does not fit), or the first graph if it alone is over. At most ``MAX_STEP_REPLANS`` per
-  graph, then one warning.
+  (``VerifiedGraph.request_replan``): at its forward entry, when it does not fit next to what the
+  graphs pending now hold; at the end of a step, every graph planned before its step's graphs were
+  known (``StepGraph.provisional``: its leanest plan, or the first step's partial share) and
+  every graph of the sequence before the last one over (they hold what it runs next to; it is
+  re-planned at its entry if it still does not fit), or the first graph if it alone is over. The
+  re-plans the end of a step asks for are made at the first graph's next forward entry, before it
+  runs, all of them in forward order on fake inputs (``VerifiedGraph.replan_ahead``): a compile
+  inside the step, next to what earlier graphs hold, measured over the budget (objects of the
+  step it keeps alive until a garbage collection). At most ``MAX_STEP_REPLANS`` per graph, then
+  one warning.
 - **The measured step.** Once the sequence is known (several graphs), the wrappers' own windows
   give way to one window per step, ``measure.StepWindow``: from the first graph's forward entry to
   the end of the step's last backward (nothing pending any more), the first ``verify_peak`` steps
@@ -71,6 +76,8 @@ class StepHooks:
         why = self.account.check_entry(slot)
         if why is not None:
             self._replan(wrapper, why)
+        if self.measures(wrapper) and slot == self.account.sequence[0]:
+            self._replan_ahead(self.account.sequence)
         if not self.measures(wrapper):
             return
         window = open_window()
@@ -89,23 +96,35 @@ class StepHooks:
         if window.open():
             self._window = window
 
-    def backward_done(self, wrapper: Any) -> None:
-        sequence = self.account.backward_done(slot_of(wrapper.record.graph_id))
-        if sequence is None:
-            return
-        window = self._window
-        if window is not None and not window.closed:
-            window.mark_end()
-        over = self.account.overruns(sequence)
-        if not over:
-            return
-        last = max(sequence.index(slot) for slot in over)
-        for slot in sequence[:max(last, 1)]:
-            why = over.get(slot) or (f"what it holds is live under {sequence[last]}, over the step target: "
-                                     f"{over[sequence[last]]}")
+    def _replan_ahead(self, sequence: tuple[str, ...]) -> None:
+        """At the first graph's forward entry, before it runs: every re-plan the graphs of
+        ``sequence`` wait for is made now, in forward order (each graph's share sees the earlier
+        graphs' new plans), so that none compiles inside the step next to what earlier graphs hold."""
+        for slot in sequence:
             found = self._wrapper(slot)
+            if found is not None and found.replan_pending:
+                found.replan_ahead()
+
+    def backward_done(self, wrapper: Any) -> None:
+        order = self.account.backward_done(slot_of(wrapper.record.graph_id))
+        if order is None:
+            return
+        replans = {slot: ("planned before its step's graphs were known (its leanest plan, or a share next to the "
+                          f"pending graphs only); the step is now known ({len(order)} graph(s))")
+                   for slot in self.account.provisional(order)}
+        if len(order) > 1:
+            window = self._window
+            if window is not None and not window.closed:
+                window.mark_end()
+            over = self.account.overruns(order)
+            last = max((order.index(slot) for slot in over), default=-1)
+            for slot in order[:max(last, 1)] if over else ():
+                replans[slot] = over.get(slot) or (f"what it holds is live under {order[last]}, over the step "
+                                                   f"target: {over[order[last]]}")
+        for slot in order:
+            found = self._wrapper(slot) if slot in replans else None
             if found is not None:
-                self._replan(found, why)
+                self._replan(found, replans[slot])
 
     def _wrapper(self, slot: str) -> Any:
         with self._lock:

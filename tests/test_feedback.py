@@ -377,7 +377,8 @@ def test_a_graph_break_is_measured_as_one_step(store):
     for _ in range(MAX_UNMEASURED + 1):
         run_step(compiled, model, (x,))
         close_open_window()
-    outer, inner = (g.graph_id for g in backend.compiled_graphs)
+    # the graphs as the step names them (their first plans' ids; both are re-planned once the step is known)
+    outer, inner = sorted({g.graph_id.split("_r")[0] for g in backend.compiled_graphs})
     assert [(e.graph_id, e.action) for e in backend.feedback_events] == [(f"step:{outer}..{inner}", "within budget")]
     assert backend.feedback_events[0].measured_peak_bytes <= backend.options.budget_bytes
 

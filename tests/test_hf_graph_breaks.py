@@ -11,7 +11,7 @@ Qwen2, BERT, T5, ViT) and Mixtral, OPT, GPT-Neo, BLOOM, DistilBERT, XLNet, BART,
 ELECTRA, none breaks in training (docs/budget.md).
 
 At 70% and 50% of plain Inductor's measured step peak (the budget named, retried once, if refused),
-from the step ``STEPS_OVER_ALLOWED`` documents on the measured step peak is at or under the budget,
+from the step ``STEPS_OVER_ALLOWED`` documents on (the first) the measured step peak is at or under the budget,
 and gradients equal plain Inductor's (dropout 0.1: both draw from Inductor's seeded RNG).
 """
 
@@ -33,7 +33,7 @@ from conftest import STEP_SEED, assert_grads_close, grads_of, zero_grads
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(available() is not None, reason=str(available()))]
 
-STEPS_OVER_ALLOWED = 2   # remat/step_budget.py: the first step and the second (its re-plans compile inside it)
+STEPS_OVER_ALLOWED = 0   # remat/step_budget.py: none at a budget the step's leanest plans meet
 STEPS = 4
 
 
@@ -90,6 +90,7 @@ def test_gpt2_split_by_a_graph_break_fits_the_step_budget(fraction: float, plain
             peaks, grads = _measured_steps(torch.compile(model, backend=backend), model, inputs, STEPS)
             break
         except BudgetInfeasibleError as error:
+            print(f"GPT-2 at {budget_bytes} B refused: {error}")
             # as a user would: retry once at the budget the error names, which must then be accepted
             assert attempt == 0, f"the budget the error named was refused again: {error}"
             assert error.min_budget_bytes > budget_bytes
