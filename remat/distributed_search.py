@@ -58,8 +58,13 @@ def fit_share(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Call
     high = share.loose_target_bytes
     try:
         plan = plan_at(max(high, 1))
-    except BudgetInfeasibleError as error:  # infeasible here: infeasible at every lower target
-        raise NoPlan(error, holding_least(near_smallest(error, plan_at), plan_capped), True) from None
+    except BudgetInfeasibleError as error:
+        # No plan the planner finds for this target; but it is a heuristic, so a plan made for a
+        # higher target near the smallest peak can peak at or under this one (measured: GPT-2's
+        # body, refused at a 5.00 MB loose target while the plan made for 5.38 MB peaked at
+        # exactly 5.00 MB, so the budget the refusal named was refused again)
+        return _from_candidates(share, error, holding_least(near_smallest(error, plan_at), plan_capped), held_of,
+                                loose=True)
     admitted = _admitted(share, plan, high, held_of, plan_capped)
     if admitted is not None:
         return admitted, replace(share, target_bytes=high)
@@ -86,20 +91,31 @@ def fit_share(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Call
     except BudgetInfeasibleError as error:
         # Last, the plans just above the smallest peak the planner names: the admitted
         # targets can be a window the bisection stepped over.
-        candidates = holding_least(near_smallest(error, plan_at), plan_capped)
-        admitted = [(t, c) for t, c in candidates if share.admits(held_of(c), c.predicted_peak_bytes)]
-        if admitted:
-            target, plan = max(admitted, key=lambda tc: tc[0])
-            return plan, replace(share, target_bytes=target)
-        # The reserve is an estimate of what later pieces need: when it is what refuses, take
-        # the plan holding least whose own runs fit, and leave the later pieces the rest.
-        unreserved = replace(share, reserved_later_bytes=0)
-        fitting = [(held_of(c), c.predicted_peak_bytes, -t, c) for t, c in candidates
-                   if unreserved.admits(held_of(c), c.predicted_peak_bytes)]
-        if fitting:
-            _, _, negative_target, plan = min(fitting, key=lambda f: f[:3])
-            return plan, replace(share, target_bytes=-negative_target, reserve_met=False)
-        raise NoPlan(error, candidates, False) from None
+        return _from_candidates(share, error, holding_least(near_smallest(error, plan_at), plan_capped), held_of,
+                                loose=False)
+
+
+def _from_candidates(share: GraphShare, error: BudgetInfeasibleError, candidates: "list[tuple[int, Any]]",
+                     held_of: "Callable[[Any], int]", loose: bool) -> tuple[Any, GraphShare]:
+    """The admitted plan of ``candidates`` (target, plan) made for the largest target; else, the
+    reserve being an estimate of what later pieces need, the one holding least whose own runs fit
+    (``reserve_met`` False: the later pieces get the rest). Raises ``NoPlan`` (with ``error``,
+    the planner's, and ``loose``) when none fits. The same candidates and the same ``admits``
+    name the budget of the refusal (``distributed_fit._infeasible``), so a budget named is one a
+    plan here is admitted at."""
+    from dataclasses import replace
+
+    admitted = [(t, c) for t, c in candidates if share.admits(held_of(c), c.predicted_peak_bytes)]
+    if admitted:
+        target, plan = max(admitted, key=lambda tc: tc[0])
+        return plan, replace(share, target_bytes=target)
+    unreserved = replace(share, reserved_later_bytes=0)
+    fitting = [(held_of(c), c.predicted_peak_bytes, -t, c) for t, c in candidates
+               if unreserved.admits(held_of(c), c.predicted_peak_bytes)]
+    if fitting:
+        _, _, negative_target, plan = min(fitting, key=lambda f: f[:3])
+        return plan, replace(share, target_bytes=-negative_target, reserve_met=False)
+    raise NoPlan(error, candidates, loose) from None
 
 
 def remembered(make: "Optional[Callable[..., Any]]") -> "Optional[Callable[..., Any]]":
