@@ -61,10 +61,11 @@ def _copy_or_none(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
         return None
 
 
-def _watch_backward(outputs: Any, at_end: Callable[[], None]) -> bool:
+def _watch_backward(outputs: Any, at_end: Callable[[], None], at_start: Optional[Callable[[], Any]] = None) -> bool:
     """Run ``at_end`` right after the compiled backward of the graph whose outputs these are
     (a post-hook on AOTAutograd's ``CompiledFunctionBackward`` node, reached from an output's
-    ``grad_fn``, through the view nodes of aliased outputs); False if no output leads to one."""
+    ``grad_fn``, through the view nodes of aliased outputs), and ``at_start``, if given, right
+    before it (a pre-hook); False if no output leads to one."""
     roots = [o.grad_fn for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
              if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     seen, node = set(), None
@@ -77,6 +78,10 @@ def _watch_backward(outputs: Any, at_end: Callable[[], None]) -> bool:
     if node is None:
         return False
     node.register_hook(lambda *_: at_end())
+    if at_start is not None:
+        def before(*_: Any) -> None:   # a pre-hook returning None leaves the incoming gradients as they are
+            at_start()
+        node.register_prehook(before)
     return True
 
 

@@ -113,7 +113,7 @@ def test_the_wrapper_replans_at_its_next_call(recompile_works):
     x = torch.ones(512, 512, requires_grad=True)
     events, stored, asked = [], {}, []
 
-    def watch(out, at_end):
+    def watch(out, at_end, at_start=None):
         out[0].grad_fn.register_hook(lambda *_: at_end())
         return True
 
@@ -154,7 +154,7 @@ def test_a_graph_called_twice_per_step_measures_its_last_call():
     x = torch.ones(512, 512, requires_grad=True)
     events = []
 
-    def watch(out, at_end):
+    def watch(out, at_end, at_start=None):
         out[0].grad_fn.register_hook(lambda *_: at_end())
         return True
 
