@@ -17,6 +17,8 @@ through, in one place (verified on torch 2.13.0; see README "Torch versions").
   with no backward work (``split_joint``, ``split_by_default``).
 - ``torch._dynamo.backends.registry.register_backend`` and ``_COMPILER_FNS``
   (``register_dynamo_backend``).
+- AOTAutograd's autograd node of a compiled graph is named ``CompiledFunctionBackward``
+  (``watch_compiled_backward`` hooks it).
 """
 
 from __future__ import annotations
@@ -119,5 +121,29 @@ def register_dynamo_backend(compiler_fn: Callable[..., Any], name: str) -> None:
         register_backend(compiler_fn, name=name)
 
 
+def watch_compiled_backward(outputs: Any, at_end: Callable[[], None], at_start: Optional[Callable[[], Any]] = None) -> bool:
+    """Run ``at_end`` right after the compiled backward of the graph whose outputs these are
+    (a post-hook on AOTAutograd's ``CompiledFunctionBackward`` node, reached from an output's
+    ``grad_fn``, through the view nodes of aliased outputs), and ``at_start``, if given, right
+    before it (a pre-hook); False if no output leads to one."""
+    roots = [o.grad_fn for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
+             if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    seen, node = set(), None
+    for _ in range(4):      # aliased outputs reach the node through a few view nodes at most
+        node = next((n for n in roots if "CompiledFunctionBackward" in n.name()), None)
+        if node is not None:
+            break
+        seen.update(roots)
+        roots = [nxt for n in roots for nxt, _ in n.next_functions if nxt is not None and nxt not in seen]
+    if node is None:
+        return False
+    node.register_hook(lambda *_: at_end())
+    if at_start is not None:
+        def before(*_: Any) -> None:   # a pre-hook returning None leaves the incoming gradients as they are
+            at_start()
+        node.register_prehook(before)
+    return True
+
+
 __all__ = ["CodeCapture", "compile_with_partitioner", "make_partitioner", "register_dynamo_backend",
-           "split_by_default", "split_joint"]
+           "split_by_default", "split_joint", "watch_compiled_backward"]

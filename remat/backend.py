@@ -25,7 +25,7 @@ from torch import fx
 
 from . import _torch_cache
 from ._torch_compile import (CodeCapture, compile_with_partitioner, make_partitioner, register_dynamo_backend,
-                             split_by_default, split_joint)
+                             split_by_default, split_joint, watch_compiled_backward)
 from ._torch_dynamo import current_compile_id, passthrough_error_class
 from ._torch_graph_breaks import graph_break_follows
 from .compile_cache import CallCache, cached_plan, call_cacheable, partitioner_uuid
@@ -59,30 +59,6 @@ def _copy_or_none(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
         return copy.deepcopy(gm)
     except Exception:     # an attribute that cannot be copied: the loop then cannot recompile in place
         return None
-
-
-def _watch_backward(outputs: Any, at_end: Callable[[], None], at_start: Optional[Callable[[], Any]] = None) -> bool:
-    """Run ``at_end`` right after the compiled backward of the graph whose outputs these are
-    (a post-hook on AOTAutograd's ``CompiledFunctionBackward`` node, reached from an output's
-    ``grad_fn``, through the view nodes of aliased outputs), and ``at_start``, if given, right
-    before it (a pre-hook); False if no output leads to one."""
-    roots = [o.grad_fn for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
-             if isinstance(o, torch.Tensor) and o.grad_fn is not None]
-    seen, node = set(), None
-    for _ in range(4):      # aliased outputs reach the node through a few view nodes at most
-        node = next((n for n in roots if "CompiledFunctionBackward" in n.name()), None)
-        if node is not None:
-            break
-        seen.update(roots)
-        roots = [nxt for n in roots for nxt, _ in n.next_functions if nxt is not None and nxt not in seen]
-    if node is None:
-        return False
-    node.register_hook(lambda *_: at_end())
-    if at_start is not None:
-        def before(*_: Any) -> None:   # a pre-hook returning None leaves the incoming gradients as they are
-            at_start()
-        node.register_prehook(before)
-    return True
 
 
 class RematBackend:
@@ -193,7 +169,7 @@ class RematBackend:
 
         wrapper = VerifiedGraph(fn, self.compiled_graphs[-1], device=device_of(example_inputs),
                                 verify_peak=self.options.verify_peak, events=self.feedback_events,
-                                recompile=recompile if in_place else None, watch_backward=_watch_backward,
+                                recompile=recompile if in_place else None, watch_backward=watch_compiled_backward,
                                 store=self._remember, step=self._step_hooks if in_step else None)
         if in_step:
             self._step_hooks.register(wrapper)
