@@ -121,9 +121,10 @@ def register_dynamo_backend(compiler_fn: Callable[..., Any], name: str) -> None:
         register_backend(compiler_fn, name=name)
 
 
-def watch_compiled_backward(outputs: Any, at_end: Callable[[], None], at_start: Optional[Callable[[], Any]] = None) -> bool:
-    """Run ``at_end`` right after the compiled backward of the graph whose outputs these are
-    (a post-hook on AOTAutograd's ``CompiledFunctionBackward`` node, reached from an output's
+def watch_compiled_backward(outputs: Any, at_end: Optional[Callable[[], None]],
+                            at_start: Optional[Callable[[], Any]] = None) -> bool:
+    """Run ``at_end``, if given, right after the compiled backward of the graph whose outputs these
+    are (a post-hook on AOTAutograd's ``CompiledFunctionBackward`` node, reached from an output's
     ``grad_fn``, through the view nodes of aliased outputs), and ``at_start``, if given, right
     before it (a pre-hook); False if no output leads to one."""
     roots = [o.grad_fn for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
@@ -137,7 +138,8 @@ def watch_compiled_backward(outputs: Any, at_end: Callable[[], None], at_start: 
         roots = [nxt for n in roots for nxt, _ in n.next_functions if nxt is not None and nxt not in seen]
     if node is None:
         return False
-    node.register_hook(lambda *_: at_end())
+    if at_end is not None:
+        node.register_hook(lambda *_: at_end())
     if at_start is not None:
         def before(*_: Any) -> None:   # a pre-hook returning None leaves the incoming gradients as they are
             at_start()

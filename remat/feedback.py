@@ -136,8 +136,8 @@ class VerifiedGraph:
     ``record`` is the ``CompiledGraph`` now running. ``recompile(args, correction)`` (None
     where the graph cannot be recompiled in place) compiles a fresh copy of Dynamo's graph for
     ``args`` with the correction applied and returns ``(callable, record)``.
-    ``watch_backward(outputs, at_end, at_start=None)`` arranges ``at_end()`` at the end of the
-    backward pass that runs this call's backward (and ``at_start()`` right before it) and returns
+    ``watch_backward(outputs, at_end, at_start=None)`` arranges ``at_end()`` (unless None) at the end
+    of the backward pass that runs this call's backward (and ``at_start()`` right before it) and returns
     False if no output leads to one.
     ``store(graph_key, correction)`` keeps a correction (default: the on-disk store) and
     returns where, or None.
@@ -210,7 +210,7 @@ class VerifiedGraph:
             # them the step's tensors, alive until a collection, which is made when its backward
             # starts (the forward's frames have returned by then). Measured: HF GPT-2's first step
             # held its logits (524 kB) through the backward, 1.02x the budget; the next steps 0.93x
-            self._watch_backward(out, lambda: None, at_start=gc.collect)
+            self._watch_backward(out, None, at_start=gc.collect)
         if self._step is not None:
             step_hooks = self._step
             self._watch_backward(out, lambda: step_hooks.backward_done(self))

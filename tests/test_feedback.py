@@ -114,7 +114,8 @@ def test_the_wrapper_replans_at_its_next_call(recompile_works):
     events, stored, asked = [], {}, []
 
     def watch(out, at_end, at_start=None):
-        out[0].grad_fn.register_hook(lambda *_: at_end())
+        if at_end is not None:
+            out[0].grad_fn.register_hook(lambda *_: at_end())
         return True
 
     def recompile(args, correction):
@@ -155,7 +156,8 @@ def test_a_graph_called_twice_per_step_measures_its_last_call():
     events = []
 
     def watch(out, at_end, at_start=None):
-        out[0].grad_fn.register_hook(lambda *_: at_end())
+        if at_end is not None:
+            out[0].grad_fn.register_hook(lambda *_: at_end())
         return True
 
     graph = VerifiedGraph(lambda a: [a * 2.0], fake_record("g", 10**9, 900), device=torch.device("cpu"),
