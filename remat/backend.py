@@ -283,7 +283,7 @@ class RematBackend:
                     self.options.budget_bytes, request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at, held_of)
         except BudgetInfeasibleError as error:
             candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
-            if correction is not None and candidate is None:
+            if correction is not None and candidate != FREE_MINCUT_CANDIDATE:
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
                               f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "
@@ -291,7 +291,8 @@ class RematBackend:
             if candidate is None and not self._check_may_overrule(share, joint, joint_inputs):
                 raise passthrough_error_class(BudgetInfeasibleError)(error) from None
             refusal = Refusal(error, lambda b: self.options.planning_target_for(b, device_type, modeled))
-            plan = plan_at(target_bytes, best_effort=True) if candidate is None else free_mincut_candidate(facts, request)
+            plan = free_mincut_candidate(facts, request) if candidate == FREE_MINCUT_CANDIDATE else plan_at(
+                target_bytes, best_effort=True)
         if not plan.fits_budget and refusal is None:
             warnings.warn(
                 f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the "

@@ -93,15 +93,18 @@ def overrule_refusal(simulated_peak_bytes: int, checked_peak_bytes: Optional[int
                      checked_peak_bytes / max(simulated_peak_bytes, 1), graph_id=graph_id)
 
 
-def named_budget_after_check(refusal: Refusal, checked_peak_bytes: Optional[int], min_simulated_bytes: int) -> Optional[int]:
-    """The budget a refused graph's error names once Inductor checked its smallest-peak plan: the
-    smallest budget whose planning target holds the checked peak, when that peak is under the
-    simulator's smallest (a retry there is refused by the simulator again, and that same plan then
-    checks under its target: accepted); None (keep the simulator's figure) otherwise: above it, the
-    simulator accepts plans at such a target and Inductor's verdict on them decides, as for any plan."""
+def named_budget_after_check(refusal: Refusal, checked_peak_bytes: Optional[int]) -> Optional[int]:
+    """The budget a refused graph's error names once Inductor checked the plan it rests on (the lowest-
+    checked of the smallest-peak plan and the free min-cut plan): the smallest budget whose planning
+    target holds that checked peak; None (keep the simulator's figure) when the code could not be read.
+    Below the simulator's smallest peak, a retry there is refused by the simulator again and that same
+    plan then checks under its target. Above it, the simulator's figure would name a budget the plan
+    it rests on is known to exceed: the retry's plans are judged as any plan, and when the corrected
+    re-plan is refused the smallest-peak plan is compiled and checked again
+    (``judge_loop.judge_compiled``), so the budget named is one that is then accepted."""
     from .options import smallest_budget_bytes
 
-    if checked_peak_bytes is None or checked_peak_bytes >= min_simulated_bytes:
+    if checked_peak_bytes is None:
         return None
     return smallest_budget_bytes(lambda b: refusal.target_for(b) >= checked_peak_bytes, checked_peak_bytes)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ._torch_dynamo import passthrough_error_class
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
+from .pipeline import SMALLEST_PEAK_CANDIDATE
 from .inductor_check import CheckedPeak, checked_peak_of, trusted_peak_bytes
 from .inductor_verdict import Judgement, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
 from .units import format_bytes, format_gb_up
@@ -34,18 +35,21 @@ MAX_JUDGED_REPLANS = 3   # re-plans Inductor's verdict may ask for per compile (
 
 def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: str, outputs_held: bool,
                    compiled_graphs: list["CompiledGraph"],
-                   recompile: Callable[[Correction, str], tuple[Callable[..., Any], "CodeCapture"]],
+                   recompile: Callable[[Correction, str, Optional[str]], tuple[Callable[..., Any], "CodeCapture"]],
                    compile_candidate: Optional[Callable[[str, str], tuple[Callable[..., Any], "CodeCapture"]]] = None,
                    ) -> Callable[..., Any]:
     """Inductor judges the plan just compiled (the last of ``compiled_graphs``, its code in ``capture``),
     before any step runs: its peak is read from the generated forward and backward; over the planning
     target (the budget less headroom), the graph is planned again at ``target / (checked / simulated)``
-    (in the simulator's units) and compiled again by ``recompile(correction, graph_key)`` (the feedback
-    loop's re-plan path, which appends its record), up to ``MAX_JUDGED_REPLANS`` times. Returns the
+    (in the simulator's units) and compiled again by ``recompile(correction, graph_key, None)`` (the
+    feedback loop's re-plan path, which appends its record), up to ``MAX_JUDGED_REPLANS`` times. Returns the
     callable accepted; its record (last in ``compiled_graphs``) carries the verdict and its dump says
     which number the plan was accepted on; the plans it rejected leave ``compiled_graphs`` (their
     verdicts are in ``judgement.rejected``, their dumps stay). A re-plan no plan can meet keeps the last
-    plan if its checked peak is within the budget, and raises ``BudgetInfeasibleError`` otherwise.
+    plan if its checked peak is within the budget; otherwise the smallest-peak plan at the corrected
+    target is compiled (``recompile(correction, graph_key, SMALLEST_PEAK_CANDIDATE)``, a record with
+    a refusal) and judged as a refused budget is, which accepts it or a candidate that checks under
+    the target, or raises ``BudgetInfeasibleError`` naming the budget the lowest-checked plan fits.
     A budget the simulator refused is judged by ``overrule_or_refuse`` (with ``compile_candidate``)."""
     rejected: tuple[Judgement, ...] = ()
     for round_ in itertools.count():
@@ -58,7 +62,7 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
             return overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                                       None if compile_candidate is None else
                                       lambda: _checked_candidate(compile_candidate, record.graph_key, record.graph_id,
-                                                                 device_type, outputs_held))
+                                                                 device_type, outputs_held), rejected)
         verdict = judge_plan(record.plan.predicted_peak_bytes, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                              record.base_target_bytes, record.plan.budget_bytes,
                              may_replan=record.plan.fits_budget and round_ < MAX_JUDGED_REPLANS,
@@ -77,14 +81,18 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
                                 f"{record.plan.predicted_peak_bytes} (target {verdict.target_bytes})")
         rejected += (verdict,)
         try:
-            fn, capture = recompile(correction, record.graph_key)
+            fn, capture = recompile(correction, record.graph_key, None)
         except BudgetInfeasibleError:
-            if record.plan.budget_bytes is None or verdict.checked_peak_bytes > record.plan.budget_bytes:
-                raise
-            kept = dataclasses.replace(verdict, action="accepted over target: no plan meets the corrected target")
-            compiled_graphs[-1] = dataclasses.replace(record, judgement=kept)
-            annotate_dump(record.dump_path, kept)
-            return fn
+            if record.plan.budget_bytes is not None and verdict.checked_peak_bytes <= record.plan.budget_bytes:
+                kept = dataclasses.replace(verdict, action="accepted over target: no plan meets the corrected target")
+                compiled_graphs[-1] = dataclasses.replace(record, judgement=kept)
+                annotate_dump(record.dump_path, kept)
+                return fn
+            # No plan simulates under the corrected target, and this one checks over the budget: the
+            # simulator's smallest-peak plan may still check under the target (the correction is one
+            # plan's error). It is compiled as a refusal's record, and the next round judges it as
+            # any refusal (``overrule_or_refuse``: then the free min-cut plan, then the refusal).
+            fn, capture = recompile(correction, record.graph_key, SMALLEST_PEAK_CANDIDATE)
     raise AssertionError("unreachable")
 
 
@@ -97,22 +105,26 @@ def _checked_candidate(compile_candidate: Callable[[str, str], tuple[Callable[..
 
 def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
                        checked_peak_bytes: Optional[int],
-                       candidate: Optional[Callable[[], tuple[Callable[..., Any], Optional[CheckedPeak]]]] = None) -> Callable[..., Any]:
+                       candidate: Optional[Callable[[], tuple[Callable[..., Any], Optional[CheckedPeak]]]] = None,
+                       rejected: tuple[Judgement, ...] = ()) -> Callable[..., Any]:
     """Inductor's verdict on the smallest-peak plan of a budget the simulator refused (the last record of
     ``compiled_graphs``; ``checked_peak_bytes``: its trusted checked peak, ``trusted_peak_bytes``): at or
     under the planning target, the plan runs (the simulator over-predicted it) and the record carries
     the verdict. Otherwise, when ``candidate`` is given, the free min-cut plan is compiled and checked
     too (``candidate()`` appends its record and returns its callable and checked peak): the simulator
     can rank two plans the wrong way round (its smallest-peak plan may check above the plan it thinks
-    larger), and Inductor's number decides, so the candidate runs if it checks at or under the target. Otherwise the records leave ``compiled_graphs`` and the refusal is raised, naming
-    the budget at which this same check accepts the plan that checked lowest, when that is below the
-    simulator's figure (``inductor_verdict.named_budget_after_check``)."""
+    larger), and Inductor's number decides, so the candidate runs if it checks at or under the target.
+    Otherwise the records leave ``compiled_graphs`` and the refusal is raised, naming the budget whose
+    target holds the lower checked peak, above or below the simulator's figure
+    (``inductor_verdict.named_budget_after_check``). ``rejected``: the verdicts on
+    plans judged before this refusal (a corrected re-plan the simulator refused), kept in the verdict."""
     record = compiled_graphs[-1]
     assert record.refusal is not None and record.base_target_bytes is not None
     error = record.refusal.error
     assert isinstance(error, BudgetInfeasibleError)
-    verdict = overrule_refusal(record.plan.predicted_peak_bytes, checked_peak_bytes, record.base_target_bytes,
-                               error.budget_bytes, record.graph_id)
+    verdict = dataclasses.replace(overrule_refusal(record.plan.predicted_peak_bytes, checked_peak_bytes,
+                                                   record.base_target_bytes, error.budget_bytes, record.graph_id),
+                                  rejected=rejected)
     compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
     annotate_dump(record.dump_path, verdict)
     if verdict.action != "refused":
@@ -132,7 +144,7 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
         if other_verdict.action != "refused":
             other_verdict = dataclasses.replace(
                 other_verdict, action="accepted: Inductor's check of the free min-cut plan overrules the simulator "
-                f"(its smallest-peak plan checked {checked_peak_bytes} bytes, over the target)", rejected=(verdict,))
+                f"(its smallest-peak plan checked {checked_peak_bytes} bytes, over the target)", rejected=rejected + (verdict,))
         compiled_graphs[-1] = dataclasses.replace(other, judgement=other_verdict)
         annotate_dump(other.dump_path, other_verdict)
         log.info("remat %s: the free min-cut plan: %s (simulated %d bytes, checked %s)", other.graph_id,
@@ -142,8 +154,8 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
         compiled_graphs.pop()
         if candidate_checked is not None and (checked_peak_bytes is None or candidate_checked < checked_peak_bytes):
             record, checked_peak_bytes = other, candidate_checked
-    named = named_budget_after_check(record.refusal, checked_peak_bytes, error.min_feasible_bytes)
-    if named is not None and named < error.min_budget_bytes:
+    named = named_budget_after_check(record.refusal, checked_peak_bytes)
+    if named is not None and named != error.min_budget_bytes:
         error = BudgetInfeasibleError(
             f"budget {format_bytes(error.budget_bytes)} is below the smallest feasible budget "
             f"{format_gb_up(named)} GB: the lowest-checked plan's generated code peaks at {checked_peak_bytes:,} "

@@ -146,6 +146,8 @@ def plan_graph(facts: JointGraphFacts, request: PlanningRequest) -> Plan:
 
 
 FREE_MINCUT_CANDIDATE = "free min-cut"
+# A corrected re-plan the simulator refused: its smallest-peak plan, for Inductor's check (``judge_loop``).
+SMALLEST_PEAK_CANDIDATE = "smallest peak"
 
 
 def free_mincut_candidate(facts: JointGraphFacts, request: PlanningRequest) -> Plan:
@@ -170,5 +172,5 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
     return trace_joint_graphs(model, example_inputs, read)
 
 
-__all__ = ["FREE_MINCUT_CANDIDATE", "PlanningRequest", "free_mincut_candidate", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
+__all__ = ["FREE_MINCUT_CANDIDATE", "SMALLEST_PEAK_CANDIDATE", "PlanningRequest", "free_mincut_candidate", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
            "request_for", "simulator_models", "trace_joint_facts"]

@@ -180,29 +180,27 @@ def test_the_judge_repairs_a_wrong_plan_before_the_first_step(scaled_simulator, 
 
 
 def test_a_budget_no_checked_plan_meets_is_refused_naming_one_that_fits(scaled_simulator, tmp_path, monkeypatch):
-    """At the smallest budget the wrong simulator accepts, Inductor's check puts the plan over the
-    budget and no plan meets the corrected target: compiling raises BudgetInfeasibleError (before
-    any step) naming a budget; at that budget the checked plan is accepted and the first step fits."""
+    """The wrong simulator under-predicts every plan. A budget under every plan is refused naming the
+    budget whose target holds the smallest-peak plan's checked peak (above the simulator's figure,
+    which names a budget that plan is known to exceed); at that budget the first plans check over it,
+    the corrected re-plan finds no plan, and the smallest-peak plan, compiled and checked again, is
+    accepted: the named budget runs, and the first step fits."""
     monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
     torch._dynamo.reset()
     model, inputs = make_mlp()
     with pytest.raises(remat.BudgetInfeasibleError) as probe:
         run_step(torch.compile(model, backend=remat.backend(1e-6, inductor_check=True)), model, inputs)
+    assert "the lowest-checked plan's generated code peaks at" in str(probe.value)
+    assert probe.value.min_feasible_bytes > probe.value.budget_bytes
     torch._dynamo.reset()
     model, inputs = make_mlp()
-    with pytest.raises(remat.BudgetInfeasibleError) as refused:
-        run_step(torch.compile(model, backend=remat.backend(probe.value.min_budget_gb, inductor_check=True)), model, inputs)
-    assert "Inductor-checked: graph_000's generated code peaks at" in str(refused.value)
-    retry_gb = refused.value.min_budget_gb
-    assert retry_gb > probe.value.min_budget_gb
-    torch._dynamo.reset()
-    model, inputs = make_mlp()
-    backend = remat.backend(retry_gb, inductor_check=True)
+    backend = remat.backend(probe.value.min_budget_gb, inductor_check=True)
     run_step(torch.compile(model, backend=backend), model, inputs)
     close_open_window()
-    (graph,) = backend.compiled_graphs
+    graph = backend.compiled_graphs[-1]
     (event,) = backend.feedback_events
-    assert graph.judgement.action in ("accepted", "accepted over target"), graph.judgement
+    assert graph.judgement.action.startswith("accepted"), graph.judgement
+    assert graph.judgement.checked_peak_bytes <= graph.base_target_bytes or graph.judgement.action == "accepted over target"
     assert event.action == "within budget" and event.measured_peak_bytes <= backend.options.budget_bytes, (event, graph.judgement)
 
 

@@ -57,6 +57,8 @@ def test_the_smallest_plan_that_checks_under_its_target_runs_without_compiling_t
 @pytest.mark.parametrize(("smallest_checked", "free_checked", "named_from"), [
     (1100, 1050, 1050),     # the free plan checks lower: the budget named is the one its check fits
     (1050, 1100, 1050),     # the smallest-peak plan checks lower: its number names the budget
+    (1300, 1400, 1300),     # both check above the simulator's 1200: the check names the budget, not the
+                            # simulator's figure (the plan it rests on is known to exceed that one)
 ])
 def test_when_both_check_over_the_budget_named_is_the_lower_checked_plans(smallest_checked, free_checked, named_from):
     graphs = [_record("graph_000", 1200)]
@@ -70,7 +72,9 @@ def test_when_both_check_over_the_budget_named_is_the_lower_checked_plans(smalle
 
 def test_a_candidate_whose_check_cannot_see_every_allocation_does_not_overrule():
     """The free plan checks under the target, but its graphs call a convolution (which may allocate
-    inside itself) and the check is below the simulator's figure: the simulator's refusal stands."""
+    inside itself) and the check is below the simulator's figure: it does not overrule, nor name the
+    budget. The refusal stands, naming the budget the smallest-peak plan's check holds (1300: above the
+    simulator's figure, so trusted)."""
     graphs = [_record("graph_000", 1200)]
 
     def convolution_candidate():
@@ -79,4 +83,55 @@ def test_a_candidate_whose_check_cannot_see_every_allocation_does_not_overrule()
 
     with pytest.raises(BudgetInfeasibleError) as raised:
         overrule_or_refuse("smallest", graphs, 1300, convolution_candidate)
-    assert graphs == [] and raised.value.min_feasible_bytes == 1200    # the simulator's figure stands
+    assert graphs == [] and raised.value.min_feasible_bytes == 1300
+
+
+def test_a_refused_re_plan_over_the_budget_compiles_and_judges_the_smallest_peak_plan(monkeypatch):
+    """The first plan checks over the budget; the re-plan at the corrected target is refused by the
+    simulator (no plan simulates that low). The smallest-peak plan, which checks under the target (the
+    correction was the first plan's error, not its), is compiled and runs; the verdict keeps the first
+    plan's rejection. This is the path a retry at a budget named from a check above the simulator's
+    figure takes (``named_budget_after_check``)."""
+    from remat import judge_loop
+
+    checked = {"first": 1300, "smallest": 990}
+    monkeypatch.setattr(judge_loop, "checked_peak_of", lambda capture, device, held: CheckedPeak(
+        checked[capture], checked[capture], checked[capture], 0, 0, 0, library_calls=frozenset({"mm"})))
+    plan = SimpleNamespace(predicted_peak_bytes=950, budget_bytes=BUDGET, fits_budget=True)
+    graphs = [CompiledGraph("graph_000", "0/0", plan, (), None, graph_key="key", base_target_bytes=TARGET)]
+    asked = []
+
+    def recompile(correction, key, candidate):
+        asked.append((round(correction.factor, 3), candidate))
+        if candidate is None:
+            raise BudgetInfeasibleError("refused at the corrected target", budget_bytes=BUDGET,
+                                        min_feasible_bytes=900, min_budget_bytes=1300, reasons=())
+        graphs.append(_record("graph_000_r1", 900))
+        return "smallest plan's callable", SimpleNamespace(graphs="smallest")
+
+    fn = judge_loop.judge_compiled("first plan's callable", SimpleNamespace(graphs="first"), "cpu", False, graphs,
+                                   recompile)
+    assert fn == "smallest plan's callable"
+    assert asked == [(1.37, None), (1.37, judge_loop.SMALLEST_PEAK_CANDIDATE)]    # 1000 / int(1000 / (1300 / 950))
+    assert [g.graph_id for g in graphs] == ["graph_000_r1"]
+    verdict = graphs[-1].judgement
+    assert verdict.action == "accepted: Inductor's check overrules the simulator" and verdict.checked_peak_bytes == 990
+    assert [v.checked_peak_bytes for v in verdict.rejected] == [1300]
+
+
+def test_a_refused_re_plan_keeps_the_last_plan_when_it_checks_within_the_budget(monkeypatch):
+    """Over the target but within the budget: no further compile, the plan runs as "accepted over target"."""
+    from remat import judge_loop
+
+    plan = SimpleNamespace(predicted_peak_bytes=950, budget_bytes=BUDGET, fits_budget=True)
+    graphs = [CompiledGraph("graph_000", "0/0", plan, (), None, graph_key="key", base_target_bytes=TARGET)]
+
+    def recompile(correction, key, candidate):
+        assert candidate is None, "the smallest-peak plan is compiled only when the last plan checks over the budget"
+        raise BudgetInfeasibleError("refused", budget_bytes=BUDGET, min_feasible_bytes=900, min_budget_bytes=1300,
+                                    reasons=())
+
+    monkeypatch.setattr(judge_loop, "checked_peak_of", lambda capture, device, held: CheckedPeak(
+        1040, 1040, 1040, 0, 0, 0, library_calls=frozenset({"mm"})))
+    assert judge_loop.judge_compiled("first", SimpleNamespace(graphs=None), "cpu", False, graphs, recompile) == "first"
+    assert graphs[-1].judgement.action == "accepted over target: no plan meets the corrected target"
