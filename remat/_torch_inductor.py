@@ -16,6 +16,12 @@ in Inductor (torch 2.13.0):
 - ``max_fusion_size``: the most nodes one fused kernel may hold (``choices.py: can_fuse``).
 - ``max_fusion_buffer_group_pairwise_attempts``: how many later readers of a buffer each reader
   is tried against as a fusion pair (``Scheduler.get_possible_fusions.check_all_pairs``).
+- ``score_fusion_memory_threshold``: two loops that neither reads the other's result (a horizontal
+  fusion) fuse only when they share at least this many bytes (``choices.py: can_fuse_horizontal``).
+- ``HORIZONTAL_FUSION_MAX_DISTANCE`` (a constant of Inductor's, not a config): nor when they are
+  more than this many scheduler nodes apart (``Scheduler.are_long_distant_nodes``, which Inductor
+  added for activation checkpointing: recomputed loops of different checkpointed regions that read
+  one buffer would otherwise fuse and run in the earliest region, holding their outputs across the others).
 - ``inplace_buffers``: a loop may write its output over an input whose last reader it is
   (``scheduler.SchedulerNode.decide_inplace_update``).
 - ``allow_buffer_reuse``: a freed buffer is reused by a later allocation of its size
@@ -32,6 +38,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# torch/_inductor/scheduler.py: Scheduler.are_long_distant_nodes returns ``proximity_score > 64``
+HORIZONTAL_FUSION_MAX_DISTANCE = 64
+
 
 @dataclass(frozen=True)
 class InductorConfig:
@@ -46,9 +55,11 @@ class InductorConfig:
     realize_gpu_acc_reads_threshold: int            # ``_realize_acc_reads_threshold_default``
     max_fusion_size: int
     max_fusion_buffer_group_pairwise_attempts: int
+    score_fusion_memory_threshold: int              # least shared bytes of a horizontal fusion
     inplace_buffers: bool
     allow_buffer_reuse: bool
     reorder_for_peak_memory: bool                   # not modelled (see the module docstring)
+    horizontal_fusion_max_distance: int = 64        # HORIZONTAL_FUSION_MAX_DISTANCE
 
     @property
     def cpu_opcount_threshold(self) -> int:
@@ -79,10 +90,12 @@ def inductor_config() -> InductorConfig:
         realize_gpu_acc_reads_threshold=int(config._realize_acc_reads_threshold_default),
         max_fusion_size=int(config.max_fusion_size),
         max_fusion_buffer_group_pairwise_attempts=int(config.max_fusion_buffer_group_pairwise_attempts),
+        score_fusion_memory_threshold=int(config.score_fusion_memory_threshold),
         inplace_buffers=bool(config.inplace_buffers),
         allow_buffer_reuse=bool(config.allow_buffer_reuse),
         reorder_for_peak_memory=bool(config.reorder_for_peak_memory),
+        horizontal_fusion_max_distance=HORIZONTAL_FUSION_MAX_DISTANCE,
     )
 
 
-__all__ = ["InductorConfig", "inductor_config"]
+__all__ = ["HORIZONTAL_FUSION_MAX_DISTANCE", "InductorConfig", "inductor_config"]

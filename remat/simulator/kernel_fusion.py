@@ -47,7 +47,11 @@ def _loops_match(a: GraphOp, b: GraphOp) -> bool:
 
 def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, frozenset[str]],
           sizes: Mapping[str, int], config: InductorConfig) -> tuple[UnionFind, dict[str, int], dict[str, int]]:
-    """Step 2: greedy fusion of loop nodes that share buffers, most shared bytes first."""
+    """Step 2: greedy fusion of loop nodes that share buffers, in Inductor's order (two reductions or
+    two loops first, then most shared bytes). Two kernels neither of which reads the other's results
+    (a horizontal fusion) fuse only with ``score_fusion_memory_threshold`` shared bytes and at most
+    ``horizontal_fusion_max_distance`` nodes between their farthest members (``choices.py:
+    can_fuse_horizontal``), so recomputed loops of distant backward regions stay in their regions."""
     index = {n: i for i, n in enumerate(nodes)}
     deps = {n: [d for d in loads[n] if d in index] for n in nodes}
     ancestors: dict[str, int] = {}
@@ -73,12 +77,16 @@ def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froze
                 if key not in scored:
                     shared = (loads[a] | {a}) & (loads[b] | {b})
                     scored[key] = sum(sizes.get(s, 0) for s in shared)
+    # Inductor's order (choices.py: score_fusion): pairs of two reductions or of two loops first,
+    # then the most shared bytes, then the closest
     pairs = sorted((key for key, score in scored.items() if score > 0),
-                   key=lambda k: (-scored[k], index[k[1]] - index[k[0]], index[k[0]]))
+                   key=lambda k: ((ops[k[0]].kind == REDUCTION) != (ops[k[1]].kind == REDUCTION), -scored[k],
+                                  index[k[1]] - index[k[0]], index[k[0]]))
     sets = UnionFind(nodes)
     bits = {n: 1 << index[n] for n in nodes}
     anc = dict(ancestors)
     desc = dict(descendants)
+    span = {n: (index[n], index[n]) for n in nodes}     # a kernel's first and last member (Inductor's min/max_order)
     for a, b in pairs:
         ra, rb = sets.find(a), sets.find(b)
         if ra == rb or len(sets.members[ra]) + len(sets.members[rb]) > config.max_fusion_size:
@@ -86,10 +94,15 @@ def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froze
         if not _loops_match(ops[a], ops[b]):
             continue
         inside = bits[ra] | bits[rb]
+        if not (anc[rb] & bits[ra] or anc[ra] & bits[rb]) and (
+                scored[(a, b)] < config.score_fusion_memory_threshold
+                or max(span[rb][1] - span[ra][0], span[ra][1] - span[rb][0]) > config.horizontal_fusion_max_distance):
+            continue  # horizontal (neither reads the other): too little shared, or too far apart
         if (desc[ra] & anc[rb] & ~inside) or (desc[rb] & anc[ra] & ~inside):
             continue  # a path leaves one kernel and re-enters the other: fusing makes a cycle
         root = sets.union(ra, rb)
         bits[root] = inside
+        span[root] = (min(span[ra][0], span[rb][0]), max(span[ra][1], span[rb][1]))
         anc[root] = anc[ra] | anc[rb]
         desc[root] = desc[ra] | desc[rb]
     return sets, ancestors, index

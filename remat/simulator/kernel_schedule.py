@@ -17,10 +17,15 @@ it. ``schedule_kernels`` reproduces those decisions on plain records
    ``realize_cpu_acc_reads_threshold`` buffers (Inductor's config: 4, 50, 12 in torch 2.13). A value realized only because an
    extern reads it is registered where that extern is.
 2. *Fuse* (``Scheduler.fuse_nodes``): realized loop nodes that share a buffer
-   fuse, most shared bytes first, when their loops match (same elements; a loop
+   fuse (pairs of two reductions or of two loops first, then the most shared bytes) when
+   their loops match (same elements; a loop
    over a reduction's result; or a row reduction and a loop over the same rows:
    a column reduction's loop order differs), the kernel stays within
    ``max_fusion_size`` nodes, and no path leaves one and re-enters the other (a cycle).
+   Two kernels neither of which reads the other's results (a horizontal fusion) also need
+   ``score_fusion_memory_threshold`` shared bytes and at most ``horizontal_fusion_max_distance``
+   nodes between their farthest members (``choices.py: can_fuse_horizontal``): recomputed loops
+   of distant backward regions stay in their own regions.
 3. *Order* (``topological_sort_schedule``): kernels by their earliest member,
    each preceded by what it needs, so a fused kernel pulls its producers forward.
    Inductor's ``reorder_for_peak_memory`` is not modelled (``remat._torch_inductor``): it kept

@@ -1,0 +1,78 @@
+"""Inductor fuses two loops that share a buffer but neither reads the other's result (a horizontal
+fusion) only when they share at least ``score_fusion_memory_threshold`` bytes and lie at most
+``HORIZONTAL_FUSION_MAX_DISTANCE`` scheduler nodes apart (``choices.py: can_fuse_horizontal``).
+The kernel model follows both rules, and agrees with the code Inductor generates: without the
+distance rule it fused the recomputed loops of distant backward regions (T5's dropout draws all read
+one seed buffer) into the earliest region, holding their outputs through the whole backward."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from remat._torch_inductor import HORIZONTAL_FUSION_MAX_DISTANCE, inductor_config
+from remat.simulator.kernel_lowering import EXTERN, POINTWISE, GraphOp
+from remat.simulator.kernel_schedule import schedule_kernels
+
+ROWS = 64
+NBYTES = ROWS * ROWS * 4
+
+
+def _ops(between: int) -> list[GraphOp]:
+    """``sin(x)`` fed to a chain of ``between`` matmuls, then ``cos(x)``: two loops reading ``x``
+    ``between + 1`` scheduler nodes apart."""
+    ops = [GraphOp("a", POINTWISE, ("x",), NBYTES, ROWS * ROWS, ROWS * ROWS, users=1, extern_user=True)]
+    previous = "a"
+    for i in range(between):
+        ops.append(GraphOp(f"m{i}", EXTERN, (previous, "w"), NBYTES, ROWS * ROWS, ROWS * ROWS, users=1,
+                           is_output=i == between - 1))
+        previous = f"m{i}"
+    ops.append(GraphOp("b", POINTWISE, ("x",), NBYTES, ROWS * ROWS, ROWS * ROWS, users=1, is_output=True))
+    return ops
+
+
+def _model_fuses(between: int, **config) -> bool:
+    schedule = schedule_kernels(_ops(between), {"x": NBYTES, "w": NBYTES},
+                                config=dataclasses.replace(inductor_config(), **config))
+    return any({"a", "b"} <= set(k.ops) for k in schedule.kernels)
+
+
+def _inductor_fuses(between: int) -> bool:
+    from torch._inductor.utils import run_and_get_code
+
+    def f(x, w):
+        h = torch.sin(x)
+        for _ in range(between):
+            h = h @ w
+        return h, torch.cos(x)
+
+    torch._dynamo.reset()
+    x, w = torch.randn(ROWS, ROWS), torch.randn(ROWS, ROWS)
+    _, code = run_and_get_code(torch.compile(f, backend="inductor"), x, w)
+    torch._dynamo.reset()
+    return "cpp_fused_cos_sin" in "\n".join(code)
+
+
+def test_distant_loops_sharing_an_input_do_not_fuse_as_in_inductors_code():
+    near, far = 3, HORIZONTAL_FUSION_MAX_DISTANCE + 6
+    assert _model_fuses(near) and _inductor_fuses(near)
+    assert not _model_fuses(far) and not _inductor_fuses(far)
+
+
+def test_horizontal_fusion_follows_the_distance_and_the_shared_bytes_threshold():
+    far = HORIZONTAL_FUSION_MAX_DISTANCE + 6
+    assert _model_fuses(far, horizontal_fusion_max_distance=far + 1)
+    assert not _model_fuses(3, score_fusion_memory_threshold=NBYTES + 1)   # they share x only
+    assert _model_fuses(3, score_fusion_memory_threshold=NBYTES)
+
+
+def test_a_consumer_fuses_with_its_producer_however_far_apart():
+    """Vertical fusion (the later loop reads the earlier one's result) has no distance rule."""
+    ops = _ops(HORIZONTAL_FUSION_MAX_DISTANCE + 6)
+    ops[0] = ops[0]._replace(users=2, heavy=True, extern_user=False)   # stored: exp-like, two readers
+    ops[1] = ops[1]._replace(inputs=("x", "w"))                        # the chain no longer reads a
+    ops.append(GraphOp("c", POINTWISE, ("a", "m0"), NBYTES, ROWS * ROWS, ROWS * ROWS, users=1, is_output=True))
+    ops[-2] = ops[-2]._replace(inputs=("a",))                          # b reads a: a vertical pair
+    schedule = schedule_kernels(ops, {"x": NBYTES, "w": NBYTES})
+    assert any({"a", "b"} <= set(k.ops) for k in schedule.kernels)
