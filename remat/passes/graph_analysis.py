@@ -3,7 +3,7 @@
 A ``GraphAnalysis`` is created with each ``JointGraphFacts`` (its ``analysis`` field) and
 filled lazily by the modules that compute each part: ``recompute_bans`` (why each node may
 not be recomputed, node positions), ``mincut`` (the free min-cut), ``simulator.schedule`` (register-only
-values, the rebuild decision per partition) and ``simulator.kernel_facts`` (the kernel model's
+values, the rebuild decision per partition), ``held_cap`` (the numbers of the plans its trials simulate) and ``simulator.kernel_facts`` (the kernel model's
 per-node constants and Inductor's config, read when the graph is first simulated). It dies
 with its facts: no module keeps per-graph state, nothing is keyed by ``id(facts)``.
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 REBUILD_ENTRIES = 4096   # rebuild decisions remembered per graph before the table starts over
+CAP_TRIAL_ENTRIES = 16384   # held-cap trials remembered per graph before the table starts over
 
 
 @dataclass
@@ -32,6 +33,9 @@ class GraphAnalysis:
     kernel_facts: Any = None                              # simulator.kernel_facts.KernelFacts
     # (saved, recomputed) -> whether that partition's backward rebuilds intermediates per use
     rebuilds: dict[tuple[frozenset[str], frozenset[str]], bool] = field(default_factory=dict)
+    # saved set -> (saved bytes, simulated peak, extra time s) of its plan: passes.held_cap's trials,
+    # which the capped plans of several targets of one graph repeat (a step's share search)
+    cap_trials: dict[frozenset[str], tuple[int, int, float]] = field(default_factory=dict)
 
 
-__all__ = ["REBUILD_ENTRIES", "GraphAnalysis"]
+__all__ = ["CAP_TRIAL_ENTRIES", "REBUILD_ENTRIES", "GraphAnalysis"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..simulator import Evaluated, evaluate
+from .graph_analysis import CAP_TRIAL_ENTRIES
 from .joint_graph import JointGraphFacts
 from .mincut import saved_cost_bytes
 from .recompute_bans import why_not_recomputable
@@ -45,21 +46,36 @@ def reduce_saved_bytes(facts: JointGraphFacts, start: Evaluated, target_bytes: i
     for _ in range(MAX_ROUNDS):
         if held <= cap_bytes:
             break
-        best: Optional[tuple[float, int, int, Evaluated]] = None
+        best: Optional[tuple[float, int, int, str]] = None
         for name in sorted(current.chosen, key=position.__getitem__):
             if why_not_recomputable(facts, name) is not None:
                 continue
-            trial = evaluate(facts, current.chosen - {name})
-            freed = held - saved_bytes_of(facts, trial)
-            if freed <= 0 or trial.peak_bytes > peak_limit:
+            saved, peak, extra_time_s = _trial(facts, current.chosen - {name})
+            freed = held - saved
+            if freed <= 0 or peak > peak_limit:
                 continue
-            key = ((trial.extra_time_s - current.extra_time_s) / freed, held - freed, position[name])
+            key = ((extra_time_s - current.extra_time_s) / freed, held - freed, position[name])
             if best is None or key < best[:3]:
-                best = (*key, trial)
+                best = (*key, name)
         if best is None:
             break
-        current, held = best[3], best[1]
+        current, held = evaluate(facts, current.chosen - {best[3]}), best[1]
     return current
+
+
+def _trial(facts: JointGraphFacts, chosen: frozenset[str]) -> tuple[int, int, float]:
+    """(saved bytes, simulated peak, extra time s) of saving ``chosen``, as ``evaluate`` gives them,
+    remembered in the graph's analysis: the capped plans of nearby targets (a step's share search
+    asks for several) walk through many of the same saved sets."""
+    known = facts.analysis.cap_trials
+    numbers = known.get(chosen)
+    if numbers is None:
+        trial = evaluate(facts, chosen)
+        numbers = (saved_bytes_of(facts, trial), trial.peak_bytes, trial.extra_time_s)
+        if len(known) >= CAP_TRIAL_ENTRIES:
+            known.clear()
+        known[chosen] = numbers
+    return numbers
 
 
 __all__ = ["MAX_ROUNDS", "reduce_saved_bytes", "saved_bytes_of"]
