@@ -22,6 +22,8 @@ in Inductor (torch 2.13.0):
   more than this many scheduler nodes apart (``Scheduler.are_long_distant_nodes``, which Inductor
   added for activation checkpointing: recomputed loops of different checkpointed regions that read
   one buffer would otherwise fuse and run in the earliest region, holding their outputs across the others).
+- ``cpp.max_horizontal_fusion_size``: the CPU backend fuses two kernels horizontally only while they
+  hold at most this many scheduler nodes together (``codegen/cpp.py: CppScheduling.can_fuse_horizontal``).
 - ``inplace_buffers``: a loop may write its output over an input whose last reader it is
   (``scheduler.SchedulerNode.decide_inplace_update``).
 - ``allow_buffer_reuse``: a freed buffer is reused by a later allocation of its size
@@ -60,6 +62,7 @@ class InductorConfig:
     allow_buffer_reuse: bool
     reorder_for_peak_memory: bool                   # not modelled (see the module docstring)
     horizontal_fusion_max_distance: int = 64        # HORIZONTAL_FUSION_MAX_DISTANCE
+    cpp_max_horizontal_fusion_size: int = 16        # ``config.cpp.max_horizontal_fusion_size``
 
     @property
     def cpu_opcount_threshold(self) -> int:
@@ -95,6 +98,7 @@ def inductor_config() -> InductorConfig:
         allow_buffer_reuse=bool(config.allow_buffer_reuse),
         reorder_for_peak_memory=bool(config.reorder_for_peak_memory),
         horizontal_fusion_max_distance=HORIZONTAL_FUSION_MAX_DISTANCE,
+        cpp_max_horizontal_fusion_size=int(config.cpp.max_horizontal_fusion_size),
     )
 
 

@@ -28,6 +28,15 @@ LOOP_OPS = frozenset({
     "inductor_lookup_seed", "convert_element_type", "rand", "rand_like", "randn",
 })
 
+# Concatenation on CPU: ``lowering.cat`` returns ``ir.ConcatKernel.create(inputs, dim)`` whenever the
+# device is a CPU ("negative performance impact of pointwise_cat ... on CPU so disabled it"). The
+# ConcatKernel (a ``NopKernelSchedulerNode`` that reads nothing) allocates the result, and each input is
+# a loop that writes its slice through a ``NonOwningLayout`` (``should_allocate()`` is False), so the
+# result is always stored, never inlined, and never written in place over an input
+# (``BaseSchedulerNode.allocate`` reuses an input only for an output it allocates from a read it makes).
+# On other devices ``lowering.cat`` may choose ``pointwise_cat``, a loop like any other.
+CPU_CONCAT_OPS = frozenset({"cat"})
+
 # Loops whose values are always stored, never inlined into a reader: windowed reductions
 # (``lowering._low_memory_max_pool_with_offsets``, a ``Reduction``; ``max_pool2d_with_indices``
 # decomposes to it) and random numbers (``lowering.inductor_random``/``inductor_randint`` call
@@ -101,6 +110,6 @@ COLLECTIVE_NAMESPACES = (
 
 
 __all__ = [
-    "ALWAYS_STORED_LOOPS", "CHEAP_TO_RECOMPUTE_OPS", "COLLECTIVE_NAMESPACES", "HEAVY_IR_OPS", "HEAVY_OPS",
-    "INDEX_REDUCTIONS", "INLINABLE_OPS", "LOOP_OPS", "MUTATIONS", "REDUCTION_OPS", "SCATTER_OPS", "WELFORD_OPS",
+    "ALWAYS_STORED_LOOPS", "CHEAP_TO_RECOMPUTE_OPS", "COLLECTIVE_NAMESPACES", "CPU_CONCAT_OPS", "HEAVY_IR_OPS",
+    "HEAVY_OPS", "INDEX_REDUCTIONS", "INLINABLE_OPS", "LOOP_OPS", "MUTATIONS", "REDUCTION_OPS", "SCATTER_OPS", "WELFORD_OPS",
 ]

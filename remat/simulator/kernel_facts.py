@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .._torch_inductor import InductorConfig, inductor_config
-from ..cost_model.inductor_rules import ALWAYS_STORED_LOOPS, HEAVY_OPS, LOOP_OPS, MUTATIONS, SCATTER_OPS
+from ..cost_model.inductor_rules import ALWAYS_STORED_LOOPS, CPU_CONCAT_OPS, HEAVY_OPS, LOOP_OPS, MUTATIONS, SCATTER_OPS
 from ..passes.joint_graph import JointGraphFacts, NodeFacts
 from .kernel_lowering import ALIAS, EXTERN, POINTWISE, REDUCTION, SCATTER
 
@@ -77,6 +77,7 @@ class _Static:
     mutation: bool
     inner_reduction: bool
     layout: str                           # "channels_last" when Inductor lays it out so, else ""
+    concat: bool = False                  # a cat on CPU: Inductor's ConcatKernel (``CPU_CONCAT_OPS``)
 
 
 def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layouts: Mapping[str, str],
@@ -112,6 +113,7 @@ def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layo
         mutation=short in MUTATIONS,
         inner_reduction=inner,
         layout=layouts.get(name, ""),
+        concat=kind == POINTWISE and short in CPU_CONCAT_OPS and node.device == "cpu",
     )
 
 

@@ -51,8 +51,10 @@ def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froze
     two loops first, then most shared bytes). Two kernels neither of which reads the other's results
     (a horizontal fusion) fuse only with ``score_fusion_memory_threshold`` shared bytes and at most
     ``horizontal_fusion_max_distance`` nodes between their farthest members (``choices.py:
-    can_fuse_horizontal``), so recomputed loops of distant backward regions stay in their regions."""
+    can_fuse_horizontal``), so recomputed loops of distant backward regions stay in their regions.
+    The distance counts Inductor's scheduler nodes (``scheduler_orders``), not the model's."""
     index = {n: i for i, n in enumerate(nodes)}
+    orders = scheduler_orders(nodes, ops)
     deps = {n: [d for d in loads[n] if d in index] for n in nodes}
     ancestors: dict[str, int] = {}
     for n in nodes:
@@ -83,29 +85,52 @@ def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froze
                    key=lambda k: ((ops[k[0]].kind == REDUCTION) != (ops[k[1]].kind == REDUCTION), -scored[k],
                                   index[k[1]] - index[k[0]], index[k[0]]))
     sets = UnionFind(nodes)
+    # scheduler nodes per kernel: what ``max_fusion_size`` and the CPU backend's horizontal limit count
+    count = {n: orders[n][1] - orders[n][0] + 1 for n in nodes}
     bits = {n: 1 << index[n] for n in nodes}
     anc = dict(ancestors)
     desc = dict(descendants)
-    span = {n: (index[n], index[n]) for n in nodes}     # a kernel's first and last member (Inductor's min/max_order)
+    span = {n: orders[n] for n in nodes}     # a kernel's first and last member (Inductor's min/max_order)
     for a, b in pairs:
         ra, rb = sets.find(a), sets.find(b)
-        if ra == rb or len(sets.members[ra]) + len(sets.members[rb]) > config.max_fusion_size:
+        if ra == rb or count[ra] + count[rb] > config.max_fusion_size:
             continue
         if not _loops_match(ops[a], ops[b]):
             continue
         inside = bits[ra] | bits[rb]
         if not (anc[rb] & bits[ra] or anc[ra] & bits[rb]) and (
                 scored[(a, b)] < config.score_fusion_memory_threshold
-                or max(span[rb][1] - span[ra][0], span[ra][1] - span[rb][0]) > config.horizontal_fusion_max_distance):
-            continue  # horizontal (neither reads the other): too little shared, or too far apart
+                or max(span[rb][1] - span[ra][0], span[ra][1] - span[rb][0]) > config.horizontal_fusion_max_distance
+                or count[ra] + count[rb] > config.cpp_max_horizontal_fusion_size):
+            continue  # horizontal (neither reads the other): too little shared, too far apart, too big for the CPU
         if (desc[ra] & anc[rb] & ~inside) or (desc[rb] & anc[ra] & ~inside):
             continue  # a path leaves one kernel and re-enters the other: fusing makes a cycle
         root = sets.union(ra, rb)
         bits[root] = inside
+        count[root] = count[ra] + count[rb]
         span[root] = (min(span[ra][0], span[rb][0]), max(span[ra][1], span[rb][1]))
         anc[root] = anc[ra] | anc[rb]
         desc[root] = desc[ra] | desc[rb]
     return sets, ancestors, index
+
+
+def scheduler_orders(nodes: list[str], ops: Mapping[str, GraphOp]) -> dict[str, tuple[int, int]]:
+    """Each realized node's first and last place among Inductor's scheduler nodes
+    (``Scheduler.compute_ancestors`` numbers them: ``min_order``/``max_order``, what
+    ``are_long_distant_nodes`` measures). A node is one scheduler node, except a CPU cat: its
+    ``ConcatKernel`` is one per input (a loop writing that input's slice, those loops are what
+    fuses) and the ``NopKernelSchedulerNode`` that allocates the result, so on the zoo's Llama a
+    block's two rotary cats take six places, not two: counted as one, recomputed rotary loops
+    four regions apart looked near enough to fuse into one kernel that held every region's
+    projections at once."""
+    orders: dict[str, tuple[int, int]] = {}
+    at = 0
+    for n in nodes:
+        op = ops[n]
+        copies = max(len(op.inputs), 1) if op.concat else 1
+        orders[n] = (at, at + copies - 1)
+        at += copies + (1 if op.concat else 0)
+    return orders
 
 
 def topological_order(nodes: list[str], sets: UnionFind, loads: Mapping[str, frozenset[str]],
@@ -147,8 +172,8 @@ def phantom_buffers(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping
     removed = set()
     for n in nodes:
         op = ops[n]
-        if op.kind != POINTWISE or op.is_output:
-            continue  # a reduction's result is read in a later loop nest: it stays in memory
+        if op.kind != POINTWISE or op.is_output or op.concat:
+            continue  # a reduction's result is read in a later loop nest, a ConcatKernel's is no loop's: it stays
         mine = readers.get(n, [])
         if not mine or any(roots[r] != roots[n] for r in mine):
             continue
@@ -159,4 +184,4 @@ def phantom_buffers(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping
     return removed
 
 
-__all__ = ["UnionFind", "fuse", "phantom_buffers", "topological_order"]
+__all__ = ["UnionFind", "fuse", "phantom_buffers", "scheduler_orders", "topological_order"]

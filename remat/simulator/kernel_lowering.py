@@ -36,6 +36,7 @@ class GraphOp(NamedTuple):
     extern_user: bool = False     # an extern op reads it directly
     inner_reduction: bool = False # a reduction over the innermost dims: fuses with loops over the same rows
     layout: str = ""              # memory layout ("channels_last" or "" for the default): in-place needs equal ones
+    concat: bool = False          # a CPU cat: its ConcatKernel allocates it, never in place (``CPU_CONCAT_OPS``)
 
 
 class Lowering:
@@ -83,8 +84,8 @@ class Lowering:
                 self.realize(name, index - 0.5)
             sources |= self.source(name)
         self.loads[op.name] = sources
-        if op.kind != POINTWISE:
-            self.position[op.name] = index
+        if op.kind != POINTWISE or op.concat:
+            self.position[op.name] = index   # a CPU cat too: its ConcatKernel's buffer, never inlined
             return
         unrealized = [self.base.get(i, i) for i in op.inputs]
         unrealized = [i for i in unrealized if i in self.loads and i not in self.position]

@@ -152,15 +152,15 @@ def _inplace(order: list[str], sets: UnionFind, ops: Mapping[str, GraphOp], read
     for root in order:
         for n in sorted(sets.members[root]):
             op = ops[n]
-            if op.kind not in LOOP_KINDS or n in removed or op.nbytes == 0:
-                continue
+            if op.kind not in LOOP_KINDS or n in removed or op.nbytes == 0 or op.concat:
+                continue   # a CPU cat's buffer is its ConcatKernel's, which reads nothing: never in place
             # buffers made in this graph first, then donated inputs (the order Inductor meets them in)
             for source in sorted(reads[n], key=lambda s: (s not in ops, s)):
                 if source in taken or sizes.get(source, -1) != op.nbytes or layouts.get(source, "") != op.layout:
                     continue
                 if source in ops:
-                    if ops[source].is_output or ops[source].kind in (ALIAS, SCATTER):
-                        continue
+                    if ops[source].is_output or ops[source].kind in (ALIAS, SCATTER) or ops[source].concat:
+                        continue   # nor is a ConcatKernel's buffer overwritten (a NopKernelSchedulerNode's)
                 elif source not in donated:
                     continue
                 others = [r for r in readers[source] if r != n]

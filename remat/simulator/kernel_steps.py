@@ -76,7 +76,7 @@ class _Graph:
             ops.append(GraphOp(
                 inst, info.kind, self.inputs_of[inst], info.nbytes, info.numel,
                 info.loop_numel, info.heavy, len(mine) + output, info.mutation or output,
-                any(static[u].kind in _CALLS for u in mine), info.inner_reduction, info.layout,
+                any(static[u].kind in _CALLS for u in mine), info.inner_reduction, info.layout, info.concat,
             ))
         return ops
 
