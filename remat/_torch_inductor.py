@@ -24,6 +24,10 @@ in Inductor (torch 2.13.0):
   one buffer would otherwise fuse and run in the earliest region, holding their outputs across the others).
 - ``cpp.max_horizontal_fusion_size``: the CPU backend fuses two kernels horizontally only while they
   hold at most this many scheduler nodes together (``codegen/cpp.py: CppScheduling.can_fuse_horizontal``).
+- ``fallback_random``: random ops run ATen's generator, and the post-grad pass chains every op tagged
+  ``nondeterministic_seeded`` (SDPA included, whatever its dropout) to the previous one in program
+  order (``fx_passes/post_grad.py: _chain_random_ops_for_ordering``, a ``control_deps``): each waits
+  for the one before, so loops on either side of one are no longer independent (no horizontal fusion).
 - ``inplace_buffers``: a loop may write its output over an input whose last reader it is
   (``scheduler.SchedulerNode.decide_inplace_update``).
 - ``allow_buffer_reuse``: a freed buffer is reused by a later allocation of its size
@@ -63,6 +67,7 @@ class InductorConfig:
     reorder_for_peak_memory: bool                   # not modelled (see the module docstring)
     horizontal_fusion_max_distance: int = 64        # HORIZONTAL_FUSION_MAX_DISTANCE
     cpp_max_horizontal_fusion_size: int = 16        # ``config.cpp.max_horizontal_fusion_size``
+    fallback_random: bool = False                   # random ops chained in program order (see above)
 
     @property
     def cpu_opcount_threshold(self) -> int:
@@ -99,6 +104,7 @@ def inductor_config() -> InductorConfig:
         reorder_for_peak_memory=bool(config.reorder_for_peak_memory),
         horizontal_fusion_max_distance=HORIZONTAL_FUSION_MAX_DISTANCE,
         cpp_max_horizontal_fusion_size=int(config.cpp.max_horizontal_fusion_size),
+        fallback_random=bool(config.fallback_random),
     )
 
 

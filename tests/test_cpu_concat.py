@@ -1,4 +1,6 @@
-"""A CPU cat is Inductor's ``ConcatKernel`` (``lowering.cat``: always on CPU): a loop per input that
+"""Two rules of Inductor's scheduler the kernel model missed on a plan that recomputes a block many times.
+
+A CPU cat is Inductor's ``ConcatKernel`` (``lowering.cat``: always on CPU): a loop per input that
 writes its slice, and a ``NopKernelSchedulerNode`` that allocates the result. So the result is a
 buffer of its own, never written in place over an input, and the cat counts as one scheduler node
 per input plus one wherever Inductor counts nodes: the 64-node distance of a horizontal fusion
@@ -10,12 +12,20 @@ place over the matmul it reads (Inductor holds both: four regions' rotary loops 
 so eight matmul outputs and eight cat results are alive at once), and it fused five regions' rotary
 loops where Inductor stops at four (16 nodes). On the zoo's Llama at its smallest-peak plan that
 simulated 7.53 MB where Inductor's code peaks at 9.43 MB.
+
+Under ``fallback_random`` (what the end-to-end tests compile with) Inductor chains every op tagged
+``nondeterministic_seeded``, SDPA included, in program order: loops on either side of an attention
+call are no longer independent, so they do not fuse horizontally.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import torch
 
+from remat._torch_inductor import inductor_config
 from remat.simulator.kernel_fusion import scheduler_orders
 from remat.simulator.kernel_lowering import EXTERN, POINTWISE, GraphOp
 from remat.simulator.kernel_schedule import schedule_kernels
@@ -126,3 +136,39 @@ def test_the_cpu_backend_fuses_at_most_16_scheduler_nodes_horizontally_as_in_ind
     assert {n: _cat_kernels(n) for n in (8, 9)} == inductor
     assert _cat_kernels(9, concat=False) == 1           # counted as one node each, the nine fused
 
+
+# ---- under fallback_random, seeded ops run in program order -------------------------------------
+
+def _attention_pair(x, q, k, v):
+    """``sin(x)`` feeds one attention, ``cos(x)`` reads another's result: two loops that share ``x``
+    and are independent, unless the second attention must follow the first."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    first = sdpa(torch.sin(x), k, v)
+    second = sdpa(q, k, v)
+    return first, torch.cos(x) + second
+
+
+def _attention_pair_ops() -> list[GraphOp]:
+    return [
+        GraphOp("a", POINTWISE, ("x",), NBYTES, ROWS * ROWS, ROWS * ROWS, users=1, extern_user=True),
+        GraphOp("s1", EXTERN, ("a", "k", "v"), NBYTES, ROWS * ROWS, ROWS * ROWS, users=1, is_output=True, seeded=True),
+        GraphOp("s2", EXTERN, ("q", "k", "v"), NBYTES, ROWS * ROWS, ROWS * ROWS, users=1, seeded=True),
+        GraphOp("b", POINTWISE, ("x", "s2"), NBYTES, ROWS * ROWS, ROWS * ROWS, users=1, is_output=True),
+    ]
+
+
+def _model_fuses_sin_cos(fallback_random: bool) -> bool:
+    config = dataclasses.replace(inductor_config(), fallback_random=fallback_random)
+    schedule = schedule_kernels(_attention_pair_ops(), {n: NBYTES for n in "xqkv"}, config=config)
+    return any({"a", "b"} <= set(k.ops) for k in schedule.kernels)
+
+
+def test_under_fallback_random_attention_calls_keep_their_order_and_the_loops_around_them_do_not_fuse():
+    """``post_grad._chain_random_ops_for_ordering`` makes the second attention (SDPA is tagged
+    ``nondeterministic_seeded``) wait for the first, so ``cos(x) + second`` depends on ``sin(x)``
+    through both calls: no horizontal fusion, as in Inductor's code."""
+    x, q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(4))
+    for fallback_random in (False, True):
+        with torch._inductor.config.patch(fallback_random=fallback_random):
+            fused = re.search(r"cpp_fused_\w*_cos_sin_", _inductor_code(_attention_pair, x, q, k, v)) is not None
+        assert fused == (not fallback_random) == _model_fuses_sin_cos(fallback_random), fallback_random

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+import torch
+
 from .._torch_inductor import InductorConfig, inductor_config
 from ..cost_model.inductor_rules import ALWAYS_STORED_LOOPS, CPU_CONCAT_OPS, HEAVY_OPS, LOOP_OPS, MUTATIONS, SCATTER_OPS
 from ..passes.joint_graph import JointGraphFacts, NodeFacts
@@ -78,6 +80,7 @@ class _Static:
     inner_reduction: bool
     layout: str                           # "channels_last" when Inductor lays it out so, else ""
     concat: bool = False                  # a cat on CPU: Inductor's ConcatKernel (``CPU_CONCAT_OPS``)
+    seeded: bool = False                  # its op is tagged ``nondeterministic_seeded`` (``_seeded``)
 
 
 def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layouts: Mapping[str, str],
@@ -114,7 +117,21 @@ def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layo
         inner_reduction=inner,
         layout=layouts.get(name, ""),
         concat=kind == POINTWISE and short in CPU_CONCAT_OPS and node.device == "cpu",
+        seeded=_seeded(node.op),
     )
+
+
+def _seeded(op: str) -> bool:
+    """Whether the ATen/prims op named ``op`` (``"aten.native_dropout.default"``) is tagged
+    ``nondeterministic_seeded``: the tag Inductor chains random ops by under ``fallback_random``."""
+    parts = op.split(".")
+    if len(parts) != 3:
+        return False
+    try:
+        overload = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        return False
+    return torch.Tag.nondeterministic_seeded in getattr(overload, "tags", ())
 
 
 def _viewable_in_channels_last(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -45,17 +45,35 @@ def _loops_match(a: GraphOp, b: GraphOp) -> bool:
     return reduction.inner_reduction and loop.numel == reduction.loop_numel   # same rows, outer loop shared
 
 
+def seeded_chain(nodes: Sequence[str], ops: Mapping[str, GraphOp], config: InductorConfig) -> dict[str, str]:
+    """Under ``fallback_random``, each op tagged ``nondeterministic_seeded`` -> the one before it in
+    program order (``post_grad._chain_random_ops_for_ordering``): an order, not a read (its
+    ``control_deps`` are ``is_fake`` weak deps, which hold no buffer)."""
+    if not config.fallback_random:
+        return {}
+    chain: dict[str, str] = {}
+    previous = None
+    for n in nodes:
+        if ops[n].seeded:
+            if previous is not None:
+                chain[n] = previous
+            previous = n
+    return chain
+
+
 def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, frozenset[str]],
-          sizes: Mapping[str, int], config: InductorConfig) -> tuple[UnionFind, dict[str, int], dict[str, int]]:
+          sizes: Mapping[str, int], config: InductorConfig,
+          after: Mapping[str, str] = {}) -> tuple[UnionFind, dict[str, int], dict[str, int]]:
     """Step 2: greedy fusion of loop nodes that share buffers, in Inductor's order (two reductions or
     two loops first, then most shared bytes). Two kernels neither of which reads the other's results
     (a horizontal fusion) fuse only with ``score_fusion_memory_threshold`` shared bytes and at most
     ``horizontal_fusion_max_distance`` nodes between their farthest members (``choices.py:
     can_fuse_horizontal``), so recomputed loops of distant backward regions stay in their regions.
-    The distance counts Inductor's scheduler nodes (``scheduler_orders``), not the model's."""
+    The distance counts Inductor's scheduler nodes (``scheduler_orders``), not the model's.
+    ``after``: ordering-only dependencies (``seeded_chain``), which make two loops dependent too."""
     index = {n: i for i, n in enumerate(nodes)}
     orders = scheduler_orders(nodes, ops)
-    deps = {n: [d for d in loads[n] if d in index] for n in nodes}
+    deps = {n: [d for d in loads[n] if d in index] + ([after[n]] if n in after else []) for n in nodes}
     ancestors: dict[str, int] = {}
     for n in nodes:
         bits = 0
@@ -134,11 +152,13 @@ def scheduler_orders(nodes: list[str], ops: Mapping[str, GraphOp]) -> dict[str, 
 
 
 def topological_order(nodes: list[str], sets: UnionFind, loads: Mapping[str, frozenset[str]],
-                 position: Mapping[str, float]) -> list[str]:
-    """Step 3: fused kernels by earliest member, each preceded by the kernels it needs."""
+                 position: Mapping[str, float], after: Mapping[str, str] = {}) -> list[str]:
+    """Step 3: fused kernels by earliest member, each preceded by the kernels it needs (what it
+    loads, and what it must run ``after``)."""
     roots = {n: sets.find(n) for n in nodes}
     first = {r: min(position[m] for m in members) for r, members in sets.members.items()}
-    needs = {r: sorted({roots[d] for m in members for d in loads[m] if d in roots} - {r}, key=first.__getitem__)
+    needs = {r: sorted({roots[d] for m in members for d in (*loads[m], *((after[m],) if m in after else ()))
+                        if d in roots} - {r}, key=first.__getitem__)
              for r, members in sets.members.items()}
     order: list[str] = []
     state: dict[str, int] = {}
@@ -184,4 +204,4 @@ def phantom_buffers(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping
     return removed
 
 
-__all__ = ["UnionFind", "fuse", "phantom_buffers", "scheduler_orders", "topological_order"]
+__all__ = ["UnionFind", "fuse", "phantom_buffers", "scheduler_orders", "seeded_chain", "topological_order"]

@@ -37,6 +37,7 @@ class GraphOp(NamedTuple):
     inner_reduction: bool = False # a reduction over the innermost dims: fuses with loops over the same rows
     layout: str = ""              # memory layout ("channels_last" or "" for the default): in-place needs equal ones
     concat: bool = False          # a CPU cat: its ConcatKernel allocates it, never in place (``CPU_CONCAT_OPS``)
+    seeded: bool = False          # tagged nondeterministic_seeded: under fallback_random, after the previous such op
 
 
 class Lowering:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .._torch_inductor import InductorConfig, inductor_config
-from .kernel_fusion import UnionFind, fuse, phantom_buffers, topological_order
+from .kernel_fusion import UnionFind, fuse, phantom_buffers, seeded_chain, topological_order
 from .kernel_lowering import ALIAS, LOOP_KINDS, SCATTER, GraphOp, Lowering
 
 
@@ -94,7 +94,8 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
     loads = {n: lowering.loads[n] for n in nodes}
     sizes = dict(input_bytes)
     sizes.update((n, by_name[n].nbytes) for n in nodes)
-    sets, ancestors, position = fuse(nodes, by_name, loads, sizes, config)
+    after = seeded_chain(nodes, by_name, config)
+    sets, ancestors, position = fuse(nodes, by_name, loads, sizes, config, after)
     roots = {n: sets.find(n) for n in nodes}
     removed = phantom_buffers(nodes, by_name, loads, roots)
     expanded: dict[str, frozenset[str]] = {}
@@ -108,7 +109,7 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
         return expanded[name]
 
     reads = {n: frozenset().union(*(memory_of(d) for d in loads[n])) for n in nodes}
-    order = topological_order(nodes, sets, loads, lowering.position)
+    order = topological_order(nodes, sets, loads, lowering.position, after)
     rank = {root: k for k, root in enumerate(order)}
     layouts = dict(input_layouts)
     layouts.update((o.name, o.layout) for o in ops)

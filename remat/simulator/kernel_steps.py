@@ -77,6 +77,7 @@ class _Graph:
                 inst, info.kind, self.inputs_of[inst], info.nbytes, info.numel,
                 info.loop_numel, info.heavy, len(mine) + output, info.mutation or output,
                 any(static[u].kind in _CALLS for u in mine), info.inner_reduction, info.layout, info.concat,
+                info.seeded,
             ))
         return ops
 
