@@ -354,3 +354,23 @@ def test_viewability_under_channels_last_matches_torch():
         except RuntimeError:
             viewable = False
         assert _viewable_in_channels_last(shape, target) == viewable, (shape, target)
+
+
+def test_a_buffer_written_in_place_over_a_graph_input_is_never_reused_on_cpu():
+    # Off GPU every graph input is unaligned (``utils.should_assume_input_aligned``), an in-place
+    # output inherits that (``KernelArgs.make_inplace``), and the reuse key holds the alignment:
+    # no fresh (aligned) allocation takes the buffer over, so it is freed at its last reader.
+    def steps(donor_phase):
+        return [
+            step("saved", [("saved", 100)], phase=donor_phase),
+            step("g", [("g", 100)], ["saved"], inplace=(("g", "saved"),)),   # g overwrites saved
+            step("y", [("y", 10)], ["g"], phantom_bytes=50),
+            step("z", [("z", 10)], ["y"]),
+            step("w", [("w", 100)], ["z"]),
+            step("end", [("e", 1)], ["w"]),
+        ]
+    # saved made by the forward: an input of the backward; g is freed after y, not held for w
+    assert simulate_memory(steps("forward")).timeline_bytes == (100, 100, 110, 20, 110, 101)
+    assert simulate_memory(steps("forward"), aligned_inputs=True).timeline_bytes == (100, 100, 110, 120, 110, 101)
+    # saved made by this graph: aligned, so g is held and renamed to w as before
+    assert simulate_memory(steps("backward")).timeline_bytes == (100, 100, 110, 120, 110, 101)

@@ -213,11 +213,18 @@ class KernelFacts:
                                for sid, _ in node.allocs)
         self.tangent_allocs = tuple(alloc for name in facts.order if facts.nodes[name].role == "tangent"
                                     for alloc in facts.nodes[name].allocs)
+        # Inductor takes a graph input as aligned only on a GPU (``utils.should_assume_input_aligned``)
+        self.inputs_aligned = any(node.device not in ("", "cpu") for node in facts.nodes.values())
 
 
 def kernel_kinds(facts: JointGraphFacts) -> Mapping[str, str]:
     """``kernel_kind`` of every node of the graph (with CPU layout copies), worked out once per graph."""
     return {name: info.kind for name, info in kernel_facts_of(facts).static.items()}
+
+
+def graph_inputs_aligned(facts: JointGraphFacts) -> bool:
+    """Whether Inductor counts this graph's inputs as aligned for buffer reuse (on a GPU)."""
+    return kernel_facts_of(facts).inputs_aligned
 
 
 def graph_inductor_config(facts: JointGraphFacts) -> InductorConfig:

@@ -27,7 +27,14 @@ Two Inductor mechanisms change when memory is really returned:
   this adds 40% to the backward's real peak. Storages
   of a step marked ``external`` (the autograd engine's incoming gradients) or
   not ``pooled`` (the tuple outputs of a library call), and storages made by the
-  other graph, are never held.
+  other graph, are never held. Nor, on CPU, is a storage written in place over a
+  graph input (a saved value the backward overwrites), or over such a storage:
+  the reuse key has an alignment bit (``codegen/wrapper.py: buffer_reuse_key``),
+  every graph input is unaligned off GPU (``utils.should_assume_input_aligned``),
+  an in-place output inherits its input's bit (``codegen/common.py:
+  KernelArgs.make_inplace``) and a fresh allocation is aligned, so none takes it
+  over (``aligned_inputs=False``; on the zoo's Llama two 698 kB silu gradients
+  written over saved values were held 120 steps the generated code frees them in).
 
 The simulation is a pure function over plain records, so the planner can run it
 thousands of times and the report can draw its timeline.
@@ -149,10 +156,13 @@ class _ReusePool:
         self.free.clear()
 
 
-def simulate_memory(steps: Sequence[Step], pinned: Iterable[str] = (), *, reuse_freed: bool = True) -> MemorySimulation:
+def simulate_memory(steps: Sequence[Step], pinned: Iterable[str] = (), *, reuse_freed: bool = True,
+                    aligned_inputs: bool = False) -> MemorySimulation:
     """Walk ``steps`` in order; return the peak above baseline and the timeline.
 
-    ``reuse_freed``: model Inductor's ``allow_buffer_reuse`` (its default).
+    ``reuse_freed``: model Inductor's ``allow_buffer_reuse`` (its default). ``aligned_inputs``:
+    graph inputs count as aligned for buffer reuse (a GPU graph's); off, a storage written in
+    place over one is never reused (see the module docstring).
     Guarantees: ``peak_bytes == max(timeline_bytes)`` (0 for no steps); a storage
     is counted from its allocating step through its last reader, and longer only
     while it waits in its graph's reuse pool for the allocation that takes it.
@@ -166,6 +176,7 @@ def simulate_memory(steps: Sequence[Step], pinned: Iterable[str] = (), *, reuse_
     nbytes_of: dict[str, int] = {}
     alive: set[str] = set()
     poolable: set[str] = set()
+    unaligned: set[str] = set()             # written in place over a graph input, or over such a storage
     phase = steps[0].phase if steps else ""
     for index, step in enumerate(steps):
         if pool is not None and step.phase != phase:
@@ -188,13 +199,16 @@ def simulate_memory(steps: Sequence[Step], pinned: Iterable[str] = (), *, reuse_
                 dying.discard(donor)
                 alive.discard(donor)
                 end[donor] = index - 1
+                if not aligned_inputs and (donor in unaligned or steps[start[donor]].phase != step.phase
+                                           or steps[start[donor]].external):
+                    unaligned.add(sid)
             elif pool is not None and step.pooled and not step.external:
                 held = pool.take(nbytes, index, step.phase)
                 if held is not None:        # a freed buffer held until now, renamed
                     end[held] = index - 1
             start[sid], end[sid], nbytes_of[sid] = index, count, nbytes
             alive.add(sid)
-            if step.pooled and not step.external:
+            if step.pooled and not step.external and sid not in unaligned:
                 poolable.add(sid)
         for sid in frees_at.get(index, ()):
             if sid in alive:

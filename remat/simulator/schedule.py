@@ -13,6 +13,7 @@ that was simulated, and ``recompute_time_s`` charges every instance.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import AbstractSet, Iterable, Mapping
 
@@ -22,7 +23,7 @@ from ..passes.mincut import min_cut_saved
 from ..passes.partition import Partition, Scheduled
 from ..passes.recompute_bans import node_positions, recompute_bans
 from ..passes.recompute_bans import why_not_recomputable  # noqa: F401  (the solvers ask it here)
-from .kernel_facts import RECOMPUTE_SUFFIX, graph_inductor_config, kernel_kinds
+from .kernel_facts import RECOMPUTE_SUFFIX, graph_inductor_config, graph_inputs_aligned, kernel_kinds
 from .kernel_lowering import EXTERN, SCATTER
 from .kernel_steps import forward_steps, kernel_steps
 from .memory_timeline import MemorySimulation, Step, simulate_memory
@@ -284,18 +285,19 @@ def simulate_partition(facts: JointGraphFacts, partition: Partition) -> Simulate
     known = facts.analysis.rebuilds
     key = (partition.saved, partition.recomputed)
     reuse = graph_inductor_config(facts).allow_buffer_reuse
+    simulate = functools.partial(simulate_memory, reuse_freed=reuse, aligned_inputs=graph_inputs_aligned(facts))
     fw_order = forward_order(facts, partition)
     if key in known:
         order = backward_order(facts, partition, known[key])
         steps, pinned = kernel_steps(facts, partition, fw_order, order)
-        return Simulated(order, steps, pinned, simulate_memory(steps, pinned, reuse_freed=reuse))
+        return Simulated(order, steps, pinned, simulate(steps, pinned))
     held = backward_order(facts, partition, False)
     rebuilt = backward_order(facts, partition, True)
     forward = forward_steps(facts, partition, fw_order)     # the same for both schedules
     runs = []
     for order in ((held,) if rebuilt == held else (held, rebuilt)):
         steps, pinned = kernel_steps(facts, partition, fw_order, order, forward)
-        runs.append(Simulated(order, steps, pinned, simulate_memory(steps, pinned, reuse_freed=reuse)))
+        runs.append(Simulated(order, steps, pinned, simulate(steps, pinned)))
     rebuild = len(runs) == 2 and runs[1].simulation.peak_bytes < runs[0].simulation.peak_bytes
     if len(known) >= REBUILD_ENTRIES:
         known.clear()
