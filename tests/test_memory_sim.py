@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat.simulator.kernel_lowering import EXTERN, POINTWISE, REDUCTION, GraphOp
+from remat.simulator.kernel_lowering import ALIAS, EXTERN, POINTWISE, REDUCTION, GraphOp
 from remat.simulator.kernel_schedule import schedule_kernels
 from remat.simulator.memory_timeline import Step, _inductor_estimate, _lifetimes, simulate_memory
-from remat.simulator.kernel_facts import RECOMPUTE_SUFFIX
+from remat.simulator.kernel_facts import RECOMPUTE_SUFFIX, kernel_kinds
 from remat.simulator.schedule import memory_steps, partition_nodes, recompute_instance
 
 from joint_graphs import capture_joint
@@ -374,3 +374,18 @@ def test_a_buffer_written_in_place_over_a_graph_input_is_never_reused_on_cpu():
     assert simulate_memory(steps("forward"), aligned_inputs=True).timeline_bytes == (100, 100, 110, 120, 110, 101)
     # saved made by this graph: aligned, so g is held and renamed to w as before
     assert simulate_memory(steps("backward")).timeline_bytes == (100, 100, 110, 120, 110, 101)
+
+
+def test_the_pieces_of_a_split_are_views_not_buffers():
+    # ``lowering.split`` slices its input: a getitem of it is a view (no scheduler node), unlike a
+    # getitem of a multi-output loop (one buffer each). As loops, GPT's q/k/v pieces added three
+    # nodes per recompute region to the horizontal-fusion distance Inductor measures.
+    def f(x, w):
+        q, k, v = (x @ w).split(8, dim=-1)
+        return (q * 2 + k * 3 + v).sum()
+
+    facts = capture_joint(f, torch.randn(16, 8), torch.randn(8, 24, requires_grad=True)).facts()
+    kinds = kernel_kinds(facts)
+    pieces = [n for n in facts.order if facts.nodes[n].is_getitem
+              and facts.nodes[facts.nodes[n].inputs[0]].op.startswith("aten.split")]
+    assert len(pieces) == 3 and {kinds[n] for n in pieces} == {ALIAS}

@@ -49,8 +49,10 @@ def kernel_kind(facts: JointGraphFacts, name: str) -> str:
         source = facts.nodes[node.inputs[0]]
         if not source.is_multi_output:
             return ALIAS
-        # an output of a multi-output call (Inductor's MultiOutput), or one buffer of a multi-output loop
-        return EXTERN if kernel_kind(facts, source.name) in (EXTERN, SCATTER) else REDUCTION
+        # an output of a multi-output call (Inductor's MultiOutput), one buffer of a multi-output loop, or
+        # one view of a view op's tuple (split, unbind: ``lowering.split`` makes slices, no buffer)
+        kind = kernel_kind(facts, source.name)
+        return EXTERN if kind in (EXTERN, SCATTER) else ALIAS if kind == ALIAS else REDUCTION
     if node.is_view:
         return ALIAS
     short = op_short_name(node)
