@@ -53,6 +53,36 @@ def test_replay_counts_allocations_reuse_library_outputs_and_donated_inputs():
     assert replay_wrapper("def f():\n    pass\n", inputs, "cpu") is None
 
 
+LIBRARY_TUPLE = '''
+class Runner:
+    def call(self, args):
+        saved_q, saved_k, tangents_1 = args
+        args.clear()
+        buf0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(tangents_1, saved_q, saved_k, 0.0, True)
+        del saved_q
+        del saved_k
+        buf1 = buf0[0]
+        assert_size_stride(buf1, (256, 1024), (1024, 1), 'torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default')
+        # buffer buf1 (op: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default) is assumed to be not aligned
+        buf2 = buf0[1]
+        assert_size_stride(buf2, (256, 1024), (1024, 1), 'torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default')
+        del buf0
+        return (buf1, buf2, )
+'''
+
+
+def test_a_library_calls_outputs_are_live_with_its_inputs():
+    """The generated code frees a library call's inputs (the ``del``s right after it) before the
+    statements that size its outputs; the call allocated its outputs while its inputs were alive, so
+    the peak holds both: two 1 MiB donated inputs, the 4 KiB gradient and two 1 MiB outputs (read in
+    statement order, the inputs were gone before the outputs were counted: 2 MiB less)."""
+    inputs = {"saved_q": InputStorage("forward:q", MiB, True), "saved_k": InputStorage("forward:k", MiB, True),
+              "tangents_1": InputStorage("t", 4096, True)}
+    replay = replay_wrapper(LIBRARY_TUPLE, inputs, "cpu")
+    assert replay.peak_bytes == 4 * MiB + 4096
+    assert replay.end_bytes == 2 * MiB + 4096
+
+
 FORWARD = '''
 class Runner:
     def call(self, args):
