@@ -106,7 +106,9 @@ import remat  # noqa: E402
 from conftest import assert_grads_close  # noqa: E402
 
 B, T, D, H, V = 4, 32, 32, 4, 64
-BUDGET_70_GB = 0.00046      # about 70% of plain Inductor's measured peak (656,908 B) on this model
+ABOVE_SMALLEST = 1.1        # "between": 10% above the smallest budget the simulator names (a plan with slack,
+                            # not the smallest; it was a fixed 0.00046 GB, ~70% of plain Inductor's measured
+                            # 656,908 B, until the kernel model's CPU-cat rule put the floor above it)
 TOO_SMALL_GB = 0.0002       # below the smallest feasible budget: the error names the one to retry with
 
 
@@ -189,9 +191,9 @@ def _smallest_budget_gb(variant: dict, fallback_random: bool) -> float:
 
 VARIANTS = {"issue15": {}, "no-dropout": {"dropout": 0.0}, "no-rescale": {"rescale": False},
             "no-repeat": {"repeat": False}}
-CASES = [("issue15", True, None), ("issue15", True, BUDGET_70_GB), ("issue15", True, "smallest"),
-         ("issue15", False, BUDGET_70_GB), ("issue15", False, "smallest"),
-         ("no-dropout", True, BUDGET_70_GB), ("no-rescale", True, BUDGET_70_GB), ("no-repeat", True, BUDGET_70_GB)]
+CASES = [("issue15", True, None), ("issue15", True, "between"), ("issue15", True, "smallest"),
+         ("issue15", False, "between"), ("issue15", False, "smallest"),
+         ("no-dropout", True, "between"), ("no-rescale", True, "between"), ("no-repeat", True, "between")]
 
 
 @pytest.fixture(scope="module")
@@ -208,10 +210,10 @@ def plain_inductor():
 @pytest.mark.e2e
 @pytest.mark.parametrize("name,fallback_random,budget_gb", CASES)
 def test_issue15_gradients_equal_plain_inductors(plain_inductor, name, fallback_random, budget_gb):
-    if budget_gb == "smallest":
-        budget_gb = _smallest_budget_gb(VARIANTS[name], fallback_random)
-    # the plans of issue 15 as the simulator makes them: Inductor's check (remat/inductor_check.py)
-    # names 0.00046 GB infeasible on this model (its plans there measure over it)
+    if budget_gb in ("smallest", "between"):
+        budget_gb = _smallest_budget_gb(VARIANTS[name], fallback_random) * (ABOVE_SMALLEST if budget_gb == "between" else 1)
+    # the plans of issue 15 as the simulator makes them (Inductor's check, remat/inductor_check.py, off:
+    # it names higher budgets on this model, where these plans measure over)
     loss, grads = _run(VARIANTS[name], remat.backend(budget_gb=budget_gb, inductor_check=False), fallback_random)
     plain_loss, plain_grads = plain_inductor(name, fallback_random)
     assert loss == plain_loss
