@@ -16,13 +16,13 @@ schedule. The stages, each a module:
   Inductor's CPU backend allocates for one compiled graph, and when;
 - ``memory_timeline``: the live bytes along the steps, with Inductor's in-place and buffer
   reuse (``simulate_memory``);
-- ``evaluation``: ``evaluate`` itself.
+- ``evaluation``: ``evaluate`` itself, and ``partition_of`` (what a saved set saves, unsimulated).
 
 Every stage is a pure function of the joint graph's facts and the saved set; what is worked
 out once per graph is kept in the facts' ``GraphAnalysis``, never in a module.
 """
 
-from .evaluation import Evaluated, evaluate
+from .evaluation import Evaluated, evaluate, partition_of
 from .memory_timeline import MemorySimulation, Step
 
-__all__ = ["Evaluated", "MemorySimulation", "Step", "evaluate"]
+__all__ = ["Evaluated", "MemorySimulation", "Step", "evaluate", "partition_of"]

@@ -35,6 +35,13 @@ class Evaluated:
         return self.simulation.peak_bytes
 
 
+def partition_of(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> tuple[frozenset[str], Partition]:
+    """The saved set as ``evaluate`` normalises it, and its partition, without simulating it: what
+    the plan saves (``Partition.saved``), for a fraction of a millisecond where a simulation takes tens."""
+    chosen = frozenset(one_value_per_storage(facts, chosen_saved) or chosen_saved)
+    return chosen, schedule.partition_nodes(facts, chosen)
+
+
 def evaluate(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Evaluated:
     """Partition, steps, simulated peak and estimated recompute time of saving ``chosen_saved``.
 
@@ -42,8 +49,7 @@ def evaluate(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Evaluate
     storage's owner (``shared_storage.one_value_per_storage``, the rule ``partition_nodes``
     applies): a solver that then stops saving the owner frees the storage, where dropping one
     of two aliases would change nothing."""
-    chosen = frozenset(one_value_per_storage(facts, chosen_saved) or chosen_saved)
-    partition = schedule.partition_nodes(facts, chosen)
+    chosen, partition = partition_of(facts, chosen_saved)
     run = schedule.simulate_partition(facts, partition)
     extra = schedule.recompute_time_of(facts, run.order)
     return Evaluated(chosen, partition, run.simulation, extra, tuple(run.steps), frozenset(run.pinned))
