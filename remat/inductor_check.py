@@ -40,18 +40,11 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from .passes.joint_graph import gradless_tangents_of
+from .wrapper_text import (ALLOC, ASSERT_SIZE, ASSIGN, DEL, ELEMENT, VIEW, call_body, ints_or_none, library_calls_in,
+                           library_outputs_before_frees, returned_values)
 
 CUDA_BLOCK_BYTES = 512       # the CUDA caching allocator rounds every block up to this
 
-_ALLOC = re.compile(r"^(\w+) = empty_strided_(\w+)\(\(([^)]*)\), \(([^)]*)\), torch\.(\w+)")
-_VIEW = re.compile(r"^(\w+) = (?:reinterpret_tensor\()?(\w+)(?:$|,|\))")
-_ASSIGN = re.compile(r"^(\w+) = (.+)$")
-_ASSERT = re.compile(r"^assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)(?:, '(?:torch\.ops\.)?([\w.]+)')?")
-_DEL = re.compile(r"^del ([\w, ]+)$")
-_ELEMENT = re.compile(r"^(\w+)\[\d+\]$")
-_ELEMENT_OF = re.compile(r"^\w+ = \w+\[\d+\]$")
-_LIBRARY_RESULT = re.compile(r"^\w+ = (?:torch\.ops\.|extern_kernels\.|aten\.)")
-_LIBRARY_CALL = re.compile(r"\b(?:extern_kernels|torch\.ops\.\w+|aten)\.(\w+)\(|\b(?:torch\.ops\.\w+|aten)\.(\w+)\.\w+\(")
 # Library calls that write into buffers the generated code allocated (``out=``) and allocate nothing the
 # step's measurement sees: the matrix products and the RNG seed draw. On the CPU corpus no checked plan
 # measured above its checked peak (beyond the loss's 8 bytes) unless its graphs called others: oneDNN
@@ -133,38 +126,6 @@ class CheckedPeak:
     library_calls: frozenset[str] = frozenset()
 
 
-def call_body(source_code: str) -> Optional[list[str]]:
-    """The statements of the wrapper's ``call`` (stripped, comments dropped, ``;`` split), or
-    None when the module has no single ``call`` whose allocations it holds itself (graph
-    partitions run their buffers in other functions)."""
-    lines = source_code.splitlines()
-    start = next((i for i, line in enumerate(lines) if re.match(r"^\s*def call\((self, )?args\):", line)), None)
-    if start is None:
-        return None
-    indent = len(lines[start]) - len(lines[start].lstrip())
-    body: list[str] = []
-    for line in lines[start + 1:]:
-        if line.strip() and len(line) - len(line.lstrip()) <= indent:
-            break
-        code = line.split("#", 1)[0].strip()
-        if "self.partitions[" in code or "partitions[" in code:
-            return None
-        body.extend(part.strip() for part in code.split(";") if part.strip())
-    return body
-
-
-def library_calls(source_code: str) -> frozenset[str]:
-    """The library calls a generated wrapper's ``call`` makes, by op name (``extern_kernels.addmm(`` ->
-    "addmm", ``torch.ops.aten.convolution_backward.default(`` -> "convolution_backward"); empty when the
-    code has no readable ``call``. Inductor's own kernels are not library calls: their buffers are all
-    in the code. (``replay_wrapper`` reports the same set for the code it replays.)"""
-    return _library_calls(call_body(source_code) or [])
-
-
-def _library_calls(body: Sequence[str]) -> frozenset[str]:
-    return frozenset(a or b for statement in body for a, b in _LIBRARY_CALL.findall(statement))
-
-
 def trusted_peak_bytes(checked: Optional["CheckedPeak"], simulated_peak_bytes: int) -> Optional[int]:
     """The checked peak a verdict may rest on. The check can always raise the number (its code peaks
     above the simulator's figure); it may lower it only where it sees every allocation, i.e. the graphs
@@ -177,13 +138,6 @@ def trusted_peak_bytes(checked: Optional["CheckedPeak"], simulated_peak_bytes: i
     return None
 
 
-def _ints(text: str) -> Optional[list[int]]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        return None     # a symbolic size
-
-
 def storage_nbytes(shape: Sequence[int], stride: Sequence[int], itemsize: int, device_type: str) -> int:
     """The bytes an ``empty_strided`` of this shape and stride allocates on ``device_type``."""
     if any(size == 0 for size in shape):
@@ -194,28 +148,6 @@ def storage_nbytes(shape: Sequence[int], stride: Sequence[int], itemsize: int, d
     if device_type == "cuda" and nbytes:
         nbytes = -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
     return nbytes
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, ""
-    for char in text:
-        depth += char in "(["
-        depth -= char in ")]"
-        if char == "," and depth == 0:
-            parts.append(current.strip())
-            current = ""
-        else:
-            current += char
-    if current.strip():
-        parts.append(current.strip())
-    return parts
-
-
-def _returned(statement: str) -> list[str]:
-    inner = statement[len("return"):].strip()
-    if inner[:1] in "([" and inner[-1:] in ")]":
-        inner = inner[1:-1]
-    return _split_top_level(inner)
 
 
 class _Live:
@@ -283,15 +215,15 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
     tuple_elements: set[str] = set()
     element_index: dict[str, int] = {}           # a tuple element's index in its library call's tuple
     start_bytes = state.live
-    for statement in _library_outputs_before_frees(body):
-        if (match := _ALLOC.match(statement)):
+    for statement in library_outputs_before_frees(body):
+        if (match := ALLOC.match(statement)):
             name, _, shape, stride, dtype = match.groups()
-            sizes, steps = _ints(shape), _ints(stride)
+            sizes, steps = ints_or_none(shape), ints_or_none(stride)
             if sizes is None or steps is None or not hasattr(torch, dtype):
                 return None
             state.allocate(name, storage_nbytes(sizes, steps, getattr(torch, dtype).itemsize, device_type))
-        elif (match := _ASSERT.match(statement)) and match.group(1) in pending:
-            name, sizes, steps = match.group(1), _ints(match.group(2)), _ints(match.group(3))
+        elif (match := ASSERT_SIZE.match(statement)) and match.group(1) in pending:
+            name, sizes, steps = match.group(1), ints_or_none(match.group(2)), ints_or_none(match.group(3))
             if sizes is None or steps is None:
                 return None
             pending.discard(name)
@@ -299,15 +231,15 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
             if itemsize is not None:
                 tuple_elements.discard(name)     # its dtype is known after all
             state.allocate(name, storage_nbytes(sizes, steps, itemsize or fallback_itemsize, device_type))
-        elif (match := _DEL.match(statement)):
+        elif (match := DEL.match(statement)):
             for name in match.group(1).split(","):
                 state.unbind(name.strip())
         elif statement.startswith("return"):
-            outputs = tuple(_output_storage(state, value) for value in _returned(statement))
+            outputs = tuple(_output_storage(state, value) for value in returned_values(statement))
             break
-        elif (match := _VIEW.match(statement)) and match.group(2) in state.root:
+        elif (match := VIEW.match(statement)) and match.group(2) in state.root:
             state.bind(match.group(1), state.root[match.group(2)])
-        elif (match := _ASSIGN.match(statement)) and match.group(2) in pending:
+        elif (match := ASSIGN.match(statement)) and match.group(2) in pending:
             # another name for a library call's result not sized yet (``buf6 = buf5``, then the assert on buf6)
             state.unbind(match.group(1))
             pending.discard(match.group(2))
@@ -317,11 +249,11 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
                 tuple_elements.add(match.group(1))
             if match.group(2) in element_index:
                 element_index[match.group(1)] = element_index.pop(match.group(2))
-        elif (match := _ASSIGN.match(statement)) and not match.group(2).startswith(("reinterpret_tensor(", "empty_strided")):
+        elif (match := ASSIGN.match(statement)) and not match.group(2).startswith(("reinterpret_tensor(", "empty_strided")):
             # a library call's result: sized by the assert_size_stride that follows it, if any
             state.unbind(match.group(1))
             pending.add(match.group(1))
-            if (element := _ELEMENT.match(match.group(2))) and element.group(1) in pending:
+            if (element := ELEMENT.match(match.group(2))) and element.group(1) in pending:
                 tuple_elements.add(match.group(1))
                 element_index[match.group(1)] = int(match.group(2)[len(element.group(1)) + 1:-1])
     # a pending name that is only indexed (``buf3[0]``) is a library call's tuple, not a tensor; an
@@ -330,31 +262,7 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
     unsized = sorted({name for name in pending if not any(f"= {name}[" in statement for statement in body)}
                      | tuple_elements)
     return WrapperReplay(start_bytes, state.peak, state.live, outputs, dict(state.nbytes), tuple(unsized),
-                         _library_calls(body))
-
-
-def _library_outputs_before_frees(body: Sequence[str]) -> list[str]:
-    """``body`` with the ``del``s that follow a library call moved after the statements that size its
-    outputs (``bufN = bufM[i]``, ``assert_size_stride``): the call allocates its outputs while its
-    inputs are alive, but the wrapper frees the inputs before it asserts the outputs' sizes, and a
-    replay in statement order would count the two apart (on the zoo Llama, SDPA-backward's q, k, v,
-    output and logsumexp: 1.06 MB under the step's peak)."""
-    ordered: list[str] = []
-    held: list[str] = []
-    after_call = False
-    for statement in body:
-        if after_call and _DEL.match(statement):
-            held.append(statement)
-            continue
-        if after_call and (_ASSERT.match(statement) or _ELEMENT_OF.match(statement)
-                           or statement.startswith("assert_alignment(")):
-            ordered.append(statement)
-            continue
-        ordered.extend(held)
-        held.clear()
-        ordered.append(statement)
-        after_call = bool(_LIBRARY_RESULT.match(statement))
-    return ordered + held
+                         library_calls_in(body))
 
 
 def _output_storage(state: _Live, value: str) -> Optional[str]:

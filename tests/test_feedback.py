@@ -401,7 +401,9 @@ def test_an_infeasible_corrected_target_names_a_budget_that_then_fits(scaled_sim
     torch._dynamo.reset()
     model, inputs = make_mlp()
     with pytest.raises(remat.BudgetInfeasibleError) as probe:
-        run_step(torch.compile(model, backend=remat.backend(1e-6, verify_peak=0)), model, inputs)
+        # the simulator's own figure (with Inductor's check on, the refusal names the budget its check
+        # of the code holds, and the loop below is never needed)
+        run_step(torch.compile(model, backend=remat.backend(1e-6, verify_peak=0, inductor_check=False)), model, inputs)
     budget_gb = budget_to_pass_gb(probe.value)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

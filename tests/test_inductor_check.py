@@ -427,7 +427,8 @@ def test_the_check_lowers_a_plans_number_only_where_it_sees_every_allocation():
     """The library calls of a wrapper are read from its code. A checked peak under the simulated one is
     trusted only when every library call is one that allocates nothing unseen (matrix products, the
     RNG seed draw); above the simulated one it always counts."""
-    from remat.inductor_check import CheckedPeak, library_calls, trusted_peak_bytes
+    from remat.inductor_check import CheckedPeak, trusted_peak_bytes
+    from remat.wrapper_text import library_calls
 
     assert library_calls(BACKWARD) == {"convolution"}
     assert library_calls(TUPLE_CALL) == {"max_pool2d_with_indices"}
