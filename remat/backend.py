@@ -33,10 +33,11 @@ from .compiled_graph import CompiledGraph
 from .devices import device_of, free_device_bytes
 from .distributed import GraphShare, StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
+from .distributed_errors import ShareInfeasibleError
 from .errors import BudgetInfeasibleError
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
-from .inductor_verdict import Refusal
+from .inductor_verdict import refusal_for
 from .judge_loop import judge_compiled
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.plan import Plan
@@ -203,15 +204,19 @@ class RematBackend:
         return judge_compiled(fn, capture, device_of(args).type, self.options.outputs_held, self.compiled_graphs,
                               recompile, compile_candidate)
 
-    def _check_may_overrule(self, share: Optional[GraphShare], joint: fx.GraphModule, joint_inputs: Sequence[object]) -> bool:
-        """Whether a budget the simulator refused goes to Inductor's check first (the smallest-peak plan
-        is compiled and judged in ``__call__``): the check is on, the graph is alone in its step with
-        static shapes (the graphs ``_judged`` judges), it is not a re-plan (whose refusal the re-planning
-        caller handles) and the user did not ask for best effort."""
+    def _check_may_overrule(self, share: Optional[GraphShare], joint: fx.GraphModule, joint_inputs: Sequence[object],
+                            error: BudgetInfeasibleError) -> bool:
+        """Whether a budget the simulator refused goes to Inductor's check first (the plan the refusal
+        rests on is compiled and judged in ``__call__``, or by the re-planning caller): the check is on,
+        the user did not ask for best effort, shapes are static (the graphs ``_judged`` judges), and
+        either the graph is alone in its step and this is not a re-plan (whose refusal the re-planning
+        caller handles), or it shares a step at graph breaks and the refusal names the plan it rests on
+        (``ShareInfeasibleError``: the budget named is then read off that plan's generated code)."""
+        shared = share is not None and share.kind == "break" and isinstance(error, ShareInfeasibleError)
         return (self.options.inductor_check and self.options.budget_bytes is not None and not self.options.best_effort
-                and share is None and not _has_symbolic_shapes(joint_inputs)
+                and not _has_symbolic_shapes(joint_inputs)
                 and not _has_symbolic_shapes([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])
-                and getattr(self._replan, "correction", None) is None)
+                and (shared or (share is None and getattr(self._replan, "correction", None) is None)))
 
     def _remember(self, key: str, correction: Correction) -> Optional[str]:
         self._corrections[key] = correction
@@ -283,16 +288,21 @@ class RematBackend:
                     self.options.budget_bytes, request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at, held_of)
         except BudgetInfeasibleError as error:
             candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
-            if correction is not None and candidate != FREE_MINCUT_CANDIDATE:
+            if correction is not None and correction.factor != 1.0 and candidate != FREE_MINCUT_CANDIDATE:
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
                               f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "
                               f"{correction.factor:.3f}x ({correction.source}).",) + error.args[1:]
-            if candidate is None and not self._check_may_overrule(share, joint, joint_inputs):
+            if candidate is None and not self._check_may_overrule(share, joint, joint_inputs, error):
                 raise passthrough_error_class(BudgetInfeasibleError)(error) from None
-            refusal = Refusal(error, lambda b: self.options.planning_target_for(b, device_type, modeled))
-            plan = free_mincut_candidate(facts, request) if candidate == FREE_MINCUT_CANDIDATE else plan_at(
-                target_bytes, best_effort=True)
+            if candidate == FREE_MINCUT_CANDIDATE:
+                plan = free_mincut_candidate(facts, request)
+            elif isinstance(error, ShareInfeasibleError):
+                plan = error.named_plan       # the plan the named budget rests on
+            else:
+                plan = plan_at(target_bytes, best_effort=True)
+            refusal = refusal_for(error, plan, share, held_of,
+                                  lambda b: self.options.planning_target_for(b, device_type, modeled), self.options.budget_bytes)
         if not plan.fits_budget and refusal is None:
             warnings.warn(
                 f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the "

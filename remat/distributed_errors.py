@@ -1,10 +1,11 @@
 """A graph's infeasible budget restated for the whole distributed step: the smallest per-rank budget
 whose share for that graph holds the smallest peak the planner reached (``restate_infeasible``), and
-the budget that gives a step target (``budget_for_step_target``)."""
+the budget that gives a step target (``budget_for_step_target``), and the refusal of a graph's share
+of a step at graph breaks with the plan its named budget rests on (``ShareInfeasibleError``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .options import smallest_budget_bytes
@@ -12,6 +13,20 @@ from .units import format_bytes, format_gb_up
 
 if TYPE_CHECKING:
     from .distributed import GraphShare
+
+
+class ShareInfeasibleError(BudgetInfeasibleError):
+    """No plan is admitted under a graph's share of the step at graph breaks (kind "break"): the
+    error the user sees, plus ``named_plan``, the plan of the near-smallest candidates whose
+    admission the named budget rests on, and ``named_held_bytes``, what it holds for its backward.
+    The backend compiles that plan so Inductor's check can name the budget from its generated
+    code's peak instead of the simulated one (``inductor_verdict.named_budget_after_check``)."""
+
+    def __init__(self, error: BudgetInfeasibleError, named_plan: Any, named_held_bytes: int) -> None:
+        super().__init__(str(error), budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes,
+                         min_budget_bytes=error.min_budget_bytes, reasons=error.reasons)
+        self.named_plan = named_plan
+        self.named_held_bytes = named_held_bytes
 
 
 def budget_for_step_target(step_target_bytes: int, target_for_budget: Callable[[int], int]) -> int:
@@ -47,4 +62,4 @@ def restate_infeasible(error: BudgetInfeasibleError, share: Optional["GraphShare
                                  reasons=error.reasons)
 
 
-__all__ = ["budget_for_step_target", "restate_infeasible"]
+__all__ = ["ShareInfeasibleError", "budget_for_step_target", "restate_infeasible"]

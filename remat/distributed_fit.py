@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .distributed import LOSS_OUTPUT_COPIES, GraphShare, LedgerEntry, StepLedger, piece_target, write_share_to_dump
-from .distributed_errors import budget_for_step_target, restate_infeasible
+from .distributed_errors import ShareInfeasibleError, budget_for_step_target, restate_infeasible
 from .distributed_record import DistributedGraphRecord, collectives_of
 from .distributed_search import (  # noqa: F401 - FIT_ROUNDS, REPLAY_STEP: the search's constants, read by tests
     FIT_ROUNDS, REPLAY_STEP, NoPlan, Replay, fit_share, named_peak, refit_of, remembered, step_target_admitting,
@@ -184,8 +184,10 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     try:
         plan, fitted = fit_share(share, held_of, plan_at, plan_capped)
     except NoPlan as refused:
-        error = _infeasible(refused.error, share, refused.candidates, held_of, budget_bytes, target_for_budget,
-                            loose=refused.loose)
+        error, named = _infeasible(refused.error, share, refused.candidates, held_of, budget_bytes, target_for_budget,
+                                   loose=refused.loose)
+        if share.kind == "break" and named is not None:   # the backend has Inductor check the plan named
+            raise ShareInfeasibleError(error, named, held_of(named)) from None
         if ledger is None or share.kind != "ddp":
             raise error from None
         replay = Replay(ledger.refits_before(share.index), share, held_of, plan_at, plan_capped, target_for_budget)
@@ -197,16 +199,17 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
 
 def _infeasible(error: BudgetInfeasibleError, share: GraphShare, candidates: "list[tuple[int, Any]]",
                 held_of: "Callable[[Any], int]", budget_bytes: int, target_for_budget: "Callable[[int], int]",
-                loose: bool = False) -> BudgetInfeasibleError:
+                loose: bool = False) -> tuple[BudgetInfeasibleError, Optional[Any]]:
     """The error for a graph no plan fits under this budget: the smallest per-rank budget at
     which one of ``candidates`` (plans near the smallest peak) is admitted, counting what it
     holds as well as its peak (a budget named from the peak alone is too small when the graph
-    runs several times per step, or when what it holds squeezes the later pieces)."""
+    runs several times per step, or when what it holds squeezes the later pieces); and that
+    candidate (None when there were none and the name comes from the peak alone)."""
     if not candidates:  # nothing planned near the named peak: name it from the peak alone
-        return restate_infeasible(error, share, budget_bytes, target_for_budget, loose=loose)
-    needs = [(step_target_admitting(share, held_of(c), c.predicted_peak_bytes), held_of(c), c.predicted_peak_bytes)
-             for _, c in candidates]
-    step, held, peak = min(needs)
+        return restate_infeasible(error, share, budget_bytes, target_for_budget, loose=loose), None
+    needs = [(step_target_admitting(share, held_of(c), c.predicted_peak_bytes), held_of(c), c.predicted_peak_bytes, i)
+             for i, (_, c) in enumerate(candidates)]
+    step, held, peak, position = min(needs)
     minimum = budget_for_step_target(step, target_for_budget)
     message = (
         f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_gb_up(minimum)} GB "
@@ -217,7 +220,7 @@ def _infeasible(error: BudgetInfeasibleError, share: GraphShare, candidates: "li
         + ". " + raise_budget_hint(minimum)
     )
     return BudgetInfeasibleError(message, budget_bytes=budget_bytes, min_feasible_bytes=peak, min_budget_bytes=minimum,
-                                 reasons=error.reasons)
+                                 reasons=error.reasons), candidates[position][1]
 
 
 def calibrate_reserve(share: GraphShare, plan_at: "Callable[[int], Any]", budget_bytes: int,

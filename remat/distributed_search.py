@@ -318,6 +318,24 @@ def step_target_admitting(share: GraphShare, held: int, peak: int) -> int:
     return high
 
 
+def peak_limit_bytes(share: GraphShare, held_bytes: int) -> int:
+    """The largest peak at which ``share`` admits a plan holding ``held_bytes`` (admission only
+    gets stricter as the peak grows: a bisection finds it); -1 when no peak is admitted. The target
+    Inductor's check judges a graph of a step against: its checked peak must be at or under it."""
+    if not share.admits(held_bytes, 0):
+        return -1
+    low, high = 0, max(share.step_target_bytes, 1)
+    if share.admits(held_bytes, high):
+        return high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if share.admits(held_bytes, middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 def named_peak(error: BudgetInfeasibleError) -> int:
     """The smallest simulated peak the planner reached (its error's ``min_feasible_bytes``)."""
     return error.min_feasible_bytes

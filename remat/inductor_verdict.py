@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from .distributed import GraphShare
 
 @dataclass(frozen=True)
 class Judgement:
@@ -71,11 +74,32 @@ class Refusal:
     """The simulator refused a budget, and Inductor has the last word: the smallest-peak plan is
     compiled and checked before the refusal stands (``overrule_refusal``).
 
-    ``error``: the simulator's ``BudgetInfeasibleError``; ``target_for(budget_bytes)``: the planning
-    target the backend gives a budget (the rule the error's named budget comes from)."""
+    ``error``: the simulator's ``BudgetInfeasibleError``; ``target_for(budget_bytes)``: the largest
+    peak (real bytes) the plan compiled for the refusal may have at a budget (the rule the error's
+    named budget comes from: the budget less headroom for a graph alone in its step; for a graph
+    sharing a step at graph breaks, the largest peak its share of that budget's step target admits
+    next to what the plan holds, ``distributed_search.peak_limit_bytes``); ``target_bytes``: that
+    peak at the budget refused, the number the plan's checked peak is judged against."""
 
     error: Exception
     target_for: Callable[[int], int]
+    target_bytes: int
+
+
+def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held_of: Callable[[Any], int],
+                target_for_budget: Callable[[int], int], budget_bytes: int) -> Refusal:
+    """The refusal of ``budget_bytes`` whose plan ``plan`` is compiled for Inductor's check.
+    ``target_for_budget``: the backend's planning target of a budget (the budget less headroom).
+    A graph alone in its step is judged against that target; one sharing a step at graph breaks
+    (``share`` of kind "break") against the largest peak its share admits next to what ``plan``
+    holds (``held_of``), at the budget refused and at any budget named (``peak_limit_bytes``)."""
+    if share is None or share.kind != "break":
+        return Refusal(error, target_for_budget, target_for_budget(budget_bytes))
+    from .distributed_search import peak_limit_bytes
+
+    held = held_of(plan)
+    limit = lambda b: peak_limit_bytes(share.at(target_for_budget(b)), held)  # noqa: E731
+    return Refusal(error, limit, limit(budget_bytes))
 
 
 def overrule_refusal(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], target_bytes: int,

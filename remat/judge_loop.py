@@ -50,7 +50,9 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     target is compiled (``recompile(correction, graph_key, SMALLEST_PEAK_CANDIDATE)``, a record with
     a refusal) and judged as a refused budget is, which accepts it or a candidate that checks under
     the target, or raises ``BudgetInfeasibleError`` naming the budget the lowest-checked plan fits.
-    A budget the simulator refused is judged by ``overrule_or_refuse`` (with ``compile_candidate``)."""
+    A budget the simulator refused is judged by ``overrule_or_refuse`` (with ``compile_candidate``, except
+    for a graph sharing a step at graph breaks: its refusal's plan is the one the share's named budget
+    rests on, judged against the largest peak the share admits, ``inductor_verdict.refusal_for``)."""
     rejected: tuple[Judgement, ...] = ()
     for round_ in itertools.count():
         record = compiled_graphs.pop()
@@ -59,8 +61,10 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         compiled_graphs.append(record)
         checked = checked_peak_of(capture.graphs, device_type, outputs_held)
         if record.refusal is not None:
+            # A graph sharing a step has no free min-cut candidate: compiling it repeats the share's search
+            # (minutes on GPT-2's body under load), and what min-cut saves is what a share rarely admits.
             return overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
-                                      None if compile_candidate is None else
+                                      None if compile_candidate is None or record.step_share is not None else
                                       lambda: _checked_candidate(compile_candidate, record.graph_key, record.graph_id,
                                                                  device_type, outputs_held), rejected)
         verdict = judge_plan(record.plan.predicted_peak_bytes, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
@@ -119,11 +123,11 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     (``inductor_verdict.named_budget_after_check``). ``rejected``: the verdicts on
     plans judged before this refusal (a corrected re-plan the simulator refused), kept in the verdict."""
     record = compiled_graphs[-1]
-    assert record.refusal is not None and record.base_target_bytes is not None
-    error = record.refusal.error
+    assert record.refusal is not None
+    error, target_bytes = record.refusal.error, record.refusal.target_bytes
     assert isinstance(error, BudgetInfeasibleError)
     verdict = dataclasses.replace(overrule_refusal(record.plan.predicted_peak_bytes, checked_peak_bytes,
-                                                   record.base_target_bytes, error.budget_bytes, record.graph_id),
+                                                   target_bytes, error.budget_bytes, record.graph_id),
                                   rejected=rejected)
     compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
     annotate_dump(record.dump_path, verdict)
@@ -133,13 +137,14 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
         return fn
     compiled_graphs.pop()
     log.info("remat %s: the simulator's refusal stands on Inductor's check (simulated %d bytes, checked %s, "
-             "target %d)", record.graph_id, record.plan.predicted_peak_bytes, checked_peak_bytes, record.base_target_bytes)
+             "target %d)", record.graph_id, record.plan.predicted_peak_bytes, checked_peak_bytes, target_bytes)
     smallest = record
     if candidate is not None:
         candidate_fn, other_checked = candidate()
         other = compiled_graphs[-1]
         candidate_checked = trusted_peak_bytes(other_checked, other.plan.predicted_peak_bytes)
-        other_verdict = overrule_refusal(other.plan.predicted_peak_bytes, candidate_checked, record.base_target_bytes,
+        assert other.refusal is not None   # the candidate's own admission: what it holds may differ
+        other_verdict = overrule_refusal(other.plan.predicted_peak_bytes, candidate_checked, other.refusal.target_bytes,
                                          error.budget_bytes, other.graph_id)
         if other_verdict.action != "refused":
             other_verdict = dataclasses.replace(
@@ -160,7 +165,8 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
             f"budget {format_bytes(error.budget_bytes)} is below the smallest feasible budget "
             f"{format_gb_up(named)} GB: the lowest-checked plan's generated code peaks at {checked_peak_bytes:,} "
             f"bytes as Inductor compiled it (the simulator predicted {record.plan.predicted_peak_bytes:,}), "
-            f"over the planning target of {record.base_target_bytes:,} bytes (the budget less headroom). "
+            f"over the planning target of {record.refusal.target_bytes:,} bytes (the budget less headroom"
+            + (", less what the rest of the step needs next to it" if record.step_share is not None else "") + "). "
             f"Of the smallest-peak plan's simulated {smallest.plan.predicted_peak_bytes:,} bytes, " + "; ".join(error.reasons) + ". "
             + raise_budget_hint(named), budget_bytes=error.budget_bytes, min_feasible_bytes=checked_peak_bytes,
             min_budget_bytes=named, reasons=error.reasons)

@@ -1,0 +1,97 @@
+"""A graph's share of a step at graph breaks that no plan meets: the refusal carries the plan its
+named budget rests on (``distributed_errors.ShareInfeasibleError``), the backend compiles that plan,
+and Inductor's check names the budget from its generated code (``inductor_verdict.refusal_for``,
+``judge_loop.overrule_or_refuse``). Before, the name came from the simulated peak of a plan never
+compiled, and on Hugging Face GPT-2 the budget named was refused once more (its code peaked 5% above
+the simulated figure). Pure bookkeeping on shares and fake plans, no compile."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from remat.compiled_graph import CompiledGraph
+from remat.distributed import piece_target
+from remat.distributed_errors import ShareInfeasibleError
+from remat.distributed_fit import fit_plan
+from remat.distributed_search import peak_limit_bytes
+from remat.errors import BudgetInfeasibleError
+from remat.inductor_verdict import named_budget_after_check, refusal_for
+from remat.judge_loop import overrule_or_refuse
+
+MB = 1_000_000
+
+
+def _headroom(budget_bytes: int) -> int:
+    """A backend's planning target: the budget less 5%."""
+    return budget_bytes * 95 // 100
+
+
+def _share(step_target_bytes: int):
+    """The second graph of a step: 1 MB held by the first graph while it runs, 0.5 MB of inputs."""
+    return piece_target(step_target_bytes=step_target_bytes, index=1, needs=(1, 1), held_before_bytes=MB,
+                        input_activation_bytes=MB // 2, total_grad_bytes=0, grads_so_far_bytes=0, kind="break")
+
+
+def _plan_at(target: int, saved_cap_bytes=None):
+    """Nothing peaks under 3 MB; the plans near it peak at their target and hold 0.4 MB."""
+    if target < 3 * MB:
+        raise BudgetInfeasibleError("no plan", budget_bytes=target, min_feasible_bytes=3 * MB, min_budget_bytes=3 * MB,
+                                    reasons=("saved activations",))
+    return SimpleNamespace(predicted_peak_bytes=target, held=400_000, saved_bytes=400_000)
+
+
+def _refused(budget_bytes: int) -> ShareInfeasibleError:
+    with pytest.raises(ShareInfeasibleError) as info:
+        fit_plan(_share(_headroom(budget_bytes)), lambda p: p.held, _plan_at, budget_bytes=budget_bytes,
+                 target_for_budget=_headroom, calibrate=False)
+    return info.value
+
+
+def test_a_refused_share_names_the_plan_its_budget_rests_on() -> None:
+    error = _refused(4 * MB)
+    assert isinstance(error, BudgetInfeasibleError) and error.named_held_bytes == 400_000
+    assert error.named_plan.predicted_peak_bytes == 3 * MB      # the smallest-peak candidate
+    # retried at the budget named, the same plan is admitted by the same rule
+    assert _share(_headroom(error.min_budget_bytes)).admits(400_000, 3 * MB)
+    assert not _share(_headroom(error.min_budget_bytes - 1)).admits(400_000, 3 * MB)
+
+
+def test_the_named_budget_follows_the_checked_peak_of_that_plan() -> None:
+    error = _refused(4 * MB)
+    refusal = refusal_for(error, error.named_plan, _share(_headroom(4 * MB)), lambda p: p.held, _headroom, 4 * MB)
+    # the target the check judges against: the largest peak the share admits next to what the plan holds
+    assert refusal.target_bytes == peak_limit_bytes(_share(_headroom(4 * MB)), 400_000)
+    assert _share(_headroom(4 * MB)).admits(400_000, refusal.target_bytes)
+    assert not _share(_headroom(4 * MB)).admits(400_000, refusal.target_bytes + 1)
+    # the plan's code peaks 5% above its simulated 3 MB (as GPT-2's body did): the name is the
+    # smallest budget whose share admits the checked peak, above the simulator's name
+    checked = 3_150_000
+    named = named_budget_after_check(refusal, checked)
+    assert named > error.min_budget_bytes
+    assert _share(_headroom(named)).admits(400_000, checked)
+    assert not _share(_headroom(named - 1)).admits(400_000, checked)
+    # the code peaks under the simulated figure: the name goes down with it
+    assert named_budget_after_check(refusal, 2_900_000) < error.min_budget_bytes
+
+
+def _record(error: ShareInfeasibleError, budget_bytes: int) -> CompiledGraph:
+    share = _share(_headroom(budget_bytes))
+    return CompiledGraph("graph_001_r1", "0/1", error.named_plan, (), None, base_target_bytes=_headroom(budget_bytes),
+                         step_share=share,
+                         refusal=refusal_for(error, error.named_plan, share, lambda p: p.held, _headroom, budget_bytes))
+
+
+def test_the_refusal_stands_naming_the_checked_budget_unless_the_plan_checks_under_its_share() -> None:
+    error = _refused(4 * MB)
+    record = _record(error, 4 * MB)
+    graphs = [record]
+    with pytest.raises(BudgetInfeasibleError) as info:
+        overrule_or_refuse("callable", graphs, 3_150_000)
+    assert graphs == [] and info.value.min_budget_bytes == named_budget_after_check(record.refusal, 3_150_000)
+    assert "3,150,000 bytes as Inductor compiled it" in str(info.value)
+    # the simulator over-predicted: the code peaks at the largest peak the share admits, and the plan runs
+    graphs = [record]
+    assert overrule_or_refuse("callable", graphs, record.refusal.target_bytes) == "callable"
+    assert graphs[-1].judgement.action.startswith("accepted")
