@@ -37,7 +37,7 @@ from .distributed_errors import ShareInfeasibleError
 from .errors import BudgetInfeasibleError
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
-from .inductor_verdict import refusal_for
+from .inductor_verdict import refusal_for, share_check_target
 from .judge_loop import judge_compiled
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.plan import Plan
@@ -324,9 +324,11 @@ class RematBackend:
         if target_bytes is not None and (share is None or step_share is not None):
             note_step_plan(self._step_hooks.account, graph_id, step_share, plan, plan_at, joint, facts,
                            num_fwd_outputs, static_indices, target_bytes, dump_path)
+        check_target = None if refusal is not None or base_target_bytes is None else share_check_target(
+            step_share, held_of(plan), base_target_bytes)
         record = CompiledGraph(graph_id, current_compile_id(), plan, regions, dump_path, distributed, key,
-                               base_target_bytes, correction, step_share=step_share, cache=cache, refusal=refusal,
-                               facts=facts)
+                               base_target_bytes, correction, step_share=step_share, check_target_bytes=check_target,
+                               cache=cache, refusal=refusal, facts=facts)
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw

@@ -34,6 +34,9 @@ class CompiledGraph:
     correction: Optional["Correction"] = None  # the feedback loop's correction the plan was made with
     judgement: Optional["Judgement"] = None    # Inductor's verdict on the plan (remat/inductor_verdict.py)
     step_share: Optional["GraphShare"] = None  # its share of a step split at graph breaks (remat/step_budget.py)
+    # the peak Inductor's check judges the plan against when it is not ``base_target_bytes``: under a
+    # known step's share, the largest peak the share admits next to what the plan holds
+    check_target_bytes: Optional[int] = None
     # "" (solved in this compile), "plan cache: <entry>" (the plan re-used, the rest made now) or
     # "autograd-cache hit: <entry>" (AOTAutograd's cache served the compile; this record restored)
     cache: str = ""

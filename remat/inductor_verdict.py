@@ -102,6 +102,22 @@ def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held
     return Refusal(error, limit, limit(budget_bytes))
 
 
+def share_check_target(share: Optional["GraphShare"], held_bytes: int, target_bytes: int) -> Optional[int]:
+    """The peak Inductor's check judges a plan against under a known step's share (kind "break"):
+    the largest peak the share, at the real planning target ``target_bytes`` (no feedback correction:
+    the checked peak is in real bytes), admits next to the ``held_bytes`` the plan holds; without the
+    later graphs' reserve when the plan was taken without it (``reserve_met`` False). None for a graph
+    alone in its step or planned before its step was known (judged against ``target_bytes``)."""
+    if share is None or share.kind != "break":
+        return None
+    from dataclasses import replace
+
+    from .distributed_search import peak_limit_bytes
+
+    real = share.at(target_bytes)
+    return peak_limit_bytes(real if share.reserve_met else replace(real, reserved_later_bytes=0), held_bytes)
+
+
 def overrule_refusal(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], target_bytes: int,
                      budget_bytes: int, graph_id: str = "") -> Judgement:
     """The verdict on the smallest-peak plan of a graph whose budget the simulator refused (pure).

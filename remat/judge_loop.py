@@ -40,8 +40,10 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
                    ) -> Callable[..., Any]:
     """Inductor judges the plan just compiled (the last of ``compiled_graphs``, its code in ``capture``),
     before any step runs: its peak is read from the generated forward and backward; over the planning
-    target (the budget less headroom), the graph is planned again at ``target / (checked / simulated)``
-    (in the simulator's units) and compiled again by ``recompile(correction, graph_key, None)`` (the
+    target (the budget less headroom; under a known step's share, ``record.check_target_bytes``, the
+    largest peak the share admits next to what the plan holds), the graph is planned again at
+    ``target / (checked / simulated)`` (in the simulator's units; under a share, the step target less
+    the same difference) and compiled again by ``recompile(correction, graph_key, None)`` (the
     feedback loop's re-plan path, which appends its record), up to ``MAX_JUDGED_REPLANS`` times. Returns the
     callable accepted; its record (last in ``compiled_graphs``) carries the verdict and its dump says
     which number the plan was accepted on; the plans it rejected leave ``compiled_graphs`` (their
@@ -67,8 +69,9 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
                                       None if compile_candidate is None or record.step_share is not None else
                                       lambda: _checked_candidate(compile_candidate, record.graph_key, record.graph_id,
                                                                  device_type, outputs_held), rejected)
+        target = record.base_target_bytes if record.check_target_bytes is None else record.check_target_bytes
         verdict = judge_plan(record.plan.predicted_peak_bytes, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
-                             record.base_target_bytes, record.plan.budget_bytes,
+                             target, record.plan.budget_bytes,
                              may_replan=record.plan.fits_budget and round_ < MAX_JUDGED_REPLANS,
                              graph_id=record.graph_id, rejected=rejected)
         compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
@@ -77,8 +80,11 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         if verdict.action != "re-plan":
             return fn
         assert verdict.new_target_bytes is not None and verdict.checked_peak_bytes is not None
-        assert record.base_target_bytes is not None
-        correction = Correction(record.base_target_bytes / max(verdict.new_target_bytes, 1), record.plan.budget_bytes,
+        assert record.base_target_bytes is not None and verdict.target_bytes is not None
+        # the graph's room shrinks by what the check found over (for a graph alone: the target becomes
+        # new_target; under a share, the step target shrinks by as much, and with it the share)
+        corrected_bytes = record.base_target_bytes - (verdict.target_bytes - verdict.new_target_bytes)
+        correction = Correction(record.base_target_bytes / max(corrected_bytes, 1), record.plan.budget_bytes,
                                 record.plan.predicted_peak_bytes, verdict.checked_peak_bytes, record.graph_id,
                                 f"Inductor-checked: {record.graph_id}'s generated code peaks at "
                                 f"{verdict.checked_peak_bytes} bytes where its plan simulated "

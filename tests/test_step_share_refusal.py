@@ -95,3 +95,23 @@ def test_the_refusal_stands_naming_the_checked_budget_unless_the_plan_checks_und
     graphs = [record]
     assert overrule_or_refuse("callable", graphs, record.refusal.target_bytes) == "callable"
     assert graphs[-1].judgement.action.startswith("accepted")
+
+
+def test_a_plan_under_a_known_steps_share_is_judged_against_what_the_share_admits() -> None:
+    """Inductor's check judges a plan sharing a known step against the largest peak its share admits
+    next to what it holds, not the whole step's target (graph 2 runs next to the 1 MB graph 1 holds)."""
+    from dataclasses import replace
+
+    from remat.inductor_verdict import share_check_target
+
+    target = _headroom(4 * MB)
+    share = _share(target)
+    limit = share_check_target(share, 400_000, target)
+    assert limit == peak_limit_bytes(share, 400_000) and 0 < limit < target - MB
+    assert share.admits(400_000, limit) and not share.admits(400_000, limit + 1)
+    # the plan was taken without the later graphs' reserve: judged on its own runs only
+    unreserved = share_check_target(replace(share, reserve_met=False), 400_000, target)
+    assert unreserved >= limit and replace(share, reserved_later_bytes=0).admits(400_000, unreserved)
+    # a graph alone in its step, or planned before its step was known: the whole target stands
+    assert share_check_target(None, 400_000, target) is None
+    assert share_check_target(replace(share, kind="break-partial"), 400_000, target) is None
