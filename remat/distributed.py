@@ -93,6 +93,19 @@ from .units import format_bytes
 LOSS_OUTPUT_COPIES = 3
 
 
+def largest_admitted(admits: Callable[[int], bool], high_bytes: int) -> int:
+    """The largest ``x`` in ``[0, max(high_bytes, 1)]`` with ``admits(x)``, for an ``admits`` true up to
+    some value and false above it; -1 when ``admits(0)`` is false."""
+    from .options import smallest_budget_bytes
+
+    if not admits(0):
+        return -1
+    high = max(high_bytes, 1)
+    if admits(high):
+        return high
+    return smallest_budget_bytes(lambda x: not admits(x), high) - 1
+
+
 @dataclass(frozen=True)
 class GraphShare:
     """What one graph of a distributed step was given, and why (all sizes bytes)."""
@@ -181,18 +194,7 @@ class GraphShare:
         """The most a plan peaking at ``peak_bytes`` may hold for its backward and still be
         admitted (``admits`` only gets stricter as the held bytes grow: a bisection finds it);
         -1 when even holding nothing is not admitted."""
-        if not self.admits(0, peak_bytes):
-            return -1
-        low, high = 0, max(self.step_target_bytes, 1)
-        if self.admits(high, peak_bytes):
-            return high
-        while high - low > 1:
-            middle = (low + high) // 2
-            if self.admits(middle, peak_bytes):
-                low = middle
-            else:
-                high = middle
-        return low
+        return largest_admitted(lambda held: self.admits(held, peak_bytes), self.step_target_bytes)
 
     def smallest_step_target_bytes(self, peak_bytes: int, loose: bool = False) -> int:
         """The smallest step target whose share for this graph (its safe target, or with

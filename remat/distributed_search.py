@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from .distributed import GraphShare
+from .distributed import GraphShare, largest_admitted
 from .distributed_errors import budget_for_step_target
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .units import format_gb_up
@@ -320,20 +320,9 @@ def step_target_admitting(share: GraphShare, held: int, peak: int) -> int:
 
 def peak_limit_bytes(share: GraphShare, held_bytes: int) -> int:
     """The largest peak at which ``share`` admits a plan holding ``held_bytes`` (admission only
-    gets stricter as the peak grows: a bisection finds it); -1 when no peak is admitted. The target
-    Inductor's check judges a graph of a step against: its checked peak must be at or under it."""
-    if not share.admits(held_bytes, 0):
-        return -1
-    low, high = 0, max(share.step_target_bytes, 1)
-    if share.admits(held_bytes, high):
-        return high
-    while high - low > 1:
-        middle = (low + high) // 2
-        if share.admits(held_bytes, middle):
-            low = middle
-        else:
-            high = middle
-    return low
+    gets stricter as the peak grows); -1 when no peak is admitted. The target Inductor's check
+    judges a graph of a step against: its checked peak must be at or under it."""
+    return largest_admitted(lambda peak: share.admits(held_bytes, peak), share.step_target_bytes)
 
 
 def named_peak(error: BudgetInfeasibleError) -> int:
