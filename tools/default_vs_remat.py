@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--seeds", default=None)
     parser.add_argument("--run", choices=("default", "mincut", "none"), default=None)
+    parser.add_argument("--smallest", action="store_true", help="print the smallest-peak plan's peak")
     parser.add_argument("--sim", action="store_true", help="print the simulated backward timelines")
     parser.add_argument("--code", action="store_true", help="print the generated wrappers' call()")
     args = parser.parse_args()
@@ -106,6 +107,13 @@ def main() -> None:
               len(ev_d.partition.recomputed))
         for n in sorted(d_recomputed ^ set(ev_d.partition.recomputed), key=facts.order.index):
             print("    only", "default" if n in d_recomputed else "remat", _describe(facts, n))
+        if args.smallest:
+            from remat.passes.solve_greedy import smallest_peak_plan
+            best, _ = smallest_peak_plan(facts, (ev_m,))
+            print(f"smallest-peak plan: simulated {best.peak_bytes:,} B, saves {len(best.partition.saved)}, "
+                  f"recomputes {len(best.partition.recomputed)}")
+            with_default, _ = smallest_peak_plan(facts, (ev_m, ev_d))
+            print(f"smallest-peak plan with the default's set as a start: simulated {with_default.peak_bytes:,} B")
         if args.sim:
             for label, ev in (("default", ev_d), ("min-cut", ev_m)):
                 sim = ev.simulation
