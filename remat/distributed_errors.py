@@ -18,15 +18,14 @@ if TYPE_CHECKING:
 class ShareInfeasibleError(BudgetInfeasibleError):
     """No plan is admitted under a graph's share of the step at graph breaks (kind "break"): the
     error the user sees, plus ``named_plan``, the plan of the near-smallest candidates whose
-    admission the named budget rests on, and ``named_held_bytes``, what it holds for its backward.
+    admission the named budget rests on (what it holds is the caller's ``held_of(named_plan)``).
     The backend compiles that plan so Inductor's check can name the budget from its generated
     code's peak instead of the simulated one (``inductor_verdict.named_budget_after_check``)."""
 
-    def __init__(self, error: BudgetInfeasibleError, named_plan: Any, named_held_bytes: int) -> None:
+    def __init__(self, error: BudgetInfeasibleError, named_plan: Any) -> None:
         super().__init__(str(error), budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes,
                          min_budget_bytes=error.min_budget_bytes, reasons=error.reasons)
         self.named_plan = named_plan
-        self.named_held_bytes = named_held_bytes
 
 
 def budget_for_step_target(step_target_bytes: int, target_for_budget: Callable[[int], int]) -> int:

@@ -187,7 +187,7 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
         error, named = _infeasible(refused.error, share, refused.candidates, held_of, budget_bytes, target_for_budget,
                                    loose=refused.loose)
         if share.kind == "break" and named is not None:   # the backend has Inductor check the plan named
-            raise ShareInfeasibleError(error, named, held_of(named)) from None
+            raise ShareInfeasibleError(error, named) from None
         if ledger is None or share.kind != "ddp":
             raise error from None
         replay = Replay(ledger.refits_before(share.index), share, held_of, plan_at, plan_capped, target_for_budget)

@@ -51,7 +51,7 @@ def _refused(budget_bytes: int) -> ShareInfeasibleError:
 
 def test_a_refused_share_names_the_plan_its_budget_rests_on() -> None:
     error = _refused(4 * MB)
-    assert isinstance(error, BudgetInfeasibleError) and error.named_held_bytes == 400_000
+    assert isinstance(error, BudgetInfeasibleError) and error.named_plan.held == 400_000
     assert error.named_plan.predicted_peak_bytes == 3 * MB      # the smallest-peak candidate
     # retried at the budget named, the same plan is admitted by the same rule
     assert _share(_headroom(error.min_budget_bytes)).admits(400_000, 3 * MB)
