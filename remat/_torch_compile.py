@@ -59,11 +59,25 @@ class _PartitionerCacheKey:
         self.uuid = uuid
 
 
+def import_compile_path() -> None:
+    """Import Inductor's compile path (``torch._inductor.compile_fx`` and the lowerings, kernels and
+    templates it imports) now. ``torch.compile(fn, backend="inductor")`` imports it when it is called
+    (``_TorchCompileInductorWrapper.get_compiler_config``); a backend passed as an object is not looked
+    into by ``torch.compile``, so without this the import ran inside the first compile, i.e. inside the
+    first training step: 0.6-0.8 s of a warm (AOTAutograd cache hit) zoo-GPT step on the 2-core VM
+    (py-spy, torch 2.13), most of what a warm remat step spent beyond plain Inductor's. ``make_partitioner``
+    calls it, so it runs when a backend is made (``remat.backend(...)``), as plain Inductor's runs in
+    ``torch.compile``; once per process."""
+    import torch._inductor.compile_fx  # noqa: F401
+
+
 def make_partitioner(partition: Callable[[fx.GraphModule, Sequence[object], dict[str, Any]], Any],
                      uuid: Callable[[], str]) -> Any:
     """A ``CustomPartitionerFn`` that calls ``partition(joint, joint_inputs, kwargs)`` (kwargs:
     ``num_fwd_outputs``, ``static_lifetime_input_indices``, ...) and whose ``uuid()`` is ``uuid()``."""
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    import_compile_path()
 
     class RematPartitioner(CustomPartitionerFn):
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
@@ -147,5 +161,5 @@ def watch_compiled_backward(outputs: Any, at_end: Optional[Callable[[], None]],
     return True
 
 
-__all__ = ["CodeCapture", "compile_with_partitioner", "make_partitioner", "register_dynamo_backend",
-           "split_by_default", "split_joint", "watch_compiled_backward"]
+__all__ = ["CodeCapture", "compile_with_partitioner", "import_compile_path", "make_partitioner",
+           "register_dynamo_backend", "split_by_default", "split_joint", "watch_compiled_backward"]
