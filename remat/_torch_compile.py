@@ -127,6 +127,38 @@ def split_by_default(joint: fx.GraphModule, joint_inputs: Sequence[object], num_
                              static_lifetime_input_indices=static_lifetime_input_indices)
 
 
+def default_partition_saved(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int,
+                            static_lifetime_input_indices: Any = None) -> Optional[frozenset[str]]:
+    """Names of the values PyTorch's default partitioner for Inductor
+    (``min_cut_rematerialization_partition``, what plain Inductor runs) saves for ``joint``'s backward,
+    computed on a copy (``joint`` is untouched); None when it fails on this graph. Without
+    ``static_lifetime_input_indices`` (what AOTAutograd hands a partitioner: the parameters'
+    indices), the inputs the backward returns a gradient for are taken as the parameters: the
+    partitioner saves a parameter rather than a view of it only when it knows it outlives the step."""
+    import copy
+
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    if static_lifetime_input_indices is None:
+        static_lifetime_input_indices = _inputs_with_gradients(joint, num_fwd_outputs)
+    try:
+        fw, _ = min_cut_rematerialization_partition(
+            copy.deepcopy(joint), joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices)
+    except Exception:  # noqa: BLE001 - a candidate plan only: without it the planner plans as before
+        return None
+    output = next(n for n in fw.graph.nodes if n.op == "output")
+    return frozenset(a.name for a in output.args[0][num_fwd_outputs:] if isinstance(a, fx.Node))
+
+
+def _inputs_with_gradients(joint: fx.GraphModule, num_fwd_outputs: int) -> list[int]:
+    """Indices of the joint graph's primal inputs whose gradient the backward returns (not None)."""
+    output = next(n for n in joint.graph.nodes if n.op == "output")
+    values = output.args[0]
+    grads = values[num_fwd_outputs:] if isinstance(values, (list, tuple)) else []
+    return [i for i, g in enumerate(grads) if g is not None]
+
+
 def register_dynamo_backend(compiler_fn: Callable[..., Any], name: str) -> None:
     """Register ``compiler_fn`` as Dynamo's backend ``name``, unless one is registered by that name."""
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend

@@ -33,9 +33,8 @@ in Inductor (torch 2.13.0):
 - ``allow_buffer_reuse``: a freed buffer is reused by a later allocation of its size
   (``codegen/wrapper.py: AllocateLine.plan``).
 - ``reorder_for_peak_memory``: Inductor reorders each graph's kernels to lower its peak
-  (``memory.reorder_for_peak_memory``). The simulator does not model this reordering; it keeps
-  ``topological_sort_schedule``'s order. A known over-prediction source: measured by the lead at
-  512 KiB on a small LM head's backward.
+  (``memory.reorder_for_peak_memory``); ``simulator/peak_reorder.py`` follows it on the kernel
+  model's fused nodes (off: ``topological_sort_schedule``'s order is kept).
 
 The simulator models Inductor's CPU backend: ``InductorConfig.cpu_*`` resolve the thresholds for CPU.
 """
@@ -64,7 +63,7 @@ class InductorConfig:
     score_fusion_memory_threshold: int              # least shared bytes of a horizontal fusion
     inplace_buffers: bool
     allow_buffer_reuse: bool
-    reorder_for_peak_memory: bool                   # not modelled (see the module docstring)
+    reorder_for_peak_memory: bool                   # ``simulator/peak_reorder.py``
     horizontal_fusion_max_distance: int = 64        # HORIZONTAL_FUSION_MAX_DISTANCE
     cpp_max_horizontal_fusion_size: int = 16        # ``config.cpp.max_horizontal_fusion_size``
     fallback_random: bool = False                   # random ops chained in program order (see above)

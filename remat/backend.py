@@ -255,7 +255,7 @@ class RematBackend:
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
         key_code = joint.code        # before prepare_graph edits the graph: the key the next process computes
         prepared = prepare_graph(joint, joint_inputs, num_fwd_outputs, self.options.hardware, self.options.estimator,
-                                 self.options.outputs_held)
+                                 self.options.outputs_held, kwargs.get("static_lifetime_input_indices"))
         facts, profile, device_type, modeled = prepared.facts, prepared.profile, prepared.device_type, prepared.modeled
         if not prepared.has_backward:
             return split_by_default(joint, joint_inputs, num_fwd_outputs, kwargs.get("static_lifetime_input_indices"))

@@ -5,7 +5,8 @@ Pareto curve, ``remat.max_size_that_fits`` and dynamic shapes' size search, and 
 read the facts and plan a ``CompiledGraph`` keeps). Two steps:
 
 - ``prepare_graph``: dead code out, dropout split into mask and scaling, the hardware profile of
-  the graph's device, costs on every node, the facts the planner reads (``read_joint_graph``),
+  the graph's device, costs on every node, the facts the planner reads (``read_joint_graph``) with
+  the values PyTorch's default partitioner saves (``JointGraphFacts.default_saved``),
   and whether the simulator models the code Inductor will generate for it (``simulator_models``).
   Edits the joint graph in place (the backend partitions that same graph).
 - ``plan_graph``: ``passes.plan.make_plan`` for one frozen ``PlanningRequest``: the budget, the
@@ -25,6 +26,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import fx
 
+from ._torch_compile import default_partition_saved
 from ._torch_dynamo import trace_joint_graphs
 from .cost_model.calibrate import measure_node_times
 from .cost_model.costs import annotate_costs
@@ -68,9 +70,12 @@ class PreparedGraph:
 
 
 def prepare_graph(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int, hardware: str,
-                  estimator: str = "roofline", outputs_held: bool = False) -> PreparedGraph:
+                  estimator: str = "roofline", outputs_held: bool = False,
+                  static_lifetime_input_indices: Optional[Sequence[int]] = None) -> PreparedGraph:
     """Prepare a joint graph for planning (dead code out, dropout split; ``joint`` is edited in place)
-    and read its facts. ``outputs_held``: ``JointGraphFacts.outputs_held``.
+    and read its facts. ``outputs_held``: ``JointGraphFacts.outputs_held``. ``static_lifetime_input_indices``:
+    what AOTAutograd hands a partitioner (the parameters), for the default partition's saved set
+    (``default_partition_saved``; without it, the inputs with a gradient are taken as the parameters).
 
     ``estimator="profile"`` times the graph's real kernels once (cached by graph hash)
     and uses those times instead of the roofline.
@@ -83,6 +88,9 @@ def prepare_graph(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd
     measured = measure_node_times(joint.graph) if estimator == "profile" else None
     costs = annotate_costs(joint.graph, profile, measured_times=measured)
     facts = read_joint_graph(joint.graph, costs, num_fwd_outputs, outputs_held)
+    default = default_partition_saved(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices)
+    if default is not None:
+        facts = dataclasses.replace(facts, default_saved=default)
     return PreparedGraph(facts, profile, device.type, simulator_models(facts, device.type))
 
 

@@ -8,9 +8,12 @@ Three layers, each on plain inputs with small exact numbers:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from remat._torch_inductor import inductor_config
 from remat.simulator.kernel_lowering import ALIAS, EXTERN, POINTWISE, REDUCTION, GraphOp
 from remat.simulator.kernel_schedule import schedule_kernels
 from remat.simulator.memory_timeline import Step, _inductor_estimate, _lifetimes, simulate_memory
@@ -170,7 +173,22 @@ def test_loops_sharing_an_input_fuse_and_allocate_together():
     assert kernels_of(schedule)[0] == (("a", "b"), ("a", "b"), ())
     # a loop over another number of elements does not fuse
     ops[1] = op("b", inputs=("x",), users=1, numel=MIB // 8, nbytes=MIB // 2)
-    assert [k.ops for k in schedule_kernels(ops, {"x": MIB}).kernels][:2] == [("a",), ("ea",)]
+    kernels = [k.ops for k in schedule_kernels(ops, {"x": MIB}).kernels]
+    assert ("a",) in kernels and ("b",) in kernels     # (reorder_for_peak_memory runs the smaller b first)
+
+
+def test_kernels_in_the_order_reorder_for_peak_memory_keeps():
+    # A backward: g (a weight gradient, 2 MiB, returned) comes first in graph order, then t and u
+    # (the input gradient, returned). Inductor's reorder_for_peak_memory runs g last (its LPMF
+    # order: 3 MiB where graph order peaks at 4 MiB); the kernel model kept graph order until the
+    # reorder was modelled (corpus rand-1101: plain Inductor's partition measured 409,128 B with the
+    # reorder, 464,424 B without, the simulation said 466,464 B).
+    ops = [op("g", EXTERN, ("tangents_1",), nbytes=2 * MIB, users=1, is_output=True),
+           op("t", EXTERN, ("tangents_1",), users=1), op("u", EXTERN, ("t",), users=1, is_output=True)]
+    order = [k.ops for k in schedule_kernels(ops, {"tangents_1": MIB}).kernels]
+    assert order == [("t",), ("u",), ("g",)]
+    config = dataclasses.replace(inductor_config(), reorder_for_peak_memory=False)
+    assert [k.ops for k in schedule_kernels(ops, {"tangents_1": MIB}, config=config).kernels] == [("g",), ("t",), ("u",)]
 
 
 def test_fusion_never_makes_a_cycle_through_an_extern():

@@ -87,6 +87,9 @@ class JointGraphFacts:
     # Tangents the step is taken to leave without a gradient (``tangents_without_gradient``): AOTAutograd
     # fills them with zeros it makes at the backward's start, and the backward frees them at their last reader.
     gradless_tangents: frozenset[str] = frozenset()
+    # The values PyTorch's default partitioner (plain Inductor's) saves for this graph, None when not known:
+    # a saved set whose partition plain Inductor is measured to reach, which the planner starts from too.
+    default_saved: Optional[frozenset[str]] = None
     # What the planner works out once for this graph (bans, min-cut, kernel constants, ...), filled
     # lazily by the modules that own each part; a new one for every facts object, ``replace`` included.
     analysis: GraphAnalysis = field(default_factory=GraphAnalysis, init=False, compare=False, repr=False)

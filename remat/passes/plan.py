@@ -1,7 +1,8 @@
 """Decide what the forward saves and what the backward recomputes, under a budget.
 
 ``make_plan`` returns, with no budget, the free min-cut (``mincut.py``: the
-least bytes to save for no recomputation beyond fusible ops). With a budget it
+least bytes to save for no recomputation beyond fusible ops), or PyTorch's default partition
+(plain Inductor's) when its simulated peak is lower; the solvers start from both. With a budget it
 asks a solver for the least estimated extra time whose simulated peak meets the
 target: ``solver="greedy"`` (the default, ``solve_greedy.py``: descent from
 saving everything with a covering knapsack per round, then polish), or
@@ -81,7 +82,7 @@ def _save_all(facts: JointGraphFacts) -> frozenset[str]:
 
 
 def _decisions(facts: JointGraphFacts, chosen: Evaluated, mincut: frozenset[str], dropped: tuple[str, ...],
-               is_mincut: bool) -> tuple[NodeDecision, ...]:
+               is_mincut: bool, is_default: bool = False) -> tuple[NodeDecision, ...]:
     part = chosen.partition
     dropped_set = set(dropped)
     in_registers = register_only(facts)
@@ -97,6 +98,9 @@ def _decisions(facts: JointGraphFacts, chosen: Evaluated, mincut: frozenset[str]
             decision = "save"
             if is_mincut and name in mincut:
                 reason = "min-cut: the cheapest values to keep so the rest is free to recompute"
+            elif is_default:
+                reason = ("saved by PyTorch's default partition (plain Inductor's), whose simulated peak is "
+                          "lower than the min-cut's")
             else:
                 reason = "kept: the plan meets its target without recomputing it"
         elif name in part.recomputed:
@@ -156,13 +160,29 @@ def _check_solver(facts: JointGraphFacts, solver: str, milp_time_limit_s: float)
             raise ValueError(f"milp_time_limit_s={milp_time_limit_s!r} must be a positive number of seconds.")
 
 
-def _solve(facts: JointGraphFacts, target: int, solver: str, milp_time_limit_s: float, mincut: Evaluated,
+def _starts(facts: JointGraphFacts, mincut: Evaluated) -> tuple[Evaluated, ...]:
+    """The plans that need no budget, the one with the lower simulated peak first (the min-cut on a
+    tie): the free min-cut, and the saved set of PyTorch's default partitioner when the facts have one
+    that differs from it (``JointGraphFacts.default_saved``). Plain Inductor runs the default's, so its
+    partition is one known to be reachable; the default recomputes what it deems cheap, and with
+    Inductor's reorder of the backward that partition measured lower than the min-cut's on corpus nets
+    (rand-1101: 409,128 vs 464,424 B). The solvers start from both."""
+    if facts.default_saved is None:
+        return (mincut,)
+    forward = {n for n in facts.default_saved if n in facts.nodes and facts.nodes[n].role == "forward"}
+    default = evaluate(facts, forward)
+    if default.chosen == mincut.chosen:
+        return (mincut,)
+    return (default, mincut) if default.peak_bytes < mincut.peak_bytes else (mincut, default)
+
+
+def _solve(facts: JointGraphFacts, target: int, solver: str, milp_time_limit_s: float, starts: tuple[Evaluated, ...],
            no_remat: Evaluated) -> tuple[Optional[Evaluated], tuple[str, ...], str, Optional[Evaluated]]:
     """The plan meeting ``target`` (None if none found), the values dropped to get there, the
     solver's account of itself, and the smallest-peak plan if the greedy worked it out."""
-    greedy = solve_greedy(facts, target, starts=(mincut,), save_all=no_remat)
+    greedy = solve_greedy(facts, target, starts=starts, save_all=no_remat)
     found, dropped = greedy.plan, greedy.dropped
-    chosen, dropped, used = _exact(facts, target, solver, milp_time_limit_s, mincut, found, dropped)
+    chosen, dropped, used = _exact(facts, target, solver, milp_time_limit_s, starts[0], found, dropped)
     return chosen, dropped, used, greedy.smallest
 
 
@@ -296,9 +316,12 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
     no_remat = evaluate(facts, _save_all(facts))
     mincut_saved = min_cut_saved(facts)
     mincut = evaluate(facts, mincut_saved)
-    chosen: Optional[Evaluated] = mincut
+    starts = _starts(facts, mincut)
+    chosen: Optional[Evaluated] = starts[0]
     dropped: tuple[str, ...] = ()
-    used = "min-cut (no budget)"
+    used = "min-cut (no budget)" if chosen is mincut else (
+        f"PyTorch's default partition (no budget: simulated peak {format_bytes(chosen.peak_bytes)}, "
+        f"the min-cut's {format_bytes(mincut.peak_bytes)})")
     smallest: Optional[Evaluated] = None
     if solver == "save-all":
         # The reference without remat: every value the backward reads is saved, except
@@ -307,7 +330,7 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
         if target is not None and no_remat.simulation.peak_bytes > target:
             chosen, smallest = None, no_remat
     elif target is not None:
-        chosen, dropped, used, smallest = _solve(facts, target, solver, milp_time_limit_s, mincut, no_remat)
+        chosen, dropped, used, smallest = _solve(facts, target, solver, milp_time_limit_s, starts, no_remat)
     fits = chosen is not None
     if chosen is not None and target is not None and saved_cap_bytes is not None:
         capped = reduce_saved_bytes(facts, chosen, target, saved_cap_bytes)
@@ -317,7 +340,7 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
     if chosen is None:
         assert budget_bytes is not None and target is not None
         if smallest is None:
-            smallest, _ = smallest_peak_plan(facts, (mincut,))
+            smallest, _ = smallest_peak_plan(facts, starts)
         if not best_effort:
             raise _infeasible_error(facts, budget_bytes, target, smallest,
                                     target_for_budget or _proportional_rule(budget_bytes, target))
@@ -339,6 +362,7 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
         recompute_flops=sum(facts.nodes[n].cost.flops for n in part.recomputed),
         est_extra_time_s=chosen.extra_time_s,
         plan_time_s=time.perf_counter() - t0,
-        decisions=_decisions(facts, chosen, mincut_saved, dropped, chosen is mincut),
+        decisions=_decisions(facts, chosen, mincut_saved, dropped, chosen is mincut,
+                             chosen is starts[0] and chosen is not mincut),
         fits_budget=fits,
     )

@@ -12,8 +12,9 @@ schedule. The stages, each a module:
 - ``kernel_facts``: what the kernel model needs of each node (its kind, layout, buffers),
   once per graph, and how storages are named;
 - ``kernel_steps``: the forward and backward graphs as steps in Inductor's kernel order;
-- ``kernel_schedule`` (with ``kernel_lowering`` and ``kernel_fusion``): which buffers
-  Inductor's CPU backend allocates for one compiled graph, and when;
+- ``kernel_schedule`` (with ``kernel_lowering``, ``kernel_fusion`` and ``peak_reorder``): which
+  buffers Inductor's CPU backend allocates for one compiled graph, and when (the kernels in the
+  order Inductor's ``reorder_for_peak_memory`` keeps);
 - ``memory_timeline``: the live bytes along the steps, with Inductor's in-place and buffer
   reuse (``simulate_memory``);
 - ``evaluation``: ``evaluate`` itself, and ``partition_of`` (what a saved set saves, unsimulated).
