@@ -17,6 +17,7 @@ from .dynamic import size_environment
 from .feedback_store import Correction
 from .passes.joint_graph import JointGraphFacts
 from .simulator import evaluate
+from .simulator.kernel_facts import CHANNELS_LAST_SUFFIX, COPY_SUFFIX, RECOMPUTE_SUFFIX
 from .passes.plan import Plan
 from .passes.rewrite import RegionSummary, describe_region
 from .units import format_bytes, format_seconds
@@ -102,8 +103,12 @@ def dumps_plan(payload: dict[str, Any]) -> str:
 
 
 def _storage_expr(sid: str, graphs: Sequence[fx.Graph]) -> Optional[sympy.Expr]:
-    """Bytes of one storage (``name`` or ``name#i``) as a formula, from the node of that name."""
-    name, _, index = sid.partition("#")
+    """Bytes of one storage as a formula, from the node of that name: ``name`` or ``name#i`` (the
+    i-th output), a recomputed instance of either (``...@r0``: the same size), or a channels-last or
+    reshape copy of a value (``#cl``, ``#copy``: the same size)."""
+    name, _, index = sid.split(RECOMPUTE_SUFFIX)[0].partition("#")
+    if index in (CHANNELS_LAST_SUFFIX[1:], COPY_SUFFIX[1:]):
+        index = ""
     for graph in graphs:
         node = _node_named(graph, name)
         if node is None:
