@@ -28,17 +28,23 @@ The construction, once:
   known: the tangents step between the graphs (every saved storage, the forward
   outputs, the tangents), and the library calls (``kernel_kind`` extern or
   scatter). A call is a kernel of its own that allocates its output before it
-  runs and frees its inputs after, kernels respect data dependences, and calls
-  run in graph order; so at a call ``e`` a buffer is live when something at or
-  before ``e`` (an earlier call, or an ancestor of one) made it and something at
-  or after ``e`` (a later call, or a descendant of one) reads it. Which values
+  runs and frees its inputs after, and kernels respect data dependences; so at a
+  call ``e`` a buffer is live when ``e`` or an ancestor of it made it and ``e`` or
+  a descendant of it reads it. With Inductor's ``reorder_for_peak_memory`` off,
+  calls also run in graph order, and "an ancestor of ``e``" widens to "an earlier
+  call, or an ancestor of one" (and "a descendant" to "a later call, or a
+  descendant of one"); with it on (the default) the order is the one of several
+  topological orders with the least estimated peak, and only the dependences
+  are certain. Which values
   have a buffer: library calls', reductions' and scatters' always; a loop
   value's when a call reads it (and then only from that call on); saved values'.
   At any other backward op only what calls among its ancestors made and its
   descendants read counts (it may share a kernel, or write over a dying input).
   The recomputation of a library call ``x`` gets a row of its own, every term
   multiplied by ``r_x``: its region lands before the first backward op needing
-  it, between the earliest and the latest position that can be. Forward rows:
+  it, between the earliest and the latest position that can be (in graph order;
+  reordered, only its backward readers and their descendants certainly run after
+  it). Forward rows:
   at each forward call every plan runs, the saved storages its ancestors made.
   Reasons are products of binaries (views hold their source's storage),
   linearised as ``L >= sum x - (n - 1)``; bytes that do not depend on the plan

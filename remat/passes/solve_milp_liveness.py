@@ -17,7 +17,7 @@ from typing import AbstractSet, Mapping, Optional, Protocol
 
 from ..simulator.kernel_lowering import ALIAS, EXTERN, POINTWISE, SCATTER
 from .joint_graph import JointGraphFacts
-from ..simulator.kernel_facts import RECOMPUTE_SUFFIX, kernel_kind
+from ..simulator.kernel_facts import RECOMPUTE_SUFFIX, graph_inductor_config, kernel_kind
 
 MAX_VIEW_CHAIN = 8       # views of views followed back to the storage they alias
 
@@ -66,6 +66,10 @@ class Liveness:
                 self.bytes_of[sid] = nbytes
                 self.bytes_of[sid + RECOMPUTE_SUFFIX] = nbytes
         self.kind = {n: kernel_kind(facts, n) for n in facts.order}
+        # Inductor's reorder_for_peak_memory (``simulator/peak_reorder.py``) may run the backward's
+        # calls in any order their dependences allow: then only ancestors certainly ran before
+        # a call, and only descendants certainly run after it
+        self.calls_in_graph_order = not graph_inductor_config(facts).reorder_for_peak_memory
         self.pinned = self._pinned_forward()     # live to the forward's end
         # live through the backward too, when the caller holds them (``JointGraphFacts.outputs_held``)
         self.held_outputs = self.pinned if facts.outputs_held else frozenset()
@@ -201,15 +205,17 @@ class Liveness:
                 for sid in facts.nodes[i].value_storages:
                     readers.setdefault(sid, []).append(b)
         calls = [b for b in self.backward if self.is_call(b)]
-        upto: dict[str, frozenset[str]] = {}      # a call and its ancestors, for every call up to it
+        # what certainly ran by a call (it and its ancestors, and every earlier call with its
+        # ancestors when calls run in graph order), and what certainly runs from it on
+        upto: dict[str, frozenset[str]] = {}
         acc: frozenset[str] = frozenset()
         for c in calls:
-            acc = acc | ancestors[c] | {c}
+            acc = (acc if self.calls_in_graph_order else frozenset()) | ancestors[c] | {c}
             upto[c] = acc
-        onwards: dict[str, frozenset[str]] = {}   # a call and its descendants, for every call from it
+        onwards: dict[str, frozenset[str]] = {}
         acc = frozenset()
         for c in reversed(calls):
-            acc = acc | descendants[c] | {c}
+            acc = (acc if self.calls_in_graph_order else frozenset()) | descendants[c] | {c}
             onwards[c] = acc
         self._setup = (ancestors, descendants, reads, buffered, readers, calls, upto, onwards)
         return self._setup
@@ -258,8 +264,8 @@ class Liveness:
         rows = []
         for e in self.backward:
             # At a call: what was made by it, earlier calls, or their ancestors, and is read by
-            # it, later calls or their descendants (calls run in graph order, see the module
-            # docstring). At any other op, which may share a kernel with its neighbours (and
+            # it, later calls or their descendants (when calls run in graph order, see the module
+            # docstring; else by its ancestors and read by its descendants). At any other op, which may share a kernel with its neighbours (and
             # overwrite a dying input in place): what calls among its ancestors made, read by
             # its descendants.
             call = self.is_call(e)
@@ -272,10 +278,12 @@ class Liveness:
         """Rows at the recomputation of a library call ``x``, all conditional on ``r_x``.
 
         Its region lands before the first backward op that needs it, somewhere between the
-        earliest and the latest position that can be: calls before the earliest run before it,
-        calls from the latest on run after it. Its own buffer and its inputs are live too.
+        earliest and the latest position that can be: when calls run in graph order, calls
+        before the earliest run before it and calls from the latest on run after it; else only
+        its backward readers and their descendants certainly run after it. Its own buffer and
+        its inputs are live too.
         """
-        _, _, _, _, _, calls, upto, onwards = self._backward_setup()
+        _, descendants, _, _, _, calls, upto, onwards = self._backward_setup()
         index = {b: k for k, b in enumerate(self.backward)}
         earliest, latest = self._placement_window(index)
         rows = []
@@ -284,10 +292,14 @@ class Liveness:
                 continue
             r = self.model.r_col[x]
             given = Monomial({r})
-            earlier = [c for c in calls if index[c] < earliest[x]]
-            later = [c for c in calls if index[c] >= latest[x]]
-            before = upto[earlier[-1]] if earlier else frozenset()
-            after = onwards[later[0]] if later else frozenset()
+            if self.calls_in_graph_order:
+                earlier = [c for c in calls if index[c] < earliest[x]]
+                later = [c for c in calls if index[c] >= latest[x]]
+                before = upto[earlier[-1]] if earlier else frozenset()
+                after = onwards[later[0]] if later else frozenset()
+            else:
+                before = frozenset()
+                after = frozenset().union(*(descendants[u] | {u} for u in self.facts.users[x] if u in index))
             witnesses = self._live_between(before, after, given)
             node = self.facts.nodes[x]
             own = [(Monomial(), sid + RECOMPUTE_SUFFIX) for sid, _ in node.allocs if sid not in self.held_outputs]
