@@ -363,9 +363,13 @@ def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
                  fits: "Callable[[Any], bool]" = lambda plan: True) -> Any:
     """The plan with the least ``held + peak`` among the candidates whose own runs ``fits`` the
     step (all candidates when none does). The candidates: the plans near the smallest simulated
-    peak (``distributed_search.near_smallest``) and the plan saving least at the smallest peak's
-    target (cap 0 saved: one capped plan only, each one a slow solve, about a minute on GPT-2's
-    body under load, where the uncapped ones take a second). Why that sum: the step's condition
+    peak (``distributed_search.near_smallest``) and the plans saving least at the first and the
+    last of those targets (cap 0 saved: two capped plans only, each one a slow solve, about a minute
+    on GPT-2's body under load, where the uncapped ones take a second). Why both ends: the capped
+    plans trace what a graph holds against its peak; at the smallest peak's target alone a lower
+    smallest peak can leave only plans holding much (the 2-break dropout MLP of
+    tests/test_graph_breaks.py: 1.31 MB held at 2.89 MB peak, three graphs composing 6.03 MB in step 1
+    at a 5.83 MB budget, where the last target's capped plan holds 0.26 MB at 3.67 MB). Why that sum: the step's condition
     charges a graph's peak under what the earlier graphs hold, and what it holds under every later
     graph's peak; with the later graphs unknown, it is taken that the next one peaks like this one,
     so ``held + peak`` is what this graph adds to the worst pair it is in. The smallest-peak plan
@@ -382,7 +386,8 @@ def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
         near = near_smallest(error, plan_at)
         if not near:
             raise
-    candidates = near + holding_least(near[:1], plan_at)[1:]
+    ends = near[:1] + near[-1:] if len(near) > 1 else near[:1]
+    candidates = near + holding_least(ends, plan_at)[len(ends):]
     pool = [tc for tc in candidates if fits(tc[1])] or candidates
     return min(pool, key=lambda tc: (held_of(tc[1]) + tc[1].predicted_peak_bytes, tc[0]))[1]
 

@@ -111,7 +111,8 @@ def test_a_first_graph_a_break_follows_gets_a_share_alone_in_its_step():
 def test_the_leanest_plan_is_the_least_held_plus_peak_near_the_smallest_peak():
     """A planner (plain numbers) whose smallest peak, 100, saves 60 uncapped; at 135 (the last target
     near it) a plan peaks at 130 saving 5; capped at 0 saved, the smallest peak's target plans at
-    peak 100 saving 10: the leanest is (100, 10), as 110 < 135 < 160, and only one capped plan is asked."""
+    peak 100 saving 10, the last target's at 130 saving 2: the leanest is (100, 10), as
+    110 < 132 < 135 < 160, and capped plans are asked at the first and the last target only."""
     from types import SimpleNamespace
 
     from remat.step_budget import leanest_plan
@@ -124,13 +125,15 @@ def test_the_leanest_plan_is_the_least_held_plus_peak_near_the_smallest_peak():
                                         reasons=())
         if saved_cap_bytes is not None:
             capped_targets.append(target)
+            if target >= 135:
+                return SimpleNamespace(predicted_peak_bytes=130, saved=2, target_bytes=target)
             return SimpleNamespace(predicted_peak_bytes=100, saved=10, target_bytes=target)
         if target >= 135:
             return SimpleNamespace(predicted_peak_bytes=130, saved=5, target_bytes=target)
         return SimpleNamespace(predicted_peak_bytes=100, saved=60, target_bytes=target)
 
     plan = leanest_plan(plan_at, lambda p: p.saved)
-    assert (plan.saved, plan.predicted_peak_bytes) == (10, 100) and capped_targets == [100]
+    assert (plan.saved, plan.predicted_peak_bytes) == (10, 100) and capped_targets == [100, 135]
 
 
 def test_the_report_names_the_share_not_headroom_as_the_planning_targets_cut(tmp_path):
