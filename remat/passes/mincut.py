@@ -15,8 +15,6 @@ least bytes to save for no extra compute.
 from __future__ import annotations
 
 import numpy as np
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from .joint_graph import JointGraphFacts
 from .recompute_bans import why_not_recomputable
@@ -102,6 +100,11 @@ def _min_cut_saved_uncached(facts: JointGraphFacts) -> frozenset[str]:
     for a, b, c in edges:
         value = int(_INF) if c < 0 else -(-c // scale)
         capacity[(a, b)] = min(int(_INF), capacity.get((a, b), 0) + value)
+    # scipy is imported here, not with the module: a warm run (AOTAutograd's cache hit) plans
+    # nothing, and importing scipy.sparse.csgraph cost ~0.5 s of ``import remat``
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+
     rows = np.array([a for a, _ in capacity], dtype=np.int32)
     cols = np.array([b for _, b in capacity], dtype=np.int32)
     data = np.array(list(capacity.values()), dtype=np.int32)

@@ -76,8 +76,6 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Optional
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import csr_matrix
 
 from ..simulator import schedule
 from ..simulator import evaluate
@@ -277,6 +275,9 @@ class _Model:
         ]
 
     def solve(self, extra_rows: list[tuple[dict[int, float], float, float]], time_limit_s: float):
+        from scipy.optimize import Bounds, LinearConstraint, milp   # only when a MILP is solved
+        from scipy.sparse import csr_matrix
+
         rows = self.rows + extra_rows
         c = np.zeros(self.n_cols)
         for col, coef in self.objective.items():
