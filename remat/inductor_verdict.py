@@ -86,13 +86,31 @@ class Refusal:
     target_bytes: int
 
 
+def without_tracebacks(error: BaseException) -> BaseException:
+    """``error`` with its traceback, and those of the exceptions it was raised from or during,
+    dropped, so that a record can keep it. A traceback holds the frames it passed through, and
+    through their ``f_back`` links every calling frame with its locals: an error raised while
+    Dynamo compiles inside a training step kept that step's frames, and the model's outputs in
+    them, alive for as long as the record lived (measured: HF Llama's 1 MiB logits held through
+    the first step's backward, 1.079x the budget, where later steps measured 0.950x)."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+    return error
+
+
 def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held_of: Callable[[Any], int],
                 target_for_budget: Callable[[int], int], budget_bytes: int) -> Refusal:
     """The refusal of ``budget_bytes`` whose plan ``plan`` is compiled for Inductor's check.
     ``target_for_budget``: the backend's planning target of a budget (the budget less headroom).
     A graph alone in its step is judged against that target; one sharing a step at graph breaks
     (``share`` of kind "break") against the largest peak its share admits next to what ``plan``
-    holds (``held_of``), at the budget refused and at any budget named (``peak_limit_bytes``)."""
+    holds (``held_of``), at the budget refused and at any budget named (``peak_limit_bytes``).
+    The refusal keeps ``error`` without its tracebacks (``without_tracebacks``)."""
+    without_tracebacks(error)
     if share is None or share.kind != "break":
         return Refusal(error, target_for_budget, target_for_budget(budget_bytes))
     from .distributed_search import peak_limit_bytes

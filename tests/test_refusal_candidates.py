@@ -135,3 +135,38 @@ def test_a_refused_re_plan_keeps_the_last_plan_when_it_checks_within_the_budget(
         1040, 1040, 1040, 0, 0, 0, library_calls=frozenset({"mm"})))
     assert judge_loop.judge_compiled("first", SimpleNamespace(graphs=None), "cpu", False, graphs, recompile) == "first"
     assert graphs[-1].judgement.action == "accepted over target: no plan meets the corrected target"
+
+
+def test_a_refusal_does_not_keep_the_frames_its_error_passed_through_alive():
+    """The refusal a record keeps holds its error without tracebacks: a traceback holds the frames
+    the error passed through and their locals (in a training step: the step's frames, the model's
+    outputs in them, measured holding HF Llama's 1 MiB logits through its first backward)."""
+    import weakref
+
+    import torch
+
+    from remat.inductor_verdict import refusal_for
+
+    def planner() -> None:
+        raise BudgetInfeasibleError("refused", budget_bytes=BUDGET, min_feasible_bytes=1200, min_budget_bytes=1264,
+                                    reasons=())
+
+    def compile_in_a_step(outputs: torch.Tensor) -> BudgetInfeasibleError:
+        try:
+            try:
+                planner()
+            except BudgetInfeasibleError as inner:
+                raise BudgetInfeasibleError(str(inner), budget_bytes=BUDGET, min_feasible_bytes=1200,
+                                            min_budget_bytes=1264, reasons=()) from inner
+        except BudgetInfeasibleError as error:
+            return error
+
+    outputs = torch.ones(256)
+    held = weakref.ref(outputs)
+    error = compile_in_a_step(outputs)
+    assert error.__traceback__ is not None and error.__cause__.__traceback__ is not None
+    refusal = refusal_for(error, None, None, lambda plan: 0, _target_for, BUDGET)
+    del outputs
+    assert held() is None, "the refusal's error kept the step's frame, and the tensor in it, alive"
+    assert refusal.error is error and error.__traceback__ is None and error.__cause__.__traceback__ is None
+    assert refusal.target_bytes == _target_for(BUDGET)
