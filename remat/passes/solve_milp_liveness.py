@@ -265,9 +265,9 @@ class Liveness:
         for e in self.backward:
             # At a call: what was made by it, earlier calls, or their ancestors, and is read by
             # it, later calls or their descendants (when calls run in graph order, see the module
-            # docstring; else by its ancestors and read by its descendants). At any other op, which may share a kernel with its neighbours (and
-            # overwrite a dying input in place): what calls among its ancestors made, read by
-            # its descendants.
+            # docstring; else made by its ancestors and read by its descendants). At any other
+            # op, which may share a kernel with its neighbours (and overwrite a dying input in
+            # place): what calls among its ancestors made, read by its descendants.
             call = self.is_call(e)
             after = onwards[e] if call else descendants[e]
             before = upto[e] if call else {a for a in ancestors[e] if self.is_call(a)}
