@@ -53,3 +53,50 @@ def test_no_cap_and_a_met_cap_change_nothing(facts):
     assert make_plan(facts, 100 * MIB, saved_cap_bytes=plan.saved_bytes).saved == plan.saved
     start = evaluate(facts, frozenset(plan.saved))
     assert reduce_saved_bytes(facts, start, 100 * MIB, plan.saved_bytes) is start
+
+
+def _every_drop_simulated(facts, start, target_bytes, cap_bytes):
+    """The greedy ``reduce_saved_bytes`` is, with every candidate drop simulated in every round."""
+    from remat.passes.held_cap import MAX_ROUNDS, _trial
+    from remat.passes.recompute_bans import why_not_recomputable
+
+    current, held = start, saved_bytes_of(facts, start)
+    peak_limit, position = max(target_bytes, start.peak_bytes), facts.position()
+    for _ in range(MAX_ROUNDS):
+        if held <= cap_bytes:
+            break
+        best = None
+        for name in sorted(current.chosen, key=position.__getitem__):
+            if why_not_recomputable(facts, name) is not None:
+                continue
+            saved, peak, extra_time_s = _trial(facts, current.chosen - {name}, held, {})
+            if held - saved <= 0 or peak > peak_limit:
+                continue
+            key = ((extra_time_s - current.extra_time_s) / (held - saved), saved, position[name], name)
+            best = key if best is None or key < best else best
+        if best is None:
+            break
+        current, held = evaluate(facts, current.chosen - {best[3]}), best[1]
+    return current
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_pruned_rounds_pick_what_simulating_every_drop_picks(model):
+    """``_best_drop`` simulates only drops whose lower-bound key can still win; on zoo models, at a tight,
+    a middle and a loose target, saving nothing (cap 0), it ends where simulating every drop ends."""
+    from test_plan_hashes import trace
+    from remat.errors import BudgetInfeasibleError
+
+    for facts in trace(model):
+        high = make_plan(facts, None).no_remat_peak_bytes
+        try:
+            make_plan(facts, 1)
+            low = 1
+        except BudgetInfeasibleError as error:
+            low = error.min_feasible_bytes
+        for fraction in (0.1, 0.5, 0.9):
+            target = int(low + fraction * (high - low))
+            start = evaluate(facts, frozenset(make_plan(facts, target).saved))
+            pruned = reduce_saved_bytes(facts, start, target, 0)
+            assert pruned.chosen == _every_drop_simulated(facts, start, target, 0).chosen
+            assert pruned.chosen != start.chosen, "the case must drop something"

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..simulator import Evaluated, evaluate, partition_of
+from ..simulator.schedule import backward_order, recompute_time_of
 from .graph_analysis import CAP_TRIAL_ENTRIES
 from .joint_graph import JointGraphFacts
 from .mincut import saved_cost_bytes
@@ -39,36 +40,70 @@ def reduce_saved_bytes(facts: JointGraphFacts, start: Evaluated, target_bytes: i
     stay saved (``schedule.why_not_recomputable``). Each round drops the saved value with the least
     added recompute time per byte it frees (ties: fewer bytes left, then graph order), so the
     answer does not depend on hash seeds.
+
+    A round simulates only the drops that can still win (``_best_drop``): the same value as
+    simulating every drop, for a few simulations where that took one per saved value.
     """
     current, held = start, saved_bytes_of(facts, start)
     peak_limit = max(target_bytes, start.peak_bytes)
-    position = facts.position()
     for _ in range(MAX_ROUNDS):
         if held <= cap_bytes:
             break
-        best: Optional[tuple[float, int, int, str]] = None
-        for name in sorted(current.chosen, key=position.__getitem__):
-            if why_not_recomputable(facts, name) is not None:
-                continue
-            saved, peak, extra_time_s = _trial(facts, current.chosen - {name}, held)
-            freed = held - saved
-            if freed <= 0 or peak > peak_limit:
-                continue
-            key = ((extra_time_s - current.extra_time_s) / freed, held - freed, position[name])
-            if best is None or key < best[:3]:
-                best = (*key, name)
+        simulated: dict[frozenset[str], Evaluated] = {}     # this round's trials, the winner's re-used
+        best = _best_drop(facts, current, held, peak_limit, simulated)
         if best is None:
             break
-        current, held = evaluate(facts, current.chosen - {best[3]}), best[1]
+        chosen = current.chosen - {best[1]}
+        current, held = simulated.get(chosen) or evaluate(facts, chosen), best[0]
     return current
 
 
-def _trial(facts: JointGraphFacts, chosen: frozenset[str], held_bytes: int) -> tuple[int, int, float]:
+def _best_drop(facts: JointGraphFacts, current: Evaluated, held_bytes: int, peak_limit_bytes: int,
+               simulated: dict[frozenset[str], Evaluated]) -> Optional[tuple[int, str]]:
+    """(saved bytes after, value) of the round's drop: among the saved values whose drop frees bytes
+    and keeps the simulated peak <= ``peak_limit_bytes``, the one with the least key (added recompute
+    time per byte freed, then bytes left, then graph position); None when no drop qualifies.
+
+    Exact with few simulations: a drop's added time is at least what its backward costs when every
+    recomputed value is built once and held (``schedule.backward_order(..., rebuild=False)``; the
+    schedule the simulation picks builds the same values, some more than once), which needs no
+    simulation. Drops are simulated in the order of that lower bound's key, and the search stops at the
+    first whose bound's key exceeds the best simulated key: no later drop can beat it (the keys differ
+    only in the first field, and a bound never exceeds the time it bounds). The plans it simulates
+    are added to ``simulated``."""
+    position = facts.position()
+    bounds: list[tuple[float, int, int, str]] = []
+    for name in sorted(current.chosen, key=position.__getitem__):
+        if why_not_recomputable(facts, name) is not None:
+            continue
+        _, partition = partition_of(facts, current.chosen - {name})
+        saved = sum(saved_cost_bytes(facts, n) for n in partition.saved)
+        freed = held_bytes - saved
+        if freed <= 0:
+            continue
+        least_time_s = recompute_time_of(facts, backward_order(facts, partition, False))
+        bounds.append(((least_time_s - current.extra_time_s) / freed, saved, position[name], name))
+    best: Optional[tuple[float, int, int, str]] = None
+    for bound in sorted(bounds):
+        if best is not None and bound > best:
+            break
+        name = bound[3]
+        saved, peak, extra_time_s = _trial(facts, current.chosen - {name}, held_bytes, simulated)
+        if peak > peak_limit_bytes:
+            continue
+        key = ((extra_time_s - current.extra_time_s) / (held_bytes - saved), saved, position[name], name)
+        if best is None or key < best:
+            best = key
+    return None if best is None else (best[1], best[3])
+
+
+def _trial(facts: JointGraphFacts, chosen: frozenset[str], held_bytes: int,
+           simulated: dict[frozenset[str], Evaluated]) -> tuple[int, int, float]:
     """(saved bytes, simulated peak, extra time s) of saving ``chosen``, as ``evaluate`` gives them;
     when it saves no less than ``held_bytes`` (the trial frees nothing: about half of them on a
     GPT-2 body), the plan is not simulated and its peak and time are reported as 0. Remembered in the
     graph's analysis: the capped plans of nearby targets (a step's share search asks for several)
-    walk through many of the same saved sets."""
+    walk through many of the same saved sets. A plan simulated now is added to ``simulated``."""
     known = facts.analysis.cap_trials
     numbers = known.get(chosen)
     if numbers is None or (numbers[1] < 0 and numbers[0] < held_bytes):
@@ -77,7 +112,7 @@ def _trial(facts: JointGraphFacts, chosen: frozenset[str], held_bytes: int) -> t
         if saved >= held_bytes:
             numbers = (saved, -1, 0.0)       # not simulated
         else:
-            trial = evaluate(facts, chosen)
+            trial = simulated[chosen] = evaluate(facts, chosen)
             numbers = (saved, trial.peak_bytes, trial.extra_time_s)
         if len(known) >= CAP_TRIAL_ENTRIES:
             known.clear()
