@@ -3,6 +3,9 @@
 - ``torch._dynamo.exc.ShortenTraceback``: Dynamo re-raises an error of this class as is instead
   of wrapping it in ``BackendCompilerFailed`` (``passthrough_error_class``).
 - ``torch._guards.CompileContext.current_compile_id()``: the compile a partitioner runs in.
+- ``GraphModule._param_name_to_source`` and each placeholder's ``_dynamo_source``: what Dynamo
+  hands AOTAutograd besides the graph (``copy_dynamo_graph``), from which it marks the parameters
+  as static-lifetime inputs (``_try_get_metadata_from_dynamo``).
 - For tracing without codegen (``trace_joint_graphs``, used by ``remat.pipeline.trace_joint_facts``):
   ``torch._dynamo.backends.common.aot_autograd``, ``torch._inductor.compile_fx.partition_fn``
   (Inductor's joint-graph passes, then the configured partitioner, through
@@ -35,6 +38,23 @@ def passthrough_error_class(cls: type) -> type:
     Passthrough.__qualname__ = cls.__qualname__
     Passthrough.__module__ = cls.__module__
     return Passthrough
+
+
+def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy of Dynamo's graph ``gm`` that AOTAutograd reads as it reads ``gm``: ``deepcopy``
+    drops the attributes Dynamo sets besides the graph (``_param_name_to_source``, each placeholder's
+    ``_dynamo_source``), and without them AOTAutograd hands the partitioner no static-lifetime inputs,
+    so a graph compiled again from the copy (a re-plan, a cache hit compiled without the cache) would
+    be planned from another default partition than the first compile was."""
+    import copy
+
+    copied = copy.deepcopy(gm)
+    if hasattr(gm, "_param_name_to_source"):
+        copied._param_name_to_source = gm._param_name_to_source
+    for original, twin in zip(gm.graph.find_nodes(op="placeholder"), copied.graph.find_nodes(op="placeholder")):
+        if hasattr(original, "_dynamo_source"):
+            twin._dynamo_source = original._dynamo_source   # type: ignore[attr-defined]
+    return copied
 
 
 def current_compile_id() -> str:

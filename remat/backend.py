@@ -11,7 +11,6 @@ are cached (``compile_cache.py``).
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import os
@@ -26,9 +25,9 @@ from torch import fx
 from . import _torch_cache
 from ._torch_compile import (CodeCapture, compile_with_partitioner, make_partitioner, register_dynamo_backend,
                              split_by_default, split_joint, watch_compiled_backward)
-from ._torch_dynamo import current_compile_id, passthrough_error_class
+from ._torch_dynamo import copy_dynamo_graph, current_compile_id, passthrough_error_class
 from ._torch_graph_breaks import graph_break_follows
-from .compile_cache import CallCache, cached_plan, call_cacheable, partitioner_uuid
+from .compile_cache import CachedPlanner, CallCache, call_cacheable, partitioner_uuid
 from .compiled_graph import CompiledGraph
 from .devices import device_of, free_device_bytes
 from .distributed import GraphShare, StepLedger
@@ -57,7 +56,7 @@ def _has_symbolic_shapes(example_inputs: Sequence[Any]) -> bool:
 
 def _copy_or_none(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
     try:
-        return copy.deepcopy(gm)
+        return copy_dynamo_graph(gm)
     except Exception:     # an attribute that cannot be copied: the loop then cannot recompile in place
         return None
 
@@ -142,7 +141,7 @@ class RematBackend:
                 assert pristine is not None
                 capture = CodeCapture()
                 with _torch_cache.autograd_cache(False, non_lazy_backward=verify or judge):
-                    fn = compile_with_partitioner(copy.deepcopy(pristine), example_inputs, self.partitioner, capture)
+                    fn = compile_with_partitioner(copy_dynamo_graph(pristine), example_inputs, self.partitioner, capture)
         records = self.compiled_graphs[before:]
         if len(records) != 1:
             if call_cache is not None and not restored:
@@ -233,7 +232,7 @@ class RematBackend:
         self._replan.correction, self._replan.key, self._replan.candidate = correction, key, candidate
         try:
             with _torch_cache.autograd_cache(False, non_lazy_backward=True):
-                fn = compile_with_partitioner(copy.deepcopy(gm), args, self.partitioner, capture)
+                fn = compile_with_partitioner(copy_dynamo_graph(gm), args, self.partitioner, capture)
         finally:
             self._replan.correction, self._replan.candidate = None, None
         return fn, self.compiled_graphs[-1]
@@ -273,15 +272,18 @@ class RematBackend:
                                          static_indices, follows=getattr(self._replan, "follows", False))
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
 
+        # every answer kept by its request, here and on disk (compile_cache.CachedPlanner)
+        planner = CachedPlanner(key, self.options, profile, device_type, modeled, static_indices,
+                                lambda asked: plan_graph(facts, asked), enabled=not _has_symbolic_shapes(joint_inputs))
+
         def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
                     best_effort: Optional[bool] = None) -> Plan:
-            return plan_graph(facts, request.at(target_bytes, saved_cap_bytes, best_effort))
+            return planner(request.at(target_bytes, saved_cap_bytes, best_effort))
 
-        cache, refusal = "", None
+        refusal = None
         try:
-            if share is None:   # alone in its step: the same graph, options and target plan the same
-                plan, cache = cached_plan(key, self.options, profile, target_bytes, correction, device_type, modeled,
-                                          joint_inputs, lambda: plan_at(target_bytes))
+            if share is None:   # alone in its step
+                plan = plan_at(target_bytes)
             else:  # the largest target the step's ledger admits (remat/distributed.py)
                 plan, share = fit_in_step(share, lambda share: fit_plan(
                     share, held_of, plan_at,
@@ -303,6 +305,7 @@ class RematBackend:
                 plan = plan_at(target_bytes, best_effort=True)
             refusal = refusal_for(error, plan, share, held_of,
                                   lambda b: self.options.planning_target_for(b, device_type, modeled), self.options.budget_bytes)
+        cache = planner.source(plan)
         if not plan.fits_budget and refusal is None:
             warnings.warn(
                 f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the "

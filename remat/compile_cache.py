@@ -3,8 +3,9 @@
 Two things, both stored by ``remat/plan_cache.py`` (``$REMAT_CACHE_DIR/compile``, atomic writes,
 ``REMAT_COMPILE_CACHE=0`` turns both off, ``python -m remat.caches clear`` empties them):
 
-- ``cached_plan``: the partitioner asks for a plan by ``plan_cache.plan_key``; a stored plan is
-  re-used without solving. Everything after the solve (the forward/backward split, the recompute
+- ``CachedPlanner``: the partitioner asks for each plan (each target, cap and best effort a
+  search tries) by ``plan_cache.plan_key``; a stored answer (a plan or a refusal) is re-used
+  without solving. Everything after the solve (the forward/backward split, the recompute
   regions, the dump) runs as for a fresh plan, so the record and the dump are the same.
 - ``CallCache``: AOTAutograd's cache of whole compiles. A hit skips the partitioner, so what the
   partitioner would have left behind is stored with each compile it did run, keyed by what the
@@ -38,6 +39,7 @@ import torch
 
 from . import plan_cache
 from .cost_model.hardware import get_profile
+from .errors import BudgetInfeasibleError
 from .feedback_store import store_dir
 
 if TYPE_CHECKING:
@@ -46,27 +48,65 @@ if TYPE_CHECKING:
     from .compiled_graph import CompiledGraph
     from .options import RematOptions
     from .passes.plan import Plan
+    from .pipeline import PlanningRequest
     from .step_budget import StepAccount, StepGraph
 
 _TEXT_SUFFIXES = (".py", ".json", ".md", ".txt", ".csv")
 
 
-def cached_plan(graph_key: str, options: "RematOptions", profile: object, target_bytes: Optional[int],
-                correction: object, device_type: str, modeled: bool, joint_inputs: Sequence[Any],
-                solve: Callable[[], "Plan"]) -> tuple["Plan", str]:
-    """The plan ``solve()`` would return, read from the plan cache when stored (then ``solve`` is not
-    called), else solved and stored. Returns it and where it came from: "" (solved now) or
-    "plan cache: <path>". A solve that raises stores nothing. A graph with symbolic shapes is always
-    solved: its plan depends on the sizes it is planned at (remat/dynamic.py), which the key does not hold."""
-    if _has_symbolic_shapes(joint_inputs):
-        return solve(), ""
-    key = plan_cache.plan_key(graph_key, options.cache_key(), profile, target_bytes, correction, device_type, modeled)
-    stored = plan_cache.read_entry("plans", key)
-    if stored is not None:
-        return stored, f"plan cache: {plan_cache.entry_path('plans', key)}"
-    plan = solve()
-    plan_cache.write_entry("plans", key, plan)
-    return plan, ""
+class CachedPlanner:
+    """A graph's planner with its answers kept: ``planner(request)`` is ``solve(request)`` (a
+    ``Plan``, or a ``BudgetInfeasibleError`` raised), read from the plan cache when this request
+    was answered before for this graph, options and profile, in this process or an earlier one;
+    else solved and stored. Refusals are kept too: a step's share search (graph breaks, DDP/FSDP2
+    pieces) asks many targets, and a warm run asks the same ones again.
+
+    The key (``plan_cache.plan_key``) covers the graph, the options, the profile, the request (its
+    target, cap, best effort, headroom and feedback correction), the device type, whether the
+    simulator models the graph, the static-lifetime inputs and remat's source: everything a plan is
+    a function of. Off (``enabled`` False: symbolic shapes, whose plan depends on the sizes it is
+    planned at, or the cache turned off): every request is solved, and only this object remembers it.
+    One object per partitioner call: no state outlives the graph it plans."""
+
+    def __init__(self, graph_key: str, options: "RematOptions", profile: object, device_type: str, modeled: bool,
+                 static_indices: object, solve: "Callable[[PlanningRequest], Plan]", enabled: bool = True) -> None:
+        self._parts = (graph_key, options.cache_key(), repr(profile), device_type, modeled, repr(static_indices))
+        self._solve, self._enabled = solve, enabled
+        self._answers: dict[str, Any] = {}      # key -> Plan or ("refused", message, fields)
+        self._sources: dict[int, str] = {}      # id(plan) -> the entry it was read from
+
+    def __call__(self, request: "PlanningRequest") -> "Plan":
+        key = plan_cache.plan_key(*self._parts, request=repr(request))
+        if key not in self._answers:
+            stored = plan_cache.read_entry("plans", key) if self._enabled else None
+            if stored is not None:
+                self._answers[key] = stored
+                if not isinstance(stored, tuple):
+                    self._sources[id(stored)] = f"plan cache: {plan_cache.entry_path('plans', key)}"
+            else:
+                self._answers[key] = self._answer(request)
+                if self._enabled:
+                    plan_cache.write_entry("plans", key, self._answers[key])
+        answer = self._answers[key]
+        if isinstance(answer, tuple):     # a fresh error each time: callers add to its message
+            _, message, fields = answer
+            raise BudgetInfeasibleError(message, **fields)
+        return answer
+
+    def _answer(self, request: "PlanningRequest") -> Any:
+        try:
+            return self._solve(request)
+        except BudgetInfeasibleError as error:
+            if type(error) is not BudgetInfeasibleError:   # a subclass carries more than these fields
+                raise
+            return ("refused", str(error.args[0]), dict(budget_bytes=error.budget_bytes,
+                                                          min_feasible_bytes=error.min_feasible_bytes,
+                                                          min_budget_bytes=error.min_budget_bytes,
+                                                          reasons=tuple(error.reasons)))
+
+    def source(self, plan: "Plan") -> str:
+        """Where ``plan`` came from: "plan cache: <entry>" when read from disk, "" when solved now."""
+        return self._sources.get(id(plan), "")
 
 
 def _has_symbolic_shapes(values: Sequence[Any]) -> bool:

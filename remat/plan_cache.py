@@ -10,10 +10,12 @@ What a plan's key covers (``plan_key``): the joint graph's code as Inductor hand
 partitioner and its inputs' shapes, strides, dtypes and devices (``feedback_store.graph_key``), the
 options that choose the plan with the budget (``RematOptions.cache_key``), the hardware profile,
 remat's own source (``planner_source_hash``: any edit to the planner misses), the torch version and
-thread count, the planning target and the feedback correction it was corrected by, the device type
-and whether the simulator models the graph's code. Anything else that the plan depends on is not
-keyed, and so a plan made next to other graphs' plans (a DDP/FSDP2 piece, a graph sharing its step
-with others at graph breaks) is never cached: ``RematBackend.partition`` solves those every time.
+thread count, the request (planning target, saved-bytes cap, best effort, headroom and the feedback
+correction the target was corrected by), the device type, whether the simulator models the graph's
+code and the static-lifetime inputs. A plan is a function of these alone; what a graph sharing its
+step (graph breaks, DDP/FSDP2 pieces) is planned at depends on the other graphs too, and so each
+answer its share search gets is cached by the request it answered, not the search's outcome: a
+warm run searches again, reading every answer (``compile_cache.CachedPlanner``).
 
 Turning it off: ``REMAT_COMPILE_CACHE=0`` (this cache and AOTAutograd's, as before issue 16).
 Clearing it: ``clear_compile_cache()`` or ``python -m remat.caches clear``.
@@ -63,12 +65,14 @@ def digest_of(*parts: object) -> str:
     return digest.hexdigest()[:32]
 
 
-def plan_key(graph_key: str, options_key: str, profile: object, target_bytes: Optional[int],
-             correction: object, device_type: str, modeled: bool) -> str:
-    """The key of a plan (see the module docstring). ``graph_key``: ``feedback_store.graph_key`` of
-    the joint graph (code, inputs, torch version, threads); ``profile`` and ``correction`` by repr."""
-    return digest_of("plan", graph_key, options_key, repr(profile), target_bytes, repr(correction), device_type,
-                     modeled, planner_source_hash())
+def plan_key(graph_key: str, options_key: str, profile: str, device_type: str, modeled: bool,
+             static_indices: str, request: str) -> str:
+    """The key of a planner's answer (see the module docstring). ``graph_key``: ``feedback_store.graph_key``
+    of the joint graph (code, inputs, torch version, threads); ``profile``, ``static_indices`` (the
+    static-lifetime inputs) and ``request`` (the ``PlanningRequest``: target, cap, best effort,
+    headroom, feedback correction) by repr."""
+    return digest_of("plan", graph_key, options_key, profile, device_type, modeled, static_indices, request,
+                     planner_source_hash())
 
 
 def entry_path(kind: str, key: str) -> Path:

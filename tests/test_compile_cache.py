@@ -108,3 +108,65 @@ def test_the_partitioner_uuid_covers_what_changes_a_plan(caches):
                remat.backend(BUDGET_GB, solver="milp").options, remat.backend(BUDGET_GB, dump_dir=caches / "d").options]
     assert len({base} | {compile_cache.partitioner_uuid(o, {}) for o in changed}) == 1 + len(changed)
     assert compile_cache.partitioner_uuid(options, {"key": "a correction"}) != base
+
+
+def test_a_refusal_is_kept_and_raised_afresh(caches):
+    """A planner's refusal is stored like a plan: another process (a new ``CachedPlanner``) raises the
+    same error without solving, a new error object each time (callers add to its message)."""
+    from remat.errors import BudgetInfeasibleError
+    from remat.pipeline import PlanningRequest
+
+    calls = []
+
+    def refuse(request):
+        calls.append(request)
+        raise BudgetInfeasibleError("no plan fits", budget_bytes=10, min_feasible_bytes=20, min_budget_bytes=22,
+                                    reasons=("a reason",))
+
+    options = remat.backend(BUDGET_GB).options
+    request = PlanningRequest(10, 9)
+    errors = []
+    for _ in range(2):      # two "processes": the second reads the first's entry
+        planner = compile_cache.CachedPlanner("graph", options, "profile", "cpu", True, None, refuse)
+        for _ in range(2):
+            with pytest.raises(BudgetInfeasibleError) as caught:
+                planner(request)
+            errors.append(caught.value)
+    assert len(calls) == 1
+    assert len({id(e) for e in errors}) == 4
+    assert {(str(e), e.budget_bytes, e.min_feasible_bytes, e.min_budget_bytes, e.reasons) for e in errors} == {
+        ("no plan fits", 10, 20, 22, ("a reason",))}
+    other = compile_cache.CachedPlanner("graph", options, "profile", "cpu", True, None, refuse)
+    with pytest.raises(BudgetInfeasibleError):
+        other(PlanningRequest(10, 9, saved_cap_bytes=0))     # another request: solved
+    assert len(calls) == 2
+
+
+def test_graphs_at_graph_breaks_reuse_every_answer_on_a_warm_run(caches, monkeypatch):
+    """Graphs sharing a step at graph breaks search their share anew each compile; on a warm run every
+    plan the search asks for is read from the plan cache, and the plans are the ones the cold run made."""
+    from test_graph_breaks import BrokenBlocks
+    import importlib
+
+    backend_module = importlib.import_module("remat.backend")    # the module, not remat.backend()
+
+    solved = []
+    solve = backend_module.plan_graph
+    monkeypatch.setattr(backend_module, "plan_graph", lambda facts, request: solved.append(request) or solve(facts, request))
+
+    def run(dump: str):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = BrokenBlocks(breaks=1, width=64, hidden=128), torch.randn(128, 64)
+        backend = remat.backend(0.0006, dump_dir=caches / dump, verify_peak=0, inductor_check=False)
+        torch.compile(model, backend=backend)(x).sum().backward()
+        return backend.compiled_graphs
+
+    cold = run("cold")
+    assert len(cold) == 2 and all(r.step_share is not None for r in cold), "the graphs must share the step"
+    cold_solves = len(solved)
+    assert cold_solves > 2, "the step's search asks for several plans"
+    warm = run("warm")
+    assert len(solved) == cold_solves, "the warm run solved again"
+    assert [r.plan for r in warm] == [r.plan for r in cold]
+    assert all(r.cache.startswith("plan cache: ") for r in warm)
