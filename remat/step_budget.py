@@ -364,8 +364,8 @@ def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
     """The plan with the least ``held + peak`` among the candidates whose own runs ``fits`` the
     step (all candidates when none does). The candidates: the plans near the smallest simulated
     peak (``distributed_search.near_smallest``) and the plans saving least at the first and the
-    last of those targets (cap 0 saved: two capped plans only, each one a slow solve, about a minute
-    on GPT-2's body under load, where the uncapped ones take a second). Why both ends: the capped
+    last of those targets (cap 0 saved: two capped plans only, each the slowest solve asked here,
+    7-9 s on GPT-2's body on the quiet 2-core VM, where the uncapped ones take a second or two). Why both ends: the capped
     plans trace what a graph holds against its peak; at the smallest peak's target alone a lower
     smallest peak can leave only plans holding much (the 2-break dropout MLP of
     tests/test_graph_breaks.py: 1.31 MB held at 2.89 MB peak, three graphs composing 6.03 MB in step 1
