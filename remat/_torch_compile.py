@@ -15,6 +15,10 @@ through, in one place (verified on torch 2.13.0; see README "Torch versions").
   modules from a joint graph and the saved values chosen (it keeps AOTAutograd's calling
   conventions: saved-tensor order, symbol bindings); ``default_partition`` handles joint graphs
   with no backward work (``split_joint``, ``split_by_default``).
+- ``torch._guards.TracingContext`` / ``tracing`` with a ``FakeTensorMode`` holding a
+  ``torch.fx.experimental.symbolic_shapes.ShapeEnv``: Inductor's FX graph cache reads the shape
+  environment from the tracing context and bypasses the cache without one ("No shape env"), which a
+  compile outside Dynamo's (a re-plan in a later step) has not (``compile_with_partitioner``).
 - ``torch._dynamo.backends.registry.register_backend`` and ``_COMPILER_FNS``
   (``register_dynamo_backend``).
 - AOTAutograd's autograd node of a compiled graph is named ``CompiledFunctionBackward``
@@ -98,8 +102,28 @@ def compile_with_partitioner(gm: fx.GraphModule, example_inputs: Sequence[Any], 
     backward too), each generated graph kept by ``capture`` (a new one if None)."""
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, inner_compile=(capture or CodeCapture()).inner_compile,
-                      config_patches={"custom_partitioner_fn": partitioner})
+    with _tracing_context():
+        return compile_fx(gm, example_inputs, inner_compile=(capture or CodeCapture()).inner_compile,
+                          config_patches={"custom_partitioner_fn": partitioner})
+
+
+def _tracing_context() -> Any:
+    """Dynamo's tracing context when the compile runs inside Dynamo's (the first compile of a graph);
+    else a fresh one whose fake mode has its own shape environment. A re-plan compiled while the step
+    runs has no context of Dynamo's, and without a shape environment Inductor's FX graph cache is
+    bypassed: measured on a 2-graph step re-planned after its first step, every re-plan's graph
+    generated its code again in every process ("Bypassing FX Graph Cache because 'No shape env'").
+    Only static shapes are compiled this way (the backend re-plans graphs without symbolic shapes),
+    so the guards the fresh environment records are not needed by anyone."""
+    import contextlib
+
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if TracingContext.try_get() is not None:
+        return contextlib.nullcontext()
+    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv())))
 
 
 def split_joint(joint: fx.GraphModule, saved_names: Sequence[str],

@@ -170,3 +170,30 @@ def test_graphs_at_graph_breaks_reuse_every_answer_on_a_warm_run(caches, monkeyp
     assert len(solved) == cold_solves, "the warm run solved again"
     assert [r.plan for r in warm] == [r.plan for r in cold]
     assert all(r.cache.startswith("plan cache: ") for r in warm)
+
+
+def test_re_plans_made_while_the_step_runs_use_inductors_fx_graph_cache(caches):
+    """A graph-break step's graphs are re-planned once the step's graphs are known, compiled outside
+    Dynamo's compile (no tracing context of its own): a warm run's re-plans are FX graph cache hits, none
+    bypasses the cache (without a shape environment Inductor bypassed it: "No shape env")."""
+    from test_graph_breaks import BrokenBlocks
+
+    def run() -> tuple[list[str], dict[str, int]]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = BrokenBlocks(breaks=1, width=64, hidden=128), torch.randn(128, 64)
+        backend = remat.backend(0.0008, verify_peak=0, inductor_check=False)
+        step = torch.compile(model, backend=backend)
+        step(x).sum().backward()
+        before = dict(counters["inductor"])
+        step(x).sum().backward()       # the re-plans are compiled before this step's first graph runs
+        second = {k: counters["inductor"][k] - before.get(k, 0)
+                  for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
+        return [r.graph_id for r in backend.compiled_graphs], second
+
+    cold_ids, cold = run()
+    assert any(i.endswith("_r1") for i in cold_ids), f"the case must re-plan: {cold_ids}"
+    assert cold["fxgraph_cache_bypass"] == 0 and cold["fxgraph_cache_miss"] > 0
+    warm_ids, warm = run()
+    assert warm_ids == cold_ids
+    assert (warm["fxgraph_cache_bypass"], warm["fxgraph_cache_miss"]) == (0, 0) and warm["fxgraph_cache_hit"] > 0

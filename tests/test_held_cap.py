@@ -84,18 +84,10 @@ def _every_drop_simulated(facts, start, target_bytes, cap_bytes):
 def test_pruned_rounds_pick_what_simulating_every_drop_picks(model):
     """``_best_drop`` simulates only drops whose lower-bound key can still win; on zoo models, at a tight,
     a middle and a loose target, saving nothing (cap 0), it ends where simulating every drop ends."""
-    from test_plan_hashes import trace
-    from remat.errors import BudgetInfeasibleError
+    from test_plan_hashes import budgets_between, trace
 
     for facts in trace(model):
-        high = make_plan(facts, None).no_remat_peak_bytes
-        try:
-            make_plan(facts, 1)
-            low = 1
-        except BudgetInfeasibleError as error:
-            low = error.min_feasible_bytes
-        for fraction in (0.1, 0.5, 0.9):
-            target = int(low + fraction * (high - low))
+        for _, target in budgets_between(facts):
             start = evaluate(facts, frozenset(make_plan(facts, target).saved))
             pruned = reduce_saved_bytes(facts, start, target, 0)
             assert pruned.chosen == _every_drop_simulated(facts, start, target, 0).chosen

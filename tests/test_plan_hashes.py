@@ -68,18 +68,23 @@ def trace(name: str) -> list[JointGraphFacts]:
     return trace_joint_facts(model, inputs, hardware=PROFILE)
 
 
+def budgets_between(facts: JointGraphFacts) -> list[tuple[float, int]]:
+    """(fraction, budget) for each of ``FRACTIONS``: ``lo + fraction * (hi - lo)`` between the smallest
+    feasible peak ``lo`` and the no-remat peak ``hi`` of the graph."""
+    hi = make_plan(facts, None).no_remat_peak_bytes
+    try:
+        make_plan(facts, 1)
+        lo = 1
+    except BudgetInfeasibleError as error:
+        lo = error.min_feasible_bytes
+    return [(fraction, int(lo + fraction * (hi - lo))) for fraction in FRACTIONS]
+
+
 def model_records(name: str) -> dict[str, Any]:
     """Every case of zoo model ``name``, keyed ``graph<i>/<fraction>/<cap|nocap>``, plus the budgets."""
     records: dict[str, Any] = {}
     for index, facts in enumerate(trace(name)):
-        hi = make_plan(facts, None).no_remat_peak_bytes
-        try:
-            make_plan(facts, 1)
-            lo = 1
-        except BudgetInfeasibleError as error:
-            lo = error.min_feasible_bytes
-        for fraction in FRACTIONS:
-            budget = int(lo + fraction * (hi - lo))
+        for fraction, budget in budgets_between(facts):
             plan = make_plan(facts, budget)
             capped = make_plan(facts, budget, saved_cap_bytes=plan.saved_bytes - 1)
             key = f"graph{index}/{fraction}"
