@@ -39,6 +39,7 @@ import torch
 
 from . import plan_cache
 from .cost_model.hardware import get_profile
+from ._torch_inductor import inductor_config
 from .errors import BudgetInfeasibleError
 from .feedback_store import store_dir
 
@@ -63,14 +64,16 @@ class CachedPlanner:
 
     The key (``plan_cache.plan_key``) covers the graph, the options, the profile, the request (its
     target, cap, best effort, headroom and feedback correction), the device type, whether the
-    simulator models the graph, the static-lifetime inputs and remat's source: everything a plan is
-    a function of. Off (``enabled`` False: symbolic shapes, whose plan depends on the sizes it is
+    simulator models the graph, the static-lifetime inputs, the Inductor settings the simulator reads
+    (``_torch_inductor.inductor_config``, read when the planner is made, as the simulation reads them
+    in the same partitioner call) and remat's source: everything a plan is a function of. Off (``enabled`` False: symbolic shapes, whose plan depends on the sizes it is
     planned at, or the cache turned off): every request is solved, and only this object remembers it.
     One object per partitioner call: no state outlives the graph it plans."""
 
     def __init__(self, graph_key: str, options: "RematOptions", profile: object, device_type: str, modeled: bool,
                  static_indices: object, solve: "Callable[[PlanningRequest], Plan]", enabled: bool = True) -> None:
-        self._parts = (graph_key, options.cache_key(), repr(profile), device_type, modeled, repr(static_indices))
+        self._parts = (graph_key, options.cache_key(), repr(profile), device_type, modeled,
+                       f"{static_indices!r};{inductor_config()!r}")
         self._solve, self._enabled = solve, enabled
         self._answers: dict[str, Any] = {}      # key -> Plan or ("refused", message, fields)
         self._sources: dict[int, str] = {}      # id(plan) -> the entry it was read from

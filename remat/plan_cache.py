@@ -12,10 +12,11 @@ options that choose the plan with the budget (``RematOptions.cache_key``), the h
 remat's own source (``planner_source_hash``: any edit to the planner misses), the torch version and
 thread count, the request (planning target, saved-bytes cap, best effort, headroom and the feedback
 correction the target was corrected by), the device type, whether the simulator models the graph's
-code and the static-lifetime inputs. A plan is a function of these alone; what a graph sharing its
-step (graph breaks, DDP/FSDP2 pieces) is planned at depends on the other graphs too, and so each
-answer its share search gets is cached by the request it answered, not the search's outcome: a
-warm run searches again, reading every answer (``compile_cache.CachedPlanner``).
+code, the static-lifetime inputs and the Inductor settings the simulator reads. A plan is a
+function of these alone; what a graph sharing its step (graph breaks, DDP/FSDP2 pieces) is planned
+at depends on the other graphs too, and so each answer its share search gets is cached by the
+request it answered, not the search's outcome: a warm run searches again, reading every answer
+(``compile_cache.CachedPlanner``).
 
 Turning it off: ``REMAT_COMPILE_CACHE=0`` (this cache and AOTAutograd's, as before issue 16).
 Clearing it: ``clear_compile_cache()`` or ``python -m remat.caches clear``.
@@ -66,12 +67,12 @@ def digest_of(*parts: object) -> str:
 
 
 def plan_key(graph_key: str, options_key: str, profile: str, device_type: str, modeled: bool,
-             static_indices: str, request: str) -> str:
+             graph_context: str, request: str) -> str:
     """The key of a planner's answer (see the module docstring). ``graph_key``: ``feedback_store.graph_key``
-    of the joint graph (code, inputs, torch version, threads); ``profile``, ``static_indices`` (the
-    static-lifetime inputs) and ``request`` (the ``PlanningRequest``: target, cap, best effort,
-    headroom, feedback correction) by repr."""
-    return digest_of("plan", graph_key, options_key, profile, device_type, modeled, static_indices, request,
+    of the joint graph (code, inputs, torch version, threads); ``profile``, ``graph_context`` (the
+    static-lifetime inputs and the Inductor settings the simulator reads) and ``request`` (the
+    ``PlanningRequest``: target, cap, best effort, headroom, feedback correction) by repr."""
+    return digest_of("plan", graph_key, options_key, profile, device_type, modeled, graph_context, request,
                      planner_source_hash())
 
 

@@ -197,3 +197,24 @@ def test_re_plans_made_while_the_step_runs_use_inductors_fx_graph_cache(caches):
     warm_ids, warm = run()
     assert warm_ids == cold_ids
     assert (warm["fxgraph_cache_bypass"], warm["fxgraph_cache_miss"]) == (0, 0) and warm["fxgraph_cache_hit"] > 0
+
+
+def test_the_inductor_settings_the_simulator_reads_are_keyed(caches):
+    """A plan made under other Inductor settings (the simulator models the fusion, reuse and reordering
+    they switch) is not re-used: the same request under ``reorder_for_peak_memory`` off is solved again."""
+    from remat.pipeline import PlanningRequest
+
+    calls = []
+    options = remat.backend(BUDGET_GB).options
+
+    def ask() -> None:
+        planner = compile_cache.CachedPlanner("graph", options, "profile", "cpu", True, None,
+                                              lambda request: calls.append(request) or "a plan")
+        assert planner(PlanningRequest(10, 9)) == "a plan"
+
+    ask()
+    ask()
+    assert len(calls) == 1
+    with torch._inductor.config.patch(reorder_for_peak_memory=not torch._inductor.config.reorder_for_peak_memory):
+        ask()
+    assert len(calls) == 2
