@@ -66,9 +66,11 @@ class CachedPlanner:
     target, cap, best effort, headroom and feedback correction), the device type, whether the
     simulator models the graph, the static-lifetime inputs, the Inductor settings the simulator reads
     (``_torch_inductor.inductor_config``, read when the planner is made, as the simulation reads them
-    in the same partitioner call) and remat's source: everything a plan is a function of. Off (``enabled`` False: symbolic shapes, whose plan depends on the sizes it is
-    planned at, or the cache turned off): every request is solved, and only this object remembers it.
-    One object per partitioner call: no state outlives the graph it plans."""
+    in the same partitioner call) and remat's source: everything a plan is a function of.
+
+    Off (``enabled`` False: symbolic shapes, whose plan depends on the sizes it is planned at) or with
+    the cache turned off (``REMAT_COMPILE_CACHE=0``): every request is solved once, and only this
+    object remembers it. One object per partitioner call: no state outlives the graph it plans."""
 
     def __init__(self, graph_key: str, options: "RematOptions", profile: object, device_type: str, modeled: bool,
                  static_indices: object, solve: "Callable[[PlanningRequest], Plan]", enabled: bool = True) -> None:
