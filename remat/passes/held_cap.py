@@ -18,6 +18,7 @@ from ..simulator import Evaluated, evaluate, partition_of
 from ..simulator.schedule import backward_order, recompute_time_of
 from .graph_analysis import CAP_TRIAL_ENTRIES
 from .joint_graph import JointGraphFacts
+from .partition import Partition
 from .mincut import saved_cost_bytes
 from .recompute_bans import why_not_recomputable
 
@@ -28,7 +29,11 @@ MAX_ROUNDS = 64
 
 def saved_bytes_of(facts: JointGraphFacts, plan: Evaluated) -> int:
     """Bytes the plan's forward keeps for its backward, as ``Plan.saved_bytes`` counts them."""
-    return sum(saved_cost_bytes(facts, name) for name in plan.partition.saved)
+    return _partition_saved_bytes(facts, plan.partition)
+
+
+def _partition_saved_bytes(facts: JointGraphFacts, partition: Partition) -> int:
+    return sum(saved_cost_bytes(facts, name) for name in partition.saved)
 
 
 def reduce_saved_bytes(facts: JointGraphFacts, start: Evaluated, target_bytes: int, cap_bytes: int) -> Evaluated:
@@ -77,7 +82,7 @@ def _best_drop(facts: JointGraphFacts, current: Evaluated, held_bytes: int, peak
         if why_not_recomputable(facts, name) is not None:
             continue
         _, partition = partition_of(facts, current.chosen - {name})
-        saved = sum(saved_cost_bytes(facts, n) for n in partition.saved)
+        saved = _partition_saved_bytes(facts, partition)
         freed = held_bytes - saved
         if freed <= 0:
             continue
@@ -108,7 +113,7 @@ def _trial(facts: JointGraphFacts, chosen: frozenset[str], held_bytes: int,
     numbers = known.get(chosen)
     if numbers is None or (numbers[1] < 0 and numbers[0] < held_bytes):
         _, partition = partition_of(facts, chosen)
-        saved = sum(saved_cost_bytes(facts, name) for name in partition.saved)
+        saved = _partition_saved_bytes(facts, partition)
         if saved >= held_bytes:
             numbers = (saved, -1, 0.0)       # not simulated
         else:
