@@ -269,7 +269,7 @@ class RematBackend:
         if share is None and target_bytes is not None:   # graph breaks: one budget per step (remat/step_budget.py)
             step = self._step_hooks.account
             share = step.share_for_joint(slot_of(graph_id), target_bytes, joint, need_of(facts), num_fwd_outputs,
-                                         static_indices, follows=getattr(self._replan, "follows", False))
+                                         static_indices, getattr(self._replan, "follows", False), key)
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
 
         # every answer kept by its request, here and on disk (compile_cache.CachedPlanner)
@@ -280,7 +280,7 @@ class RematBackend:
                     best_effort: Optional[bool] = None) -> Plan:
             return planner(request.at(target_bytes, saved_cap_bytes, best_effort))
 
-        refusal = None
+        refusal, asked_share = None, share
         try:
             if share is None:   # alone in its step
                 plan = plan_at(target_bytes)
@@ -326,7 +326,7 @@ class RematBackend:
             static_indices, dump_path)
         if target_bytes is not None and (share is None or step_share is not None):
             note_step_plan(self._step_hooks.account, graph_id, step_share, plan, plan_at, joint, facts,
-                           num_fwd_outputs, static_indices, target_bytes, dump_path)
+                           num_fwd_outputs, static_indices, target_bytes, dump_path, key, asked_share)
         check_target = None if refusal is not None or base_target_bytes is None else share_check_target(
             step_share, held_of(plan), base_target_bytes)
         record = CompiledGraph(graph_id, current_compile_id(), plan, regions, dump_path, distributed, key,

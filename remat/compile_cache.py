@@ -63,7 +63,7 @@ class CachedPlanner:
     pieces) asks many targets, and a warm run asks the same ones again.
 
     The key (``plan_cache.plan_key``) covers the graph, the options, the profile, the request (its
-    target, cap, best effort, headroom and feedback correction), the device type, whether the
+    target, cap, best effort, headroom and feedback correction's factor), the device type, whether the
     simulator models the graph, the static-lifetime inputs, the Inductor settings the simulator reads
     (``_torch_inductor.inductor_config``, read when the planner is made, as the simulation reads them
     in the same partitioner call) and remat's source: everything a plan is a function of.
@@ -81,7 +81,7 @@ class CachedPlanner:
         self._sources: dict[int, str] = {}      # id(plan) -> the entry it was read from
 
     def __call__(self, request: "PlanningRequest") -> "Plan":
-        key = plan_cache.plan_key(*self._parts, request=repr(request))
+        key = plan_cache.plan_key(*self._parts, request=request.cache_repr())
         if key not in self._answers:
             stored = plan_cache.read_entry("plans", key) if self._enabled else None
             if stored is not None:

@@ -122,6 +122,13 @@ class PlanningRequest:
         target = target_for_budget(budget_bytes, self.headroom_fraction)
         return target if self.correction is None else self.correction.corrected_target(target)
 
+    def cache_repr(self) -> str:
+        """What the plan cache keys this request by: every field, the correction by its factor alone (all
+        the planner reads of it, through ``target_for``; a factor of 1 is no correction). A step's re-plan
+        (a factor-1 correction naming why) and a later process's plan of the same share key alike."""
+        factor = None if self.correction is None or self.correction.factor == 1.0 else self.correction.factor
+        return f"{dataclasses.replace(self, correction=None)!r}, correction factor {factor!r}"
+
     def at(self, target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
            best_effort: Optional[bool] = None) -> "PlanningRequest":
         """The same request at another target (and cap, and best effort: unchanged when None)."""

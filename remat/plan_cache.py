@@ -10,9 +10,9 @@ What a plan's key covers (``plan_key``): the joint graph's code as Inductor hand
 partitioner and its inputs' shapes, strides, dtypes and devices (``feedback_store.graph_key``), the
 options that choose the plan with the budget (``RematOptions.cache_key``), the hardware profile,
 remat's own source (``planner_source_hash``: any edit to the planner misses), the torch version and
-thread count, the request (planning target, saved-bytes cap, best effort, headroom and the feedback
-correction the target was corrected by), the device type, whether the simulator models the graph's
-code, the static-lifetime inputs and the Inductor settings the simulator reads. A plan is a
+thread count, the request (planning target, saved-bytes cap, best effort, headroom and the factor of the
+feedback correction the target was corrected by: ``PlanningRequest.cache_repr``), the device type,
+whether the simulator models the graph's code, the static-lifetime inputs and the Inductor settings the simulator reads. A plan is a
 function of these alone; what a graph sharing its step (graph breaks, DDP/FSDP2 pieces) is planned
 at depends on the other graphs too, and so each answer its share search gets is cached by the
 request it answered, not the search's outcome: a warm run searches again, reading every answer
@@ -71,7 +71,7 @@ def plan_key(graph_key: str, options_key: str, profile: str, device_type: str, m
     """The key of a planner's answer (see the module docstring). ``graph_key``: ``feedback_store.graph_key``
     of the joint graph (code, inputs, torch version, threads); ``profile``, ``graph_context`` (the
     static-lifetime inputs and the Inductor settings the simulator reads) and ``request`` (the
-    ``PlanningRequest``: target, cap, best effort, headroom, feedback correction) by repr."""
+    ``PlanningRequest``: target, cap, best effort, headroom, feedback correction's factor) by ``cache_repr``."""
     return digest_of("plan", graph_key, options_key, profile, device_type, modeled, graph_context, request,
                      planner_source_hash())
 

@@ -20,40 +20,31 @@ report at run time which graphs entered their forward and which finished their b
 backward is really pending, and a complete step (nothing pending any more) gives the sequence.
 
 When each step may run over the budget (the simulator's error aside, which the feedback loop
-corrects):
+corrects; measured figures in docs/budget.md):
 
 - step 1 (the sequence is unknown): a graph Dynamo compiled at a graph break (more of its frame
-  runs after it, ``_torch_graph_breaks.graph_break_follows``) takes its leanest plan (``leanest_plan``:
-  the least held + peak near its smallest peak; kind "break-smallest"), since what the later
-  graphs hold and their gradients ``G_>k`` are unknown; a graph no break follows (the frame's last)
-  is planned next to what the pending graphs hold (kind "break-partial"). Step 1 then fits unless
-  the budget is below what the step's leanest plans compose, or the step's graphs come from
-  frames compiled apart (two ``torch.compile``d modules: no break tells the first that the second
-  follows, and it plans for the whole budget), or the assumption behind ``leanest_plan`` (the next
-  graph peaks like this one) is far off;
+  runs after it, ``_torch_graph_breaks.graph_break_follows``) takes its leanest plan (``leanest_plan``,
+  kind "break-smallest"), since the later graphs and their gradients ``G_>k`` are unknown; a graph no
+  break follows (the frame's last) is planned next to what the pending graphs hold (kind
+  "break-partial"). Step 1 then fits unless the budget is below what the leanest plans compose, the
+  step's graphs come from frames compiled apart (no break tells the first that the second follows),
+  or the leanest plan's assumption (the next graph peaks like this one) is far off. A step an earlier
+  process settled is planned at once at the shares it gave (``step_memory.py``): no provisional plans;
 - at the end of step 1 the sequence is known (``backward_done`` returns it): every graph planned
   provisionally (``StepGraph.provisional``) and every graph whose plan breaks the condition above
-  is marked for a re-plan, under ``piece_target``'s share with the later graphs' gradients and a
+  is marked for a re-plan under ``piece_target``'s share with the later graphs' gradients and a
   reserve for them. The re-plans are made at the first graph's next forward entry, before anything
-  of step 2 runs, all of them in forward order (each share sees the earlier graphs' new plans), on
-  fake inputs (``remat/step_loop.py``). So step 2 fits in simulation and compiles nothing next to
-  what earlier graphs hold (a compile inside the step kept objects of the step alive until a
-  garbage collection: 1.04x-1.10x the budget where step 3 measured 0.90x-0.95x). At each forward entry a graph
-  whose plan no longer fits next to what the pending graphs hold is still re-planned before it runs
+  of step 2 runs, in forward order (each share sees the earlier graphs' new plans), on fake inputs
+  (``remat/step_loop.py``), so none compiles next to what earlier graphs hold. At each forward entry
+  a graph whose plan no longer fits next to the pending graphs is still re-planned before it runs
   (``check_entry``). A re-plan no plan meets raises ``BudgetInfeasibleError`` at step 2's first
-  forward, naming a budget; step 1 may have run over then (the leanest plans composed over it).
-  Measured on tests/test_graph_breaks.py's models (1, 2 with dropout, 4 breaks at 50-70% of plain
-  Inductor's step peak; 1 break at the 46% a refusal named): 0.46x-0.95x the budget on step 1,
-  0.83x-0.95x on step 2, as on step 3 (before: 1.13x-1.64x, 1.04x-1.10x; docs/budget.md);
+  forward, naming a budget; step 1 may have run over then;
 - a graph that enters its forward again before its backward ran (a compiled block run several times
   per step, or a forward whose backward never ran) ends the accounting of that step: it is not
-  used as a sequence, and the first graph of the next step starts afresh; graphs planned
-  provisionally in such steps keep those plans (leanest: slower, not larger).
-
+  used as a sequence; graphs planned provisionally in such steps keep those plans (slower, not larger);
 - the simulator's error on the composed step: once the sequence is known, whole steps are measured
-  (``remat/step_loop.py``: first forward entry to last backward end); a step over the budget
-  re-plans every graph at its target divided by ``measured / predicted`` step peak, so that step
-  and the next one measured (a step with a re-plan inside is not measured) may run over.
+  (``remat/step_loop.py``); a step over the budget re-plans every graph at its target divided by
+  ``measured / predicted`` step peak, so that step and the next one measured may run over.
 
 The run-time side (the wrappers' hooks, the re-plans, the step window) is ``remat/step_loop.py``.
 Not counted: memory eager code between the graphs holds (beyond the graphs' inputs), which must fit
@@ -69,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .distributed import GraphShare, piece_target
 from .errors import BudgetInfeasibleError
+from .step_memory import recall_share
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -93,6 +85,8 @@ class StepGraph:
     floor_held_bytes: int = 0      # what its smallest-peak plan holds for its backward
     no_remat_peak_bytes: int = 0   # its simulated peak saving everything
     provisional: bool = False      # planned before its step's graphs were known: re-planned when a step completes
+    graph_key: str = ""            # the graph's store key (feedback_store.graph_key): the same graph in another process
+    asked_share: Optional[GraphShare] = None   # the share the plan was asked to fit (None: planned alone in its step)
 
 
 def later_demand_bytes(later: tuple[StepGraph, ...], floor: bool = True) -> int:
@@ -184,12 +178,14 @@ class StepAccount:
         return None if graph_id is None else self._plans.get(graph_id)
 
     def share_for(self, slot: str, step_target_bytes: int, input_activation_bytes: int, param_grad_bytes: int,
-                  need_bytes: int, follows: bool = False) -> Optional[GraphShare]:
+                  need_bytes: int, follows: bool = False, graph_key: str = "") -> Optional[GraphShare]:
         """The share of the step for graph ``slot`` about to be planned, or None when it is alone in
         its step (nothing pending, no graph break after it and no known sequence with other graphs:
         the whole budget, as for one graph). In a known sequence: its earlier and later graphs'
-        running plans; else the graphs whose backward is pending now, and when a graph break
-        ``follows`` it, kind "break-smallest" (its smallest-peak plan: what later graphs need is unknown)."""
+        running plans; else the share a settled step of an earlier process gave the graph ``graph_key``
+        after the graphs pending now (``step_memory.recall_share``), else those pending graphs, and when
+        a graph break ``follows`` it, kind "break-smallest" (its smallest-peak plan: what later graphs
+        need is unknown)."""
         with self._lock:
             floor = self._floors.get(slot)
             own_floor = 0 if floor is None else floor[0] + input_activation_bytes
@@ -201,6 +197,10 @@ class StepAccount:
             else:
                 earlier = tuple(g for s in self._pending if s != slot and (g := self._graph(s)) is not None)
                 later, known = (), False
+        recalled = None if known or not graph_key else recall_share(earlier, graph_key, step_target_bytes,
+                                                                     input_activation_bytes, param_grad_bytes)
+        if recalled is not None:
+            return recalled
         smallest = follows and not known
         if not earlier and not later and not smallest:
             return None
@@ -209,10 +209,10 @@ class StepAccount:
 
     def share_for_joint(self, slot: str, step_target_bytes: int, joint: "fx.GraphModule", need_bytes: int,
                         num_fwd_outputs: int, static_indices: Optional[Sequence[int]],
-                        follows: bool = False) -> Optional[GraphShare]:
+                        follows: bool = False, graph_key: str = "") -> Optional[GraphShare]:
         """``share_for`` with the inputs and gradients read off the joint graph (``io_bytes``)."""
         inputs, grads = self.io_bytes(slot, joint, num_fwd_outputs, static_indices)
-        return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows)
+        return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows, graph_key)
 
     def io_bytes(self, slot: str, joint: "fx.GraphModule", num_fwd_outputs: int,
                  static_indices: Optional[Sequence[int]]) -> tuple[int, int]:
@@ -364,20 +364,17 @@ def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
     """The plan with the least ``held + peak`` among the candidates whose own runs ``fits`` the
     step (all candidates when none does). The candidates: the plans near the smallest simulated
     peak (``distributed_search.near_smallest``) and the plans saving least at the first and the
-    last of those targets (cap 0 saved: two capped plans only, each the slowest solve asked here,
-    7-9 s on GPT-2's body on the quiet 2-core VM, where the uncapped ones take a second or two). Why both ends: the capped
-    plans trace what a graph holds against its peak; at the smallest peak's target alone a lower
-    smallest peak can leave only plans holding much (the 2-break dropout MLP of
-    tests/test_graph_breaks.py: 1.31 MB held at 2.89 MB peak, three graphs composing 6.03 MB in step 1
-    at a 5.83 MB budget, where the last target's capped plan holds 0.26 MB at 3.67 MB). Why that sum: the step's condition
-    charges a graph's peak under what the earlier graphs hold, and what it holds under every later
-    graph's peak; with the later graphs unknown, it is taken that the next one peaks like this one,
-    so ``held + peak`` is what this graph adds to the worst pair it is in. The smallest-peak plan
-    alone often saves nearly everything (its peak is the backward's, not what it holds). Why
-    ``fits`` first: a plan whose own peak is over the step target is never taken where one under
-    it exists (measured on GPT-2's body at a 5.26 MB budget: the least ``held + peak`` peaked at
-    5.35 MB, 7% over the 5.00 MB step target, and the first step measured 1.07x the budget).
-    Raises ``BudgetInfeasibleError`` only when no target plans at all."""
+    last of those targets (cap 0 saved: the slowest solves asked here, 7-9 s each on GPT-2's body
+    on the 2-core VM). Why both ends: at the smallest peak's target alone a lower smallest peak can
+    leave only plans holding much (the 2-break dropout MLP of tests/test_graph_breaks.py: 1.31 MB held
+    at 2.89 MB peak composed 6.03 MB in step 1 at a 5.83 MB budget; the last target's capped plan
+    holds 0.26 MB at 3.67 MB). Why that sum: the step charges a graph's peak under what the earlier
+    graphs hold, and what it holds under every later graph's peak; with the later graphs unknown, the
+    next one is taken to peak like this one, so ``held + peak`` is what this graph adds to the worst
+    pair it is in (the smallest-peak plan alone often saves nearly everything). Why ``fits`` first:
+    a plan whose own peak is over the step target is never taken where one under it exists (GPT-2's
+    body at a 5.26 MB budget: the least ``held + peak`` peaked 7% over the step target, and the first
+    step measured 1.07x the budget). Raises ``BudgetInfeasibleError`` only when no target plans at all."""
     from .distributed_search import holding_least, near_smallest
 
     try:
@@ -427,9 +424,11 @@ def need_of(facts: Any) -> int:
 
 def note_step_plan(account: StepAccount, graph_id: str, share: Optional[GraphShare], plan: Any,
                    plan_at: "Callable[[int], Any]", joint: "fx.GraphModule", facts: Any, num_fwd_outputs: int,
-                   static_indices: Optional[Sequence[int]], step_target_bytes: int, dump_path: Optional[str]) -> None:
+                   static_indices: Optional[Sequence[int]], step_target_bytes: int, dump_path: Optional[str],
+                   graph_key: str = "", asked_share: Optional[GraphShare] = None) -> None:
     """After planning a graph under a budget: its numbers go on the account (it now runs this plan),
-    and its share of the step, if it had one, into its dump (report.md's "Step budget split").
+    with its key and the share it was asked to fit (``asked_share``; ``share`` is the one it got), and
+    its share of the step, if it had one, into its dump (report.md's "Step budget split").
     A graph planned under a share also records its floor (``smallest_plan``: two more plans, once per
     graph; a graph alone in its step, one without graph breaks, skips them)."""
     from .distributed import write_share_to_dump
@@ -444,6 +443,7 @@ def note_step_plan(account: StepAccount, graph_id: str, share: Optional[GraphSha
         floor = account.set_floor(slot, smallest.predicted_peak_bytes, held_of(smallest))
     floor_peak, floor_held = floor or (0, 0)
     account.note_plan(StepGraph(graph_id, slot, held_of(plan), inputs, grads, need_of(facts), plan.predicted_peak_bytes,
-                                step_target_bytes, floor_peak, floor_held, plan.no_remat_peak_bytes, provisional))
+                                step_target_bytes, floor_peak, floor_held, plan.no_remat_peak_bytes, provisional,
+                                graph_key, asked_share if share is not None else None))
     if share is not None and dump_path is not None:
         write_share_to_dump(dump_path, share)

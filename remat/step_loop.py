@@ -37,6 +37,7 @@ from typing import Any, Optional
 from .feedback_store import Correction
 from .measure import StepWindow, open_window
 from .step_budget import StepAccount, slot_of
+from .step_memory import RememberedStep, remember_step, settled
 from .units import format_bytes
 
 log = logging.getLogger("remat")
@@ -57,6 +58,7 @@ class StepHooks:
         self._corrections = 0
         self._steps = 0
         self._window: Optional[StepWindow] = None
+        self._remembered: Optional[RememberedStep] = None    # the settled step last stored (step_memory.py)
         self._lock = threading.Lock()
 
     def register(self, wrapper: Any) -> None:
@@ -125,6 +127,17 @@ class StepHooks:
             found = self._wrapper(slot) if slot in replans else None
             if found is not None:
                 self._replan(found, replans[slot])
+        if not replans:
+            self._remember(order)
+
+    def _remember(self, order: tuple[str, ...]) -> None:
+        """A step completed with nothing to re-plan: if it is settled (``step_memory.settled``), store it
+        for later processes, once per set of running plans."""
+        wrappers = [self._wrapper(slot) for slot in order]
+        step = settled([None if w is None else self.account.plan_of(w.record.graph_id) for w in wrappers])
+        if step is not None and step != self._remembered:
+            self._remembered = step
+            remember_step(step)
 
     def _wrapper(self, slot: str) -> Any:
         with self._lock:

@@ -172,6 +172,77 @@ def test_graphs_at_graph_breaks_reuse_every_answer_on_a_warm_run(caches, monkeyp
     assert all(r.cache.startswith("plan cache: ") for r in warm)
 
 
+def test_a_settled_step_is_remembered_and_a_warm_first_step_plans_it_at_once(caches, monkeypatch):
+    """A step split at a graph break is planned provisionally in step 1 and re-planned once it completes
+    (cold). A later process plans each graph at the share the settled step gave it (remat/step_memory.py):
+    its first step runs the cold run's final plans, none provisional, nothing solved and nothing
+    re-planned; the step's two graphs also fit the budget as the settled plans did."""
+    from test_graph_breaks import BrokenBlocks
+    import importlib
+
+    backend_module = importlib.import_module("remat.backend")
+    solved = []
+    solve = backend_module.plan_graph
+    monkeypatch.setattr(backend_module, "plan_graph", lambda facts, request: solved.append(request) or solve(facts, request))
+
+    def run(steps: int):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = BrokenBlocks(breaks=1, width=64, hidden=128), torch.randn(128, 64)
+        backend = remat.backend(0.0008, verify_peak=0, inductor_check=False)
+        step = torch.compile(model, backend=backend)
+        for _ in range(steps):
+            step(x).sum().backward()
+        return backend
+
+    cold = run(3)
+    ids = [r.graph_id for r in cold.compiled_graphs]
+    assert any(i.endswith("_r1") for i in ids), f"the case must re-plan after step 1: {ids}"
+    final = {r.graph_id.split("_r")[0]: r for r in cold.compiled_graphs}    # the last plan of each graph
+    assert all(r.step_share.kind == "break" for r in final.values())
+    cold_solves = len(solved)
+    warm = run(2)
+    assert [r.graph_id for r in warm.compiled_graphs] == sorted(final), "the warm run re-planned"
+    assert [r.plan for r in warm.compiled_graphs] == [final[k].plan for k in sorted(final)]
+    assert not any(warm.step_account.plan_of(r.graph_id).provisional for r in warm.compiled_graphs)
+    assert len(solved) == cold_solves, "the warm run solved again"
+
+
+def test_a_remembered_step_is_recalled_only_where_it_rests_on_this_processs_graphs():
+    """``recall_share``: the graphs pending before and the graph planned must be the remembered step's
+    first graphs, and the numbers its share was computed from (step target, held bytes, inputs,
+    gradients) this process's; anything else is planned as in a cold process."""
+    from remat.distributed import piece_target
+    from remat.step_budget import StepGraph
+    from remat import step_memory
+
+    def graph(key: str, held: int, share=None) -> StepGraph:
+        return StepGraph(f"g_{key}", f"g_{key}", held, 5, 7, 10, 40, 100, graph_key=key, asked_share=share)
+
+    shares = [piece_target(step_target_bytes=100, index=i, needs=(10, 10), held_before_bytes=held,
+                           input_activation_bytes=inputs, total_grad_bytes=14, grads_so_far_bytes=7 * (i + 1),
+                           kind="break", own_grad_bytes=7) for i, held, inputs in ((0, 0, 0), (1, 20, 5))]
+    step = step_memory.settled([graph("a", 20, shares[0]), graph("b", 15, shares[1])])
+    assert step is not None and step_memory.settled([graph("a", 20, shares[0]), graph("b", 15)]) is None
+    stored = {}
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(step_memory.plan_cache, "write_entry", lambda kind, key, value: stored.__setitem__(key, value))
+    monkeypatch.setattr(step_memory.plan_cache, "read_entry", lambda kind, key: stored.get(key))
+    try:
+        step_memory.remember_step(step)
+        recall = step_memory.recall_share
+        assert recall([], "a", 100, 0, 7) == shares[0]
+        assert recall([graph("a", 20)], "b", 100, 5, 7) == shares[1]
+        assert recall([], "b", 100, 0, 7) is None, "another first graph"
+        assert recall([], "a", 90, 0, 7) is None, "another step target"
+        assert recall([graph("a", 21)], "b", 100, 5, 7) is None, "the earlier graph holds another amount"
+        assert recall([graph("a", 20)], "c", 100, 5, 7) is None, "another second graph"
+        assert recall([graph("a", 20)], "b", 100, 6, 7) is None, "other inputs"
+        assert recall([graph("a", 20), graph("b", 15)], "c", 100, 5, 7) is None, "past the remembered step"
+    finally:
+        monkeypatch.undo()
+
+
 def test_re_plans_made_while_the_step_runs_use_inductors_fx_graph_cache(caches):
     """A graph-break step's graphs are re-planned once the step's graphs are known, compiled outside
     Dynamo's compile (no tracing context of its own): a warm run's re-plans are FX graph cache hits, none
@@ -194,6 +265,7 @@ def test_re_plans_made_while_the_step_runs_use_inductors_fx_graph_cache(caches):
     cold_ids, cold = run()
     assert any(i.endswith("_r1") for i in cold_ids), f"the case must re-plan: {cold_ids}"
     assert cold["fxgraph_cache_bypass"] == 0 and cold["fxgraph_cache_miss"] > 0
+    shutil.rmtree(plan_cache.compile_cache_dir() / "steps")   # the settled step forgotten: the warm run re-plans too
     warm_ids, warm = run()
     assert warm_ids == cold_ids
     assert (warm["fxgraph_cache_bypass"], warm["fxgraph_cache_miss"]) == (0, 0) and warm["fxgraph_cache_hit"] > 0

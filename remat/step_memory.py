@@ -1,0 +1,98 @@
+"""A settled step of graph-break graphs, remembered across processes: a warm first step plans it at once.
+
+A step split at graph breaks is planned in two rounds in a process that knows nothing of it
+(``step_budget.py``): in step 1 each graph takes a provisional plan (its leanest, or a share next to
+the graphs pending), since the later graphs are unknown; once step 1 completes, the provisional graphs
+are re-planned under their shares of the known sequence, before step 2 runs. The step is *settled*
+when it completes with every graph running a plan made under a share of the known sequence (kind
+"break") and nothing to re-plan. ``remember_step`` stores that state: the graphs' keys
+(``feedback_store.graph_key``) in forward order and the share each one's running plan was asked to
+fit (``StepGraph.asked_share``).
+
+A later process whose step starts with the same graphs plans each of them at its remembered share
+as it is compiled (``recall_share``), so its plans are the settled ones (each answer read from the
+plan cache), none is provisional, and nothing is re-planned when step 1 completes. A share is
+recalled only when what it rests on is this process's too: the keys of the graphs pending before
+this one and this graph's key are the remembered sequence's first keys, and the step target, what
+those graphs hold for their backward, this graph's activation inputs and its gradients are the
+numbers the share was computed from. What it rests on beyond that (the later graphs: what they hold,
+their gradients, their floors) is the remembered step's; a later graph that turns out different (not
+the remembered key, or other plans) is planned as in a cold process, and the end of step 1 checks
+the step's condition on the running plans and re-plans what breaks it, as it does after a cold step 1
+(which may run over, as a cold step 1 may).
+
+Stored with the plan cache (``plan_cache``: ``steps/<key>.pkl``; key: the first graph's key, the step
+target and remat's source); off with it (``REMAT_COMPILE_CACHE=0``), cleared with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
+
+from . import plan_cache
+
+if TYPE_CHECKING:
+    from .distributed import GraphShare
+
+ENTRY_KIND = "steps"
+
+
+class StepGraph(Protocol):
+    """What this module reads of a plan's numbers on the step's account (``step_budget.StepGraph``)."""
+
+    graph_key: str
+    held_bytes: int
+    asked_share: Optional["GraphShare"]
+
+
+@dataclass(frozen=True)
+class RememberedStep:
+    """A settled step: its graphs' keys in forward order and the share each running plan was asked to fit."""
+
+    graph_keys: tuple[str, ...]
+    asked_shares: tuple["GraphShare", ...]
+
+
+def step_key(first_graph_key: str, step_target_bytes: int) -> str:
+    """The store key of a step beginning with the graph ``first_graph_key`` at the step target ``step_target_bytes``."""
+    return plan_cache.digest_of("step", first_graph_key, step_target_bytes, plan_cache.planner_source_hash())
+
+
+def settled(graphs: Sequence[Optional["StepGraph"]]) -> Optional[RememberedStep]:
+    """The step ``graphs`` (the running plans of a completed step, forward order) as a ``RememberedStep``,
+    or None when it is not one to remember: fewer than two graphs, a graph without a key, or a plan not
+    made under a share of the known sequence (provisional, or planned alone)."""
+    if len(graphs) < 2 or any(g is None or not g.graph_key or g.asked_share is None or g.asked_share.kind != "break"
+                              for g in graphs):
+        return None
+    return RememberedStep(tuple(g.graph_key for g in graphs if g is not None),
+                          tuple(g.asked_share for g in graphs if g is not None and g.asked_share is not None))
+
+
+def remember_step(step: RememberedStep) -> Optional[Path]:
+    """Store ``step`` for later processes (``settled`` makes it); the path, or None (caching off, not writable)."""
+    return plan_cache.write_entry(ENTRY_KIND, step_key(step.graph_keys[0], step.asked_shares[0].step_target_bytes), step)
+
+
+def recall_share(earlier: Sequence["StepGraph"], graph_key: str, step_target_bytes: int,
+                 input_activation_bytes: int, param_grad_bytes: int) -> Optional["GraphShare"]:
+    """The share a remembered step gave the graph ``graph_key`` planned now after ``earlier`` (the running
+    plans of the graphs whose backward is pending, forward order), or None when no remembered step
+    matches (see the module docstring for what must match)."""
+    first_key = earlier[0].graph_key if earlier else graph_key
+    if not first_key:
+        return None
+    step = plan_cache.read_entry(ENTRY_KIND, step_key(first_key, step_target_bytes))
+    k = len(earlier)
+    if not isinstance(step, RememberedStep) or len(step.graph_keys) <= k:
+        return None
+    if step.graph_keys[:k + 1] != tuple(g.graph_key for g in earlier) + (graph_key,):
+        return None
+    share = step.asked_shares[k]
+    rests_on = (share.index, share.step_target_bytes, share.held_before_bytes, share.input_activation_bytes,
+                share.own_grad_bytes)
+    here = (k, step_target_bytes, sum(g.held_bytes for g in earlier), input_activation_bytes if earlier else 0,
+            param_grad_bytes)
+    return share if rests_on == here else None
