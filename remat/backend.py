@@ -19,7 +19,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 from torch import fx
 
 from . import _torch_cache
@@ -29,6 +28,7 @@ from ._torch_dynamo import copy_dynamo_graph, current_compile_id, passthrough_er
 from ._torch_graph_breaks import graph_break_follows
 from .compile_cache import CachedPlanner, CallCache, call_cacheable, partitioner_uuid
 from .compiled_graph import CompiledGraph
+from .cost_model.tensors import has_symbolic_shapes
 from .devices import device_of, free_device_bytes
 from .distributed import GraphShare, StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
@@ -46,12 +46,6 @@ from .step_budget import StepAccount, fit_in_step, need_of, note_step_plan, slot
 from .step_loop import StepHooks
 
 log = logging.getLogger("remat")
-
-
-def _has_symbolic_shapes(example_inputs: Sequence[Any]) -> bool:
-    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and
-                                              any(isinstance(d, torch.SymInt) for d in v.shape))
-               for v in example_inputs)
 
 
 def _copy_or_none(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
@@ -147,7 +141,7 @@ class RematBackend:
             if call_cache is not None and not restored:
                 call_cache.store(None, None)
             return fn       # an inference graph (no plan)
-        in_place = pristine is not None and not _has_symbolic_shapes(example_inputs) and records[0].distributed is None
+        in_place = pristine is not None and not has_symbolic_shapes(example_inputs) and records[0].distributed is None
         if not restored:    # a restored record is final: judged (and any refusal overruled) when it was made
             if records[0].refusal is not None and not (judge and in_place):
                 self.compiled_graphs.pop()      # no check to overrule the simulator's refusal: it stands
@@ -213,8 +207,8 @@ class RematBackend:
         (``ShareInfeasibleError``: the budget named is then read off that plan's generated code)."""
         shared = share is not None and share.kind == "break" and isinstance(error, ShareInfeasibleError)
         return (self.options.inductor_check and self.options.budget_bytes is not None and not self.options.best_effort
-                and not _has_symbolic_shapes(joint_inputs)
-                and not _has_symbolic_shapes([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])
+                and not has_symbolic_shapes(joint_inputs)
+                and not has_symbolic_shapes([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])
                 and (shared or (share is None and getattr(self._replan, "correction", None) is None)))
 
     def _remember(self, key: str, correction: Correction) -> Optional[str]:
@@ -274,7 +268,7 @@ class RematBackend:
 
         # every answer kept by its request, here and on disk (compile_cache.CachedPlanner)
         planner = CachedPlanner(key, self.options, profile, device_type, modeled, static_indices,
-                                lambda asked: plan_graph(facts, asked), enabled=not _has_symbolic_shapes(joint_inputs))
+                                lambda asked: plan_graph(facts, asked), enabled=not has_symbolic_shapes(joint_inputs))
 
         def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
                     best_effort: Optional[bool] = None) -> Plan:

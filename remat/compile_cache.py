@@ -39,6 +39,7 @@ import torch
 
 from . import plan_cache
 from .cost_model.hardware import get_profile
+from .cost_model.tensors import has_symbolic_shapes
 from ._torch_inductor import inductor_config
 from .errors import BudgetInfeasibleError
 from .feedback_store import store_dir
@@ -114,12 +115,6 @@ class CachedPlanner:
         return self._sources.get(id(plan), "")
 
 
-def _has_symbolic_shapes(values: Sequence[Any]) -> bool:
-    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
-                                                                                  for d in v.shape))
-               for v in values)
-
-
 def _profiles_key(hardware: str) -> str:
     """The profiles a graph may be planned with: the named one, or for "auto" the CPU's and each
     visible GPU's (``get_profile("auto", device)``). GPUs only once CUDA is initialized (a graph on a GPU
@@ -158,7 +153,7 @@ def call_cacheable(options: "RematOptions", graphs_planned: int, example_inputs:
         return False
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return False
-    if _has_symbolic_shapes(example_inputs):
+    if has_symbolic_shapes(example_inputs):
         return False
     return options.budget_bytes is None or not graphs_planned
 

@@ -82,6 +82,15 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(item)
 
 
+def has_symbolic_shapes(values: Any) -> bool:
+    """Whether any of ``values`` (a compile's example inputs, or nodes' ``meta["val"]``) is a ``SymInt``
+    or a tensor with a symbolic size: dynamic shapes, which remat plans at their planned sizes and does
+    not cache or recompile in place."""
+    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
+                                                                                  for d in v.shape))
+               for v in values)
+
+
 def tensor_nbytes(tensor: torch.Tensor) -> int:
     """Bytes of the tensor's elements (numel x itemsize), at the size hint."""
     return concrete_int(tensor.numel()) * tensor.element_size()
