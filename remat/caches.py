@@ -1,7 +1,7 @@
 """remat's caches from the command line (docs/caches.md)::
 
     python -m remat.caches where      # the directories: remat's cache, its compile cache, the CPU profile
-    python -m remat.caches clear      # delete the plan cache and the records restored on AOTAutograd hits
+    python -m remat.caches clear      # delete the plan cache, the records restored on AOTAutograd hits, the settled steps
     python -m remat.caches measure    # measure this machine's CPU profile and cache it (replaces the default)
     python -m remat.caches show       # the CPU profile compiles use now, and where it comes from
 

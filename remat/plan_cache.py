@@ -107,8 +107,8 @@ def write_entry(kind: str, key: str, value: Any) -> Optional[Path]:
 
 
 def clear_compile_cache() -> int:
-    """Delete every cached plan and record; returns how many entries there were. Inductor's own caches
-    (``TORCHINDUCTOR_CACHE_DIR``, AOTAutograd's entries among them) are Inductor's: a record missing
+    """Delete every cached plan, record and settled step; returns how many entries there were. Inductor's
+    own caches (``TORCHINDUCTOR_CACHE_DIR``, AOTAutograd's entries among them) are Inductor's: a record missing
     on an AOTAutograd hit is made again by compiling that graph once more without AOTAutograd's cache."""
     root = compile_cache_dir()
     count = len(list(root.glob("*/*.pkl"))) if root.is_dir() else 0

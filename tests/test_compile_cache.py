@@ -142,17 +142,23 @@ def test_a_refusal_is_kept_and_raised_afresh(caches):
     assert len(calls) == 2
 
 
+def _count_solves(monkeypatch) -> list:
+    """The requests the backend's planner solves from now on (not those read from the plan cache)."""
+    import importlib
+
+    backend_module = importlib.import_module("remat.backend")    # the module, not remat.backend()
+    solved: list = []
+    solve = backend_module.plan_graph
+    monkeypatch.setattr(backend_module, "plan_graph", lambda facts, request: solved.append(request) or solve(facts, request))
+    return solved
+
+
 def test_graphs_at_graph_breaks_reuse_every_answer_on_a_warm_run(caches, monkeypatch):
     """Graphs sharing a step at graph breaks search their share anew each compile; on a warm run every
     plan the search asks for is read from the plan cache, and the plans are the ones the cold run made."""
     from test_graph_breaks import BrokenBlocks
-    import importlib
 
-    backend_module = importlib.import_module("remat.backend")    # the module, not remat.backend()
-
-    solved = []
-    solve = backend_module.plan_graph
-    monkeypatch.setattr(backend_module, "plan_graph", lambda facts, request: solved.append(request) or solve(facts, request))
+    solved = _count_solves(monkeypatch)
 
     def run(dump: str):
         torch._dynamo.reset()
@@ -176,14 +182,10 @@ def test_a_settled_step_is_remembered_and_a_warm_first_step_plans_it_at_once(cac
     """A step split at a graph break is planned provisionally in step 1 and re-planned once it completes
     (cold). A later process plans each graph at the share the settled step gave it (remat/step_memory.py):
     its first step runs the cold run's final plans, none provisional, nothing solved and nothing
-    re-planned; the step's two graphs also fit the budget as the settled plans did."""
+    re-planned."""
     from test_graph_breaks import BrokenBlocks
-    import importlib
 
-    backend_module = importlib.import_module("remat.backend")
-    solved = []
-    solve = backend_module.plan_graph
-    monkeypatch.setattr(backend_module, "plan_graph", lambda facts, request: solved.append(request) or solve(facts, request))
+    solved = _count_solves(monkeypatch)
 
     def run(steps: int):
         torch._dynamo.reset()
