@@ -407,3 +407,29 @@ def test_the_pieces_of_a_split_are_views_not_buffers():
     pieces = [n for n in facts.order if facts.nodes[n].is_getitem
               and facts.nodes[facts.nodes[n].inputs[0]].op.startswith("aten.split")]
     assert len(pieces) == 3 and {kinds[n] for n in pieces} == {ALIAS}
+
+
+def test_a_tied_weights_gradient_product_runs_where_inductor_fuses_it_into_addmm():
+    # The weight of a tied LM head is also the embedding's: its gradient is
+    # add(mm(grad_logits^T, h), embedding_grad). Inductor's post-grad pass makes that one addmm at
+    # the add's place (after the embedding's backward), so grad_logits (tokens x vocab) stays live
+    # until then; the simulator runs the product there too, after the add's other operand. (The real
+    # pipeline's joint graph passes cancel the transposes ``h @ w.t()`` leaves around the product; this
+    # capture runs none, so the model is written without them.)
+    torch.manual_seed(0)
+    idx, w, w1 = torch.randint(0, 256, (64,)), torch.randn(256, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+
+    def f(idx, w, w1):
+        h = torch.tanh(torch.nn.functional.embedding(idx, w) @ w1)
+        return torch.nn.functional.cross_entropy((w @ h.t()).t(), idx)   # dw = mm(grad_logits^T, h) + ...
+
+    facts, steps, _ = _steps(f, idx, w, w1)
+    (grad,) = [facts.nodes[o] for o in facts.bwd_outputs if facts.nodes[o].op == "aten.add.Tensor"]   # w's
+    (product, other), = [(a, b) for a, b in (grad.inputs, grad.inputs[::-1]) if facts.nodes[a].op == "aten.mm.default"]
+    order = [s.name for s in steps if s.phase == "backward"]
+    assert order.index(other) < order.index(product) < order.index(grad.name)
+    # the logits' gradient (64 x 256 floats) is read by the product, and by nothing after it
+    sizes = {sid: n for s in steps for sid, n in s.allocs}
+    at = next(i for i, s in enumerate(steps) if s.name == product)
+    (logits_grad,) = [sid for sid in steps[at].uses if sizes.get(sid) == 64 * 256 * 4]
+    assert not any(logits_grad in s.uses for s in steps[at + 1:])

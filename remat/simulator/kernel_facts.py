@@ -123,9 +123,9 @@ def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layo
     )
 
 
-def _seeded(op: str) -> bool:
-    """Whether the ATen/prims op named ``op`` (``"aten.native_dropout.default"``) is tagged
-    ``nondeterministic_seeded``: the tag Inductor chains random ops by under ``fallback_random``."""
+def has_op_tag(op: str, tag: "torch.Tag") -> bool:
+    """Whether the ATen/prims op named ``op`` (``"aten.native_dropout.default"``) carries ``tag``;
+    False for anything that is not an op overload (a placeholder, ``getitem``)."""
     parts = op.split(".")
     if len(parts) != 3:
         return False
@@ -133,7 +133,13 @@ def _seeded(op: str) -> bool:
         overload = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
     except (AttributeError, RuntimeError):
         return False
-    return torch.Tag.nondeterministic_seeded in getattr(overload, "tags", ())
+    return tag in getattr(overload, "tags", ())
+
+
+def _seeded(op: str) -> bool:
+    """Whether ``op`` is tagged ``nondeterministic_seeded``: the tag Inductor chains random ops by
+    under ``fallback_random``."""
+    return has_op_tag(op, torch.Tag.nondeterministic_seeded)
 
 
 def _viewable_in_channels_last(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

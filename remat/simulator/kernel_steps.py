@@ -23,6 +23,7 @@ from typing import Callable, Mapping, Sequence
 
 from ..passes.joint_graph import JointGraphFacts
 from ..passes.partition import Partition, Scheduled
+from .addmm_fusion import addmm_fusions, fused_order
 from .kernel_facts import CHANNELS_LAST_SUFFIX, KernelFacts, kernel_facts_of, op_short_name, storage_owner
 from .kernel_lowering import EXTERN, SCATTER, GraphOp
 from .kernel_schedule import schedule_kernels
@@ -56,6 +57,13 @@ class _Graph:
         self.donated = donated
         self.inputs_of = {inst: tuple(self.input_instance(inst, i) for i in cache.static[name].inputs)
                           for name, inst in self.instances}
+        # Inductor's addmm fusion runs such a product where its add runs, once the add's other
+        # operand exists: it moves there, and waits for that operand (``addmm_fusion``)
+        fusions = addmm_fusions(facts, self.instances, self.inputs_of, outputs)
+        if fusions:
+            self.instances = fused_order(self.instances, fusions)
+            for product, (_, other) in fusions.items():
+                self.inputs_of[product] += (other,)
 
     def input_instance(self, inst: str, input_name: str) -> str:
         """The instance (or graph input) that instance ``inst`` reads for its input node ``input_name``."""

@@ -1,0 +1,126 @@
+"""Where a matrix product that feeds one add runs: Inductor's post-grad ``addmm`` fusion.
+
+Before lowering, Inductor's post-grad pattern pass (torch 2.13.0, ``torch/_inductor/
+fx_passes/post_grad.py``: ``addmm`` in ``pass_patterns[2]``) rewrites ``add(c, mm(a, b))`` and
+``add(mm(a, b), c)`` into one ``addmm(c, a, b)`` placed where the add was, when
+
+- the mm has no other reader (the pattern's intermediate node has one user; a graph output
+  counts as one),
+- ``c`` is a tensor that broadcasts to the product's shape, with the dtype of ``a`` and ``b``
+  (``is_valid_addmm_fusion``), and
+- on a GPU, some reader of the sum is not pointwise (``should_prefer_unfused_addmm`` keeps the
+  add apart when every reader is: it fuses into them instead). On a CPU it always applies.
+
+The product then runs at the add's place, so its operands stay live until the add's other
+operand exists. This moves memory when the two are far apart: a weight read twice gets its
+gradient as the sum of two products, and a tied LM head's weight (also the token embedding's)
+gets ``add(mm(grad_logits^T, h), embedding_grad)``: the logits' gradient (batch x tokens x
+vocab), dead after the head's products at the start of the backward, stays live until the
+embedding's gradient at its end (HF BERT at benchmark size: 2,621,440 B of checked peak the
+simulator missed).
+
+Inductor tries ``add(c, mm)`` first (the pattern registered first), so when both operands are
+fusible products the second one is the one fused. dtypes are compared by item size (the joint
+graph's facts keep that; an add of float16 and bfloat16 products, which promotes, is taken as fused).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from ..passes.joint_graph import JointGraphFacts
+from .kernel_facts import has_op_tag, op_short_name
+
+
+_ADD, _MM = "aten.add.", "aten.mm."
+
+
+def _expandable_to(shape: Sequence[int], desired: Sequence[int]) -> bool:
+    """``torch._prims_common.is_expandable_to``: ``shape`` broadcasts to ``desired``."""
+    if len(shape) > len(desired):
+        return False
+    return all(shape[-i - 1] in (desired[-i - 1], 1) for i in range(len(shape)))
+
+
+def _all_pointwise(facts: JointGraphFacts, inst: str, node_of: Mapping[str, str],
+                   readers: Mapping[str, Sequence[str]], outputs: set[str]) -> bool:
+    """``is_pointwise_use`` over every reader of ``inst``: views pass it on to their readers; the
+    graph's output is not pointwise."""
+    if inst in outputs:
+        return False
+    for reader in readers.get(inst, ()):
+        node = facts.nodes[node_of[reader]]
+        if node.is_view or node.is_getitem:
+            if not _all_pointwise(facts, reader, node_of, readers, outputs):
+                return False
+        elif not has_op_tag(node.op, torch.Tag.pointwise):
+            return False
+    return True
+
+
+def addmm_fusions(facts: JointGraphFacts, instances: Sequence[tuple[str, str]],
+                  inputs_of: Mapping[str, Sequence[str]], outputs: set[str]) -> dict[str, tuple[str, str]]:
+    """Per mm instance Inductor fuses into an add: (the add's instance, the add's other operand).
+
+    ``instances``: (node name, instance name) of one compiled graph in its order; ``inputs_of``: the
+    tensor inputs each instance reads (instances of this graph or the graph's inputs); ``outputs``:
+    the instances the graph returns. Pure: the same graph gives the same answer."""
+    node_of = {inst: name for name, inst in instances}
+    nodes = facts.nodes
+    candidates = [inst for name, inst in instances
+                  if nodes[name].op.startswith(_ADD) and len(inputs_of[inst]) == 2
+                  and any(nodes[node_of[i]].op.startswith(_MM) for i in inputs_of[inst] if i in node_of)]
+    if not candidates:
+        return {}
+    readers: dict[str, list[str]] = {}
+    for _, inst in instances:
+        for i in inputs_of[inst]:
+            if i in node_of:
+                readers.setdefault(i, []).append(inst)
+    fused: dict[str, tuple[str, str]] = {}
+    for inst in candidates:
+        operands = inputs_of[inst]
+        for product, other in ((operands[1], operands[0]), (operands[0], operands[1])):
+            if product in fused or not _fusible(facts, product, other, inst, node_of, readers, outputs, inputs_of):
+                continue
+            fused[product] = (inst, other)
+            break
+    return fused
+
+
+def _fusible(facts: JointGraphFacts, product: str, other: str, add: str, node_of: Mapping[str, str],
+             readers: Mapping[str, Sequence[str]], outputs: set[str], inputs_of: Mapping[str, Sequence[str]]) -> bool:
+    """Whether ``add(other, product)`` matches Inductor's pattern with ``product`` as the mm."""
+    if product not in node_of or product in outputs or list(readers.get(product, ())) != [add]:
+        return False
+    mm = facts.nodes[node_of[product]]
+    if op_short_name(mm) != "mm" or len(mm.shape) != 2:
+        return False
+    operand = facts.nodes[node_of.get(other, other)]
+    if not operand.is_tensor or not _expandable_to(operand.shape, mm.shape):
+        return False
+    mats = [facts.nodes[node_of.get(i, i)] for i in inputs_of[product]]
+    if any(m.itemsize != operand.itemsize for m in mats):
+        return False
+    add_node = facts.nodes[node_of[add]]
+    return add_node.device == "cpu" or not _all_pointwise(facts, add, node_of, readers, outputs)
+
+
+def fused_order(instances: Sequence[tuple[str, str]], fusions: Mapping[str, tuple[str, str]]) -> list[tuple[str, str]]:
+    """``instances`` with each fused mm moved to just before its add (where Inductor's ``addmm`` runs)."""
+    moved = {add: [] for add, _ in fusions.values()}
+    node_of = {inst: name for name, inst in instances}
+    for product, (add, _) in fusions.items():
+        moved[add].append((node_of[product], product))
+    order: list[tuple[str, str]] = []
+    for name, inst in instances:
+        if inst in fusions:
+            continue
+        order.extend(moved.get(inst, ()))
+        order.append((name, inst))
+    return order
+
+
+__all__ = ["addmm_fusions", "fused_order"]
