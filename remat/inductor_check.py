@@ -17,10 +17,12 @@ outputs (``assert_size_stride``). ``replay_wrapper`` walks that code and counts 
   plus the incoming gradients (tangents, made by the autograd engine before the backward
   runs, and held by it until the backward returns, whatever the code's last reader; but zeros
   AOTAutograd makes for an output without a gradient, ``GraphCode.gradless_tangents``, are freed
-  where the code drops them). Saved storages no user output shares are freed where the backward drops its last
-  reference (AOTAutograd donates them), as the generated code says. User outputs the backward
-  does not read stay only when the caller holds them through its backward (``outputs_held``,
-  the same convention as the simulator's); by default the caller dropped them.
+  where the code drops them). Saved storages are freed where the backward drops its last
+  reference, as the generated code says (AOTAutograd's backward clears its context's saved
+  tensors before it calls the code, ``ctx.maybe_clear_saved_tensors``), except one a user output
+  shares while the caller holds its outputs. User outputs stay only when the caller holds them
+  through its backward (``outputs_held``, the same convention as the simulator's); by default the
+  caller dropped them, and one the backward reads lives to its last reader there.
 
 What it does not see, and so may still differ from the measured peak by: memory a library
 call allocates inside itself (workspaces of matmul or convolution libraries), what the eager
@@ -58,7 +60,7 @@ class InputStorage:
     """A graph input that occupies memory above the resident baseline (bytes; 1 GB = 1e9 bytes).
 
     ``storage`` names the storage (inputs that share one share the name); ``freeable``: the
-    graph may free it when its last reference is dropped (a donated saved tensor)."""
+    graph may free it when its last reference is dropped (a saved tensor no held output shares)."""
 
     storage: str
     nbytes: int
@@ -295,7 +297,11 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
             inputs[name] = InputStorage(f"tangent:{name}", nbytes, name in backward.gradless_tangents)
             tangent_bytes += nbytes
         elif (storage := by_name.get(name)) is not None:
-            inputs[name] = InputStorage(storage, fw.storage_bytes[storage], storage not in user_storages)
+            # a saved tensor is freed at the backward's last reference to it (AOTAutograd's backward clears
+            # its context's saved tensors first, ``ctx.maybe_clear_saved_tensors``), unless the caller still
+            # holds a user output in the same storage
+            inputs[name] = InputStorage(storage, fw.storage_bytes[storage],
+                                        not (outputs_held and storage in user_storages))
     handed = {s for s in fw.outputs if s is not None}
     held = handed - {s.storage for s in inputs.values()}        # returned, not read by the backward
     if not outputs_held:
