@@ -322,6 +322,13 @@ class Sweep:
         point.compile_s = time.perf_counter() - start
         try:
             return self._check_compiled(point, forward, backend)
+        except remat.BudgetInfeasibleError as error:
+            # a step split at graph breaks refuses its budget at its second step, once its graphs are known
+            point.error = f"infeasible (refused at the second step): {error}"
+            point.min_feasible_bytes = error.min_feasible_bytes
+            point.min_budget_bytes = getattr(error, "min_budget_bytes", None)
+            self._release_memory()
+            return point
         except Exception as error:  # noqa: BLE001 - e.g. out of memory in the gradient-check step
             point.error = f"failed after compiling: {type(error).__name__}: {str(error).strip()[:400]}"
             self._release_memory()

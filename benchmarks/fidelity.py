@@ -16,7 +16,8 @@ built fresh from the entry's seed (same parameters and inputs) and run for three
   the base of the budgets; its step-1 gradients are the reference.
 - ``probe``: remat at a 1 kB budget, which no plan meets: the ``BudgetInfeasibleError`` names
   the floor, the smallest budget remat accepts (``min_budget_bytes`` when the error has it,
-  else ``min_feasible_bytes``). Only traced and planned, no code generated.
+  else ``min_feasible_bytes``). A single graph is only traced and planned, no code generated; a
+  step split at graph breaks runs two steps (it refuses at the second, once its graphs are known).
 - ``none``, ``0.9``, ``0.7``, ``0.5``: ``remat.backend(budget_gb=...)`` at no budget and at
   those fractions of plain's peak (a fraction below the floor is recorded as infeasible, from
   the probe, without compiling), and with ``--floor-point``, ``floor``: at the floor itself.
@@ -48,7 +49,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -241,13 +242,16 @@ class ModelRun:
         return self.write(point, budget_bytes=budget_bytes, seconds=round(time.perf_counter() - start, 1), **fields)
 
     def probe_floor(self) -> Optional[int]:
-        """The smallest budget remat accepts, from the error a 1 kB budget raises (None if it did not raise)."""
+        """The smallest budget remat accepts, from the error a 1 kB budget raises (None if it did not raise).
+        Two steps: a step split at graph breaks refuses the budget at its second (``remat/step_budget.py``)."""
         fresh_feedback_store()
         torch._dynamo.reset()
         built = self.entry.build()
         compiled = torch.compile(built.model, backend=remat.backend(PROBE_BUDGET_GB))
         try:
-            built.loss(compiled).backward()
+            for _ in range(2):
+                built.model.zero_grad(set_to_none=True)
+                built.loss(compiled).backward()
         except remat.BudgetInfeasibleError as error:
             named = getattr(error, "min_budget_bytes", None)
             floor = int(named if named is not None else error.min_feasible_bytes)

@@ -16,7 +16,7 @@ uses the corpus's tiny versions from ``hf_specs()``). Each model computes its ow
 - PyTorch's ``torch._functorch.config.activation_memory_budget = 0.5`` under Inductor;
 - remat at HF checkpointing's measured peak, at 70% and 50% of plain Inductor's measured peak,
   and at its floor: the ``min_budget_bytes`` that the ``BudgetInfeasibleError`` of a 1 kB budget
-  names (planned only, no code generated); when the compile at that floor is refused (a later
+  names (two steps: a step split at graph breaks refuses it at its second); when the compile at that floor is refused (a later
   graph of the step, or Inductor's check of the code, needs more), again at the budget the
   refusal names (twice at most). A refused budget is recorded as infeasible with the smallest
   budget its error names.
@@ -125,10 +125,16 @@ def hf_checkpointed(model: nn.Module) -> nn.Module:
 
 
 def probe_floor(sweep: HFSweep, hardware: str) -> Probe:
-    """Plan (no codegen) at a 1 kB budget; its error names the floor."""
+    """Plan at a 1 kB budget; its error names the floor. A single graph is refused by the planner (no
+    code generated). A step split at graph breaks runs its first step on provisional plans and
+    refuses the budget at the second (``remat/step_budget.py``), once it knows the step's graphs:
+    so two steps."""
     backend = remat.backend(PROBE_BUDGET_GB, hardware=hardware)
     try:
-        sweep.one_step(sweep.forward_of(torch.compile(sweep.model, backend=backend)))
+        forward = sweep.forward_of(torch.compile(sweep.model, backend=backend))
+        for _ in range(2):
+            sweep.one_step(forward)
+            sweep.model.zero_grad(set_to_none=True)
     except remat.BudgetInfeasibleError as error:
         return Probe(error.min_budget_bytes, error.min_feasible_bytes, tuple(error.reasons))
     except Exception as error:  # noqa: BLE001 - remat's failure is a result; the baselines still get measured
