@@ -433,3 +433,31 @@ def test_a_tied_weights_gradient_product_runs_where_inductor_fuses_it_into_addmm
     at = next(i for i, s in enumerate(steps) if s.name == product)
     (logits_grad,) = [sid for sid in steps[at].uses if sizes.get(sid) == 64 * 256 * 4]
     assert not any(logits_grad in s.uses for s in steps[at + 1:])
+
+
+@pytest.mark.parametrize("permuted", [True, False])
+def test_a_saved_expand_of_a_permuted_loop_value_is_copied_at_its_expanded_size(permuted):
+    # Llama's GQA: keys rotated (a loop over a transposed projection) then repeated (repeat_kv's
+    # expand). Inductor returns a view with its traced stride order; the loop's buffer is row-major,
+    # so a view of a permuted value cannot be expressed and Inductor copies it at the view's size
+    # (2 x 64 x 2 x 32 floats here, twice the keys). A row-major value's view stays a view.
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 32), torch.randn(32, 64, requires_grad=True)
+
+    def f(x, w):
+        k = (x @ w).view(64, 2, 32)
+        k = k.transpose(0, 1) if permuted else k.view(2, 64, 32)
+        k = k * 2.0 + torch.cat([-k[..., 16:], k[..., :16]], -1)
+        e = k[:, None].expand(2, 2, 64, 32)
+        return (e.reshape(4, 64, 32) @ e.reshape(4, 64, 32).transpose(1, 2)).sum()
+
+    facts = capture_joint(f, x, w).facts()
+    (expand,) = [n for n in facts.order if facts.nodes[n].op == "aten.expand.default"
+                 and facts.nodes[n].shape == (2, 2, 64, 32) and facts.nodes[n].role == "forward"]
+    steps, _ = memory_steps(facts, partition_nodes(facts, {expand}))
+    copies = [(sid, n) for s in steps if s.phase == "forward" for sid, n in s.allocs if sid.startswith(expand)]
+    if permuted:
+        assert copies == [(expand + "#copy", 2 * 2 * 64 * 32 * 4)]
+        assert any(expand + "#copy" in s.uses for s in steps if s.phase == "backward")
+    else:
+        assert copies == []

@@ -42,7 +42,7 @@ def reduce_saved_bytes(facts: JointGraphFacts, start: Evaluated, target_bytes: i
 
     Guarantees: the result's peak is <= ``max(target_bytes, start's peak)``; its saved bytes are
     <= ``start``'s; every step it takes lowers the saved bytes; values that may not be recomputed
-    stay saved (``schedule.why_not_recomputable``). Each round drops the saved value with the least
+    stay saved (``recompute_bans.why_not_recomputable``). Each round drops the saved value with the least
     added recompute time per byte it frees (ties: fewer bytes left, then graph order), so the
     answer does not depend on hash seeds.
 

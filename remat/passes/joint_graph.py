@@ -65,6 +65,7 @@ class NodeFacts:
     device: str = ""               # device type of its (first) tensor output: "cpu", "cuda", ...
     shape: tuple[int, ...] = ()    # shape of its (first) tensor output, at the size hint
     itemsize: int = 0              # bytes per element of its (first) tensor output
+    strides: tuple[int, ...] = ()  # strides of its (first) tensor output as traced (eager's), at the size hint
 
     @property
     def alloc_bytes(self) -> int:
@@ -327,6 +328,7 @@ def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_out
             device=next((t.device.type for t in iter_tensors(node_val(node))), ""),
             shape=next((tuple(concrete_int(d) for d in t.shape) for t in iter_tensors(node_val(node))), ()),
             itemsize=next((t.element_size() for t in iter_tensors(node_val(node))), 0),
+            strides=next((tuple(concrete_int(d) for d in t.stride()) for t in iter_tensors(node_val(node))), ()),
         )
         users[node.name] = tuple(u.name for u in node.users if u.op != "output")
         order.append(node.name)

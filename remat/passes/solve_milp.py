@@ -81,6 +81,7 @@ from ..simulator import schedule
 from ..simulator import evaluate
 from .joint_graph import JointGraphFacts
 from .mincut import min_cut_saved, saved_cost_bytes
+from .recompute_bans import why_not_recomputable
 from .solve_milp_liveness import Liveness
 
 PROBES = 8               # random plans simulated up front to test the structural rows
@@ -326,7 +327,7 @@ def _build_model(facts: JointGraphFacts, target_bytes: int, memory_model: str = 
     r_col: dict[str, int] = {}
     for name in relevant:
         node = facts.nodes[name]
-        cannot_recompute = schedule.why_not_recomputable(facts, name) is not None
+        cannot_recompute = why_not_recomputable(facts, name) is not None
         if not node.is_multi_output or cannot_recompute:
             s_col[name] = len(s_col) + len(r_col)
         if not cannot_recompute:
@@ -362,7 +363,7 @@ def _free_aliases(facts: JointGraphFacts, relevant: list[str]) -> set[str]:
     free: set[str] = set()
     for name in relevant:
         node = facts.nodes[name]
-        if (schedule.why_not_recomputable(facts, name) is None and not node.is_multi_output
+        if (why_not_recomputable(facts, name) is None and not node.is_multi_output
                 and node.cost.est_time_s == 0
                 and saved_cost_bytes(facts, name) == 0 and not node.allocs
                 and all(facts.nodes[i].role == "primal" or i in free for i in node.inputs)):

@@ -10,8 +10,11 @@ schedule. The stages, each a module:
   and their simulation (``simulate_partition``, ``memory_steps``);
 - ``shared_storage``: at most one saved value per storage (the partition's rule);
 - ``kernel_facts``: what the kernel model needs of each node (its kind, layout, buffers),
-  once per graph, and how storages are named;
-- ``kernel_steps``: the forward and backward graphs as steps in Inductor's kernel order;
+  once per graph, and how storages are named; ``returned_views``: views Inductor copies when a
+  graph returns them (a saved view of a loop value laid out unlike eager);
+- ``kernel_steps``: the forward and backward graphs as steps in Inductor's kernel order, with
+  ``addmm_fusion`` (an mm feeding one add runs where the add runs, as Inductor's post-grad
+  ``addmm`` pattern places it);
 - ``kernel_schedule`` (with ``kernel_lowering``, ``kernel_fusion`` and ``peak_reorder``): which
   buffers Inductor's CPU backend allocates for one compiled graph, and when (the kernels in the
   order Inductor's ``reorder_for_peak_memory`` keeps);

@@ -21,6 +21,7 @@ from .._torch_inductor import InductorConfig, inductor_config
 from ..cost_model.inductor_rules import ALWAYS_STORED_LOOPS, CPU_CONCAT_OPS, HEAVY_OPS, LOOP_OPS, MUTATIONS, SCATTER_OPS
 from ..passes.joint_graph import JointGraphFacts, NodeFacts
 from .kernel_lowering import ALIAS, EXTERN, POINTWISE, REDUCTION, SCATTER
+from .returned_views import view_copies
 
 
 RECOMPUTE_SUFFIX = "@r"          # followed by the instance number: "@r0", "@r1", ...
@@ -216,9 +217,15 @@ class KernelFacts:
         self.storage_bytes = {sid: n for node in facts.nodes.values() for sid, n in node.allocs}
         self.layouts = _layouts(facts, kinds)
         self.static = {name: _static_of(facts, name, kinds, self.layouts, self.storage_bytes) for name in facts.order}
+        # views Inductor copies when the forward returns them (``returned_views``): view -> (its base, bytes)
+        base_of = {name: storage_owner(node.value_storages[0]) for name, node in facts.nodes.items()
+                   if node.is_view and len(node.value_storages) == 1}
+        self.view_copies = view_copies(facts, kinds, self.layouts, base_of)
+        for name, (_, nbytes) in self.view_copies.items():
+            self.storage_bytes[name + COPY_SUFFIX] = nbytes
         # storages a step allocates (a primal's or a tangent's is there before the step starts)
-        self.owned = frozenset(sid for node in facts.nodes.values() if node.role in ("forward", "backward")
-                               for sid, _ in node.allocs)
+        self.owned = frozenset([sid for node in facts.nodes.values() if node.role in ("forward", "backward")
+                                for sid, _ in node.allocs] + [name + COPY_SUFFIX for name in self.view_copies])
         self.tangent_allocs = tuple(alloc for name in facts.order if facts.nodes[name].role == "tangent"
                                     for alloc in facts.nodes[name].allocs)
         # Inductor takes a graph input as aligned only on a GPU (``utils.should_assume_input_aligned``)

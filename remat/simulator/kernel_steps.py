@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Sequence
 from ..passes.joint_graph import JointGraphFacts
 from ..passes.partition import Partition, Scheduled
 from .addmm_fusion import addmm_fusions, fused_order
-from .kernel_facts import CHANNELS_LAST_SUFFIX, KernelFacts, kernel_facts_of, op_short_name, storage_owner
+from .kernel_facts import CHANNELS_LAST_SUFFIX, COPY_SUFFIX, KernelFacts, kernel_facts_of, op_short_name, storage_owner
 from .kernel_lowering import EXTERN, SCATTER, GraphOp
 from .kernel_schedule import schedule_kernels
 from .memory_timeline import Step
@@ -45,8 +45,9 @@ class _Graph:
     def __init__(self, facts: JointGraphFacts, cache: KernelFacts, instances: Sequence[tuple[str, str]],
                  outputs: set[str], outer_storages: Callable[[str], tuple[str, ...]], donated: frozenset[str],
                  reads: Mapping[str, Mapping[str, str]] | None = None,
-                 estimated_inputs: frozenset[str] = frozenset()) -> None:
+                 estimated_inputs: frozenset[str] = frozenset(), copied_views: frozenset[str] = frozenset()) -> None:
         self.facts = facts
+        self.copied_views = copied_views                 # returned views Inductor copies (``returned_views``)
         self.estimated_inputs = estimated_inputs         # inputs only Inductor's estimate holds (see steps)
         self.cache = cache
         self.instances = list(instances)                 # (node name, instance name), in graph order
@@ -105,7 +106,9 @@ class _Graph:
         if found is not None:
             return found
         node_name = self.node_of.get(name)
-        if node_name is None:
+        if name in self.copied_views:
+            found = (name + COPY_SUFFIX,)
+        elif node_name is None:
             found = self.outer(name)
         else:
             node = self.facts.nodes[node_name]
@@ -159,11 +162,31 @@ class _Graph:
             rows.append((kernel.ops[-1], allocs, uses, phantom, inplace, not (kernel.extern and len(allocs) > 1)))
         for inst in by_kernel.get(len(schedule.kernels), ()):   # never computed or read by a kernel
             rows.append((inst, (), (), 0, (), True))
+        if self.copied_views:   # the forward's (no estimated inputs there: ``kernel_rows`` stay right)
+            assert not self.estimated_inputs
+            rows = self._with_view_copies(rows, of)
         extra = self._estimated_input_bytes(schedule.kernels, kernel_rows, len(rows))
         steps = [Step(inst, phase, allocs, uses, regions.get(inst, -1), phantom_bytes=phantom + more,
                       inplace=inplace, pooled=pooled)
                  for (inst, allocs, uses, phantom, inplace, pooled), more in zip(rows, extra)]
         return steps, of
+
+    def _with_view_copies(self, rows: list[tuple], of: Callable[[str], tuple[str, ...]]) -> list[tuple]:
+        """``rows`` with each copied view's row (``copied_views``) made a copy kernel: it allocates the
+        copy and reads the view's base, right after the row that allocates the base (where the view
+        was, when the base has no buffer of its own)."""
+        position = {row[0]: i for i, row in enumerate(rows)}
+        placed = [row for row in rows if row[0] not in self.copied_views]
+        for inst in sorted(self.copied_views, key=position.__getitem__):
+            name, allocs, uses, phantom, inplace, pooled = rows[position[inst]]
+            base = of(self.inputs_of[inst][0])
+            copy = (name, allocs + ((inst + COPY_SUFFIX, self.cache.storage_bytes[inst + COPY_SUFFIX]),),
+                    uses + base, phantom, inplace, pooled)
+            after = max((i for i, row in enumerate(placed) if any(sid in base for sid, _ in row[1])), default=None)
+            if after is None:
+                after = max((i for i, row in enumerate(placed) if position[row[0]] < position[inst]), default=-1)
+            placed.insert(after + 1, copy)
+        return placed
 
     def _estimated_input_bytes(self, kernels: Sequence, kernel_rows: Sequence[int], count: int) -> list[int]:
         """Per step, the bytes of graph inputs Inductor's own peak estimate counts but the window
@@ -234,7 +257,9 @@ def forward_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequen
     def forward_input(name: str) -> tuple[str, ...]:
         return (copies[name][0],) if name in copies else facts.nodes[name].value_storages
 
-    forward = _Graph(facts, cache, [(n, n) for n in fw_order], fw_outputs, forward_input, frozenset())
+    copied = frozenset(v for v in fw_outputs if v in cache.view_copies and cache.view_copies[v][0] not in fw_outputs)
+    forward = _Graph(facts, cache, [(n, n) for n in fw_order], fw_outputs, forward_input, frozenset(),
+                     copied_views=copied)
     fw_steps, fw_storages = forward.steps("forward", {})
     if copies:
         fw_steps.insert(0, Step("<channels_last>", "forward", tuple(copies.values()), ()))

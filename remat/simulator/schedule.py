@@ -22,7 +22,6 @@ from ..passes.joint_graph import JointGraphFacts
 from ..passes.mincut import min_cut_saved
 from ..passes.partition import Partition, Scheduled
 from ..passes.recompute_bans import node_positions, recompute_bans
-from ..passes.recompute_bans import why_not_recomputable  # noqa: F401  (the solvers ask it here)
 from .kernel_facts import RECOMPUTE_SUFFIX, graph_inductor_config, graph_inputs_aligned, kernel_kinds
 from .kernel_lowering import EXTERN, SCATTER
 from .kernel_steps import forward_steps, kernel_steps
