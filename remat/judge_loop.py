@@ -163,7 +163,11 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
         if other_verdict.action != "refused":
             return candidate_fn
         compiled_graphs.pop()
-        if candidate_checked is not None and (checked_peak_bytes is None or candidate_checked < checked_peak_bytes):
+        # the smallest-peak plan stands on its trusted checked peak, else on its simulated one (a check
+        # lower than the simulation that cannot see every allocation is not trusted): the candidate's
+        # checked peak replaces it only when lower than that
+        standing_bytes = checked_peak_bytes if checked_peak_bytes is not None else record.plan.predicted_peak_bytes
+        if candidate_checked is not None and candidate_checked < standing_bytes:
             record, checked_peak_bytes = other, candidate_checked
     named = named_budget_after_check(record.refusal, checked_peak_bytes)
     if named is not None and named != error.min_budget_bytes:

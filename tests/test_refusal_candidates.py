@@ -86,6 +86,18 @@ def test_a_candidate_whose_check_cannot_see_every_allocation_does_not_overrule()
     assert graphs == [] and raised.value.min_feasible_bytes == 1300
 
 
+def test_an_untrusted_smallest_plan_keeps_its_simulated_figure_against_a_higher_checked_candidate():
+    """The smallest-peak plan's check is not trusted (None: lower than its simulated 1200, with a library
+    call the check cannot see into), and the free plan checks at 1400, above the target: the smallest
+    plan's simulated 1200 stands, so the error keeps the simulator's figure (before: it named the
+    candidate's 1400; the corpus's hf-llama-eager floor went from 6.48 MB to 9.76 MB that way)."""
+    graphs = [_record("graph_000", 1200)]
+    with pytest.raises(BudgetInfeasibleError) as raised:
+        overrule_or_refuse("smallest", graphs, None, _candidate(graphs, 1400))
+    assert graphs == []
+    assert raised.value.min_feasible_bytes == 1200 and raised.value.min_budget_bytes == 1264
+
+
 def test_a_refused_re_plan_over_the_budget_compiles_and_judges_the_smallest_peak_plan(monkeypatch):
     """The first plan checks over the budget; the re-plan at the corrected target is refused by the
     simulator (no plan simulates that low). The smallest-peak plan, which checks under the target (the
