@@ -266,6 +266,15 @@ class _Live:
     monitor: StepMonitor
 
 
+def _record_refusal(point: "Point", error: "remat.BudgetInfeasibleError", what: str) -> "Point":
+    """``point`` marked as refused by ``error`` (``what`` starts its error text: "infeasible..."), with the
+    budgets the error names."""
+    point.error = f"{what}: {error}"
+    point.min_feasible_bytes = error.min_feasible_bytes
+    point.min_budget_bytes = getattr(error, "min_budget_bytes", None)
+    return point
+
+
 class Sweep:
     """Compiles methods over one model instance and measures them interleaved."""
 
@@ -311,10 +320,7 @@ class Sweep:
             with functorch_config.patch(**(patches or {})):
                 self.one_step(forward)
         except remat.BudgetInfeasibleError as error:
-            point.error = f"infeasible: {error}"
-            point.min_feasible_bytes = error.min_feasible_bytes
-            point.min_budget_bytes = getattr(error, "min_budget_bytes", None)
-            return point
+            return _record_refusal(point, error, "infeasible")
         except Exception as error:  # noqa: BLE001 - a method that fails is reported, not dropped
             point.error = f"failed: {type(error).__name__}: {str(error).strip()[:400]}"
             self._release_memory()
@@ -324,11 +330,8 @@ class Sweep:
             return self._check_compiled(point, forward, backend)
         except remat.BudgetInfeasibleError as error:
             # a step split at graph breaks refuses its budget at its second step, once its graphs are known
-            point.error = f"infeasible (refused at the second step): {error}"
-            point.min_feasible_bytes = error.min_feasible_bytes
-            point.min_budget_bytes = getattr(error, "min_budget_bytes", None)
             self._release_memory()
-            return point
+            return _record_refusal(point, error, "infeasible (refused at the second step)")
         except Exception as error:  # noqa: BLE001 - e.g. out of memory in the gradient-check step
             point.error = f"failed after compiling: {type(error).__name__}: {str(error).strip()[:400]}"
             self._release_memory()
