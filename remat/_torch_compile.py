@@ -18,7 +18,11 @@ through, in one place (verified on torch 2.13.0; see README "Torch versions").
 - ``torch._guards.TracingContext`` / ``tracing`` with a ``FakeTensorMode`` holding a
   ``torch.fx.experimental.symbolic_shapes.ShapeEnv``: Inductor's FX graph cache reads the shape
   environment from the tracing context and bypasses the cache without one ("No shape env"), which a
-  compile outside Dynamo's (a re-plan in a later step) has not (``compile_with_partitioner``).
+  compile outside Dynamo's (a re-plan in a later step) has not (``compile_with_partitioner``). The
+  inputs of such a compile are fakified in that mode with ``FakeTensorMode.from_tensor(x,
+  static_shapes=True)``: AOTAutograd fakifies a real input with ``static_shapes=False`` whenever the
+  fake mode has a shape environment (``_functorch/_aot_autograd/frontend_utils.py``
+  ``process_inputs``), i.e. with every dimension symbolic.
 - ``torch._dynamo.backends.registry.register_backend`` and ``_COMPILER_FNS``
   (``register_dynamo_backend``).
 - AOTAutograd's autograd node of a compiled graph is named ``CompiledFunctionBackward``
@@ -99,20 +103,35 @@ def make_partitioner(partition: Callable[[fx.GraphModule, Sequence[object], dict
 def compile_with_partitioner(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Any,
                              capture: Optional[CodeCapture] = None) -> Callable[..., Any]:
     """Inductor's compile of Dynamo's graph ``gm`` with ``partitioner`` as its partitioner (for the
-    backward too), each generated graph kept by ``capture`` (a new one if None)."""
+    backward too), each generated graph kept by ``capture`` (a new one if None). Outside Dynamo's
+    compile (a re-plan, for the step's real inputs) the graph is compiled for the static shapes of
+    ``example_inputs``, as Dynamo traced it (``_tracing_context``)."""
     from torch._inductor.compile_fx import compile_fx
 
-    with _tracing_context():
-        return compile_fx(gm, example_inputs, inner_compile=(capture or CodeCapture()).inner_compile,
+    context, inputs = _tracing_context(example_inputs)
+    with context:
+        return compile_fx(gm, inputs, inner_compile=(capture or CodeCapture()).inner_compile,
                           config_patches={"custom_partitioner_fn": partitioner})
 
 
-def _tracing_context() -> Any:
-    """Dynamo's tracing context when the compile runs inside Dynamo's (the first compile of a graph);
-    else a fresh one whose fake mode has its own shape environment. A re-plan compiled while the step
-    runs has no context of Dynamo's, and without a shape environment Inductor's FX graph cache is
-    bypassed: measured on a 2-graph step re-planned after its first step, every re-plan's graph
-    generated its code again in every process ("Bypassing FX Graph Cache because 'No shape env'").
+def _tracing_context(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """The tracing context to compile in and the inputs to compile for. Inside Dynamo's compile (the
+    first compile of a graph): Dynamo's context and its (fake) inputs, as they are. Outside it (a
+    re-plan compiled while the step runs, for the step's real inputs): a fresh context whose fake mode
+    has its own shape environment, and the inputs fakified in that mode with static shapes.
+
+    The shape environment, because without one Inductor's FX graph cache is bypassed: measured on a
+    2-graph step re-planned after its first step, every re-plan's graph generated its code again in
+    every process ("Bypassing FX Graph Cache because 'No shape env'"). The static fakification,
+    because with a shape environment AOTAutograd fakifies a real input with every dimension symbolic
+    (duck-sized: ``process_inputs`` in torch/_functorch/_aot_autograd/frontend_utils.py passes
+    ``static_shapes=False``), so a graph Dynamo traced with static shapes was compiled again with
+    dynamic ones: another plan and other code than the step was measured on, and graphs whose
+    decompositions compute a Python float from sizes failed outright. BatchNorm in training mode does
+    (``native_batch_norm_helper``'s unbiased-variance factor ``n / (n - 1)``, n = numel / channels, in
+    torch/_decomp/decompositions.py): that SymFloat's size symbols are bound by no node of the graph,
+    and AOTAutograd's ``tensorify_python_scalars`` (torch/fx/passes/_tensorify_python_scalars.py,
+    ``_sympy_interp``) raised ``KeyError`` on one of them, so every re-plan of such a graph failed.
     Only static shapes are compiled this way (the backend re-plans graphs without symbolic shapes),
     so the guards the fresh environment records are not needed by anyone."""
     import contextlib
@@ -122,8 +141,11 @@ def _tracing_context() -> Any:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     if TracingContext.try_get() is not None:
-        return contextlib.nullcontext()
-    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv())))
+        return contextlib.nullcontext(), list(example_inputs)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    inputs = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+              for x in example_inputs]
+    return tracing(TracingContext(fake_mode)), inputs
 
 
 def split_joint(joint: fx.GraphModule, saved_names: Sequence[str],

@@ -416,3 +416,68 @@ def test_an_infeasible_corrected_target_names_a_budget_that_then_fits(scaled_sim
     (event,) = backend.feedback_events
     assert backend.compiled_graphs[0].correction is not None
     assert event.action == "within budget" and last_peak <= backend.options.budget_bytes
+
+
+# ---- a re-plan compiles the graph with the static shapes Dynamo traced ------------------------
+
+
+class ConvBN(torch.nn.Module):
+    """Two conv-BN-ReLU layers, BatchNorm in training mode: its decomposition computes a Python float
+    from the input's sizes (the running variance's unbiasing factor n / (n - 1))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def test_a_replan_outside_dynamo_compiles_with_static_shapes(tmp_path, monkeypatch):
+    """A re-plan compiles a copy of Dynamo's graph for the step's real inputs, outside Dynamo. Its
+    fake mode has a shape environment (for Inductor's FX graph cache), and AOTAutograd then made every
+    dimension of a real input symbolic: the re-plan planned another (dynamic-shape) graph than the one
+    measured, and with BatchNorm in training mode it failed on every step (``KeyError: s76`` in
+    torch's ``tensorify_python_scalars``). Here step 0's measurement is made to read over a generous
+    budget, so the loop re-plans; the re-plan must compile, see the traced static shapes, and measure
+    within the budget at step 1."""
+    from remat.backend import RematBackend
+    from remat.cost_model.tensors import has_symbolic_shapes
+    from remat.feedback import VerifiedGraph
+
+    monkeypatch.setenv(feedback_store.FEEDBACK_DIR_ENV_VAR, str(tmp_path / "store"))
+    symbolic = []
+    partition = RematBackend.partition
+
+    def spying(self, joint, joint_inputs, **kwargs):
+        symbolic.append(has_symbolic_shapes(joint_inputs))
+        return partition(self, joint, joint_inputs, **kwargs)
+
+    measured = VerifiedGraph._on_measured
+
+    def first_over_budget(self, record, step, peak_bytes, why_not):
+        if step == 0 and peak_bytes is not None:
+            peak_bytes = record.plan.budget_bytes + 1     # as if the plan's real peak were over the budget
+        measured(self, record, step, peak_bytes, why_not)
+
+    monkeypatch.setattr(RematBackend, "partition", spying)
+    monkeypatch.setattr(VerifiedGraph, "_on_measured", first_over_budget)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = ConvBN().train(), torch.randn(4, 3, 16, 16)
+    backend = remat.backend(0.05)
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            run_step(compiled, model, (x,))
+            close_open_window()
+    failed = [str(w.message) for w in caught if "re-planning it failed" in str(w.message)]
+    assert not failed, failed
+    assert [(e.graph_id, e.action) for e in backend.feedback_events] == [
+        ("graph_000", "re-planned"), ("graph_000_r1", "within budget")]
+    assert backend.feedback_events[1].measured_peak_bytes <= backend.options.budget_bytes
+    assert symbolic == [False, False], "the re-plan's joint graph should have the traced static shapes"
