@@ -57,7 +57,8 @@ def plan_record(facts: JointGraphFacts, plan: Plan) -> dict[str, Any]:
     }
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
     return {"hash": digest, "predicted_peak_bytes": plan.predicted_peak_bytes,
-            "saved": len(plan.saved), "recomputed": len(plan.recomputed)}
+            "saved": len(plan.saved), "recomputed": len(plan.recomputed),
+            "est_extra_time_us": round(plan.est_extra_time_s * 1e6)}
 
 
 def trace(name: str) -> list[JointGraphFacts]:

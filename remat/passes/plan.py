@@ -160,7 +160,7 @@ def _check_solver(facts: JointGraphFacts, solver: str, milp_time_limit_s: float)
             raise ValueError(f"milp_time_limit_s={milp_time_limit_s!r} must be a positive number of seconds.")
 
 
-def _starts(facts: JointGraphFacts, mincut: Evaluated) -> tuple[Evaluated, ...]:
+def solver_starts(facts: JointGraphFacts, mincut: Evaluated) -> tuple[Evaluated, ...]:
     """The plans that need no budget, the one with the lower simulated peak first (the min-cut on a
     tie): the free min-cut, and the saved set of PyTorch's default partitioner when the facts have one
     that differs from it (``JointGraphFacts.default_saved``). Plain Inductor runs the default's, so its
@@ -316,7 +316,7 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
     no_remat = evaluate(facts, _save_all(facts))
     mincut_saved = min_cut_saved(facts)
     mincut = evaluate(facts, mincut_saved)
-    starts = _starts(facts, mincut)
+    starts = solver_starts(facts, mincut)
     chosen: Optional[Evaluated] = starts[0]
     dropped: tuple[str, ...] = ()
     used = "min-cut (no budget)" if chosen is mincut else (
