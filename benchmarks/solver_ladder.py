@@ -43,20 +43,16 @@ import torch
 import remat
 from remat.passes.mincut import min_cut_saved
 from remat.passes.plan import solver_starts
+from remat.passes.solve_context import SearchContext
 from remat.passes.solve_greedy import LADDER_RUNGS, smallest_peak_plan, solve_greedy
 from remat.pipeline import trace_joint_facts
 from remat.simulator import evaluate
 from remat.testing import corpus
+from fidelity import parse_seeds    # run as a script: benchmarks/ is sys.path[0]
+from fidelity_report import quantile
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIN_EXTRA_S = 1e-9        # a ratio's denominator floor (a plan with no extra time)
-
-
-def parse_seeds(text: str) -> tuple[int, ...]:
-    if not text:
-        return ()
-    lo, _, hi = text.partition("-")
-    return tuple(range(int(lo), int(hi or lo) + 1))
 
 
 def traced(entry: corpus.CorpusEntry) -> list[Any]:
@@ -83,7 +79,7 @@ def solve(facts: Any, target: int, starts: tuple, save_all: Any, rungs: int) -> 
 
 
 def graph_points(name: str, index: int, facts: Any, targets: int, rungs: int) -> list[dict[str, Any]]:
-    save_all = evaluate(facts, frozenset(n for n in facts.needed_by_backward if facts.nodes[n].role == "forward"))
+    save_all = evaluate(facts, SearchContext(facts).save_all())
     starts = solver_starts(facts, evaluate(facts, min_cut_saved(facts)))
     floor = smallest_peak_plan(facts, starts)[0].peak_bytes
     top = save_all.peak_bytes
@@ -109,11 +105,6 @@ def not_monotone(rows: list[dict[str, Any]]) -> int:
         if extra is not None:
             best_below = extra if best_below is None else min(best_below, extra)
     return count
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def summary(rows: list[dict[str, Any]], rungs: int) -> list[str]:

@@ -603,6 +603,7 @@ def test_descents_aimed_under_the_target_find_cheaper_plans_than_the_target_alon
 
     from remat.passes.mincut import min_cut_saved
     from remat.passes.plan import solver_starts
+    from remat.passes.solve_context import SearchContext
     from remat.passes.solve_greedy import smallest_peak_plan, solve_greedy
     from remat.pipeline import trace_joint_facts
     from remat.testing import corpus
@@ -611,7 +612,7 @@ def test_descents_aimed_under_the_target_find_cheaper_plans_than_the_target_alon
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         facts = trace_joint_facts(lambda *inputs: built.model(*inputs), built.inputs, hardware="h100")[0]
-    save_all = evaluate(facts, frozenset(n for n in facts.needed_by_backward if facts.nodes[n].role == "forward"))
+    save_all = evaluate(facts, SearchContext(facts).save_all())
     starts = solver_starts(facts, evaluate(facts, min_cut_saved(facts)))
     floor, top = smallest_peak_plan(facts, starts)[0].peak_bytes, save_all.peak_bytes
     ratios = {}
