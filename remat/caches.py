@@ -1,7 +1,8 @@
 """remat's caches from the command line (docs/caches.md)::
 
     python -m remat.caches where      # the directories: remat's cache, its compile cache, the CPU profile
-    python -m remat.caches clear      # delete the plan cache, the records restored on AOTAutograd hits, the settled steps
+    python -m remat.caches clear      # delete the plan cache, the records restored on AOTAutograd hits, the settled steps,
+                                      # the measured working memory of library calls
     python -m remat.caches measure    # measure this machine's CPU profile and cache it (replaces the default)
     python -m remat.caches show       # the CPU profile compiles use now, and where it comes from
 
@@ -28,6 +29,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"CPU profile:   {profile_cache_path(torch.device('cpu'))}")
     elif args == ["clear"]:
         print(f"removed {clear_compile_cache()} entries from {compile_cache_dir()}")
+        scratch = cache_dir() / "scratch"
+        removed = [path.unlink() for path in scratch.glob("*.json")] if scratch.is_dir() else []
+        print(f"removed {len(removed)} measured library-call scratch tables from {scratch}")
     elif args == ["measure"]:
         profile = measure_cpu_profile()
         print(f"measured and cached in {profile_cache_path(torch.device('cpu'))}: {profile.source}")

@@ -24,8 +24,10 @@ outputs (``assert_size_stride``). ``replay_wrapper`` walks that code and counts 
   through its backward (``outputs_held``, the same convention as the simulator's); by default the
   caller dropped them, and one the backward reads lives to its last reader there.
 
-What it does not see, and so may still differ from the measured peak by: memory a library
-call allocates inside itself (workspaces of matmul or convolution libraries), what the eager
+A library call's working memory (a convolution's reorders, attention's blocks) is in no code: the
+simulator measures it (``simulator/library_scratch.py``) and the replay adds it on top of what is live
+once the call's output is sized (``GraphCode.library_scratch``). What it does not see, and so may
+still differ from the measured peak by: the working memory of a call that was not measured, what the eager
 code between the forward and the backward allocates (the loss), and the autograd engine's
 own buffers. It does not model allocator rounding beyond CUDA's 512-byte blocks. A wrapper it
 cannot read (symbolic sizes, graph partitions) gives ``None``, and the plan keeps its
@@ -41,18 +43,14 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from .cost_model.inductor_rules import EXACT_LIBRARY_CALLS
+from .simulator.library_scratch import SCRATCH_META
 from .passes.joint_graph import gradless_tangents_of
 from .wrapper_text import (ALLOC, ASSERT_SIZE, ASSIGN, DEL, ELEMENT, VIEW, call_body, ints_or_none, library_calls_in,
                            library_outputs_before_frees, returned_values)
 
 CUDA_BLOCK_BYTES = 512       # the CUDA caching allocator rounds every block up to this
 
-# Library calls that write into buffers the generated code allocated (``out=``) and allocate nothing the
-# step's measurement sees: the matrix products and the RNG seed draw. On the CPU corpus no checked plan
-# measured above its checked peak (beyond the loss's 8 bytes) unless its graphs called others: oneDNN
-# convolutions (up to 8.3% above) or SDPA's flash attention (12.4%)
-# (benchmarks/results/fidelity-cpu.md, "Inductor's check vs the measured step").
-EXACT_LIBRARY_CALLS = frozenset({"mm", "addmm", "bmm", "baddbmm", "randint"})
 
 
 @dataclass(frozen=True)
@@ -100,6 +98,9 @@ class GraphCode:
     # the item size of a library call's output, by (op as ``aten.x.default``, index in its tuple or
     # -1 for a single tensor), where every node of that op in the FX graph agrees (``library_itemsizes``)
     library_itemsizes: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    # a library call's measured working memory (``simulator/library_scratch.py``), by (op as ``aten.x.default``,
+    # index in its tuple or -1, the output's sizes): added on top of what is live once that output exists
+    library_scratch: Mapping[tuple[str, int, tuple[int, ...]], int] = field(default_factory=dict)
     # a backward's tangents the step leaves without a gradient (``joint_graph.tangents_without_gradient``):
     # zeros AOTAutograd makes, freed at their last reader instead of held by the autograd engine
     gradless_tangents: frozenset[str] = frozenset()
@@ -199,7 +200,8 @@ class _Live:
 
 def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_type: str,
                    fallback_itemsize: int = 4, tag: str = "graph",
-                   library_itemsizes: Mapping[tuple[str, int], int] = {}) -> Optional[WrapperReplay]:
+                   library_itemsizes: Mapping[tuple[str, int], int] = {},
+                   library_scratch: Mapping[tuple[str, int, tuple[int, ...]], int] = {}) -> Optional[WrapperReplay]:
     """Replay the allocations and frees of a generated wrapper's ``call``.
 
     ``inputs`` maps the input names that hold memory above the baseline to their storages;
@@ -207,7 +209,9 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
     sized by the ``assert_size_stride`` that follows it, which states no dtype but names the op:
     its elements count the item size ``library_itemsizes`` gives that op's output (its index in
     the op's tuple, or -1), else ``fallback_itemsize`` bytes (the graph's activation dtype), and
-    an element of a tuple whose item size is not known that way is ``unsized``. The storages it
+    an element of a tuple whose item size is not known that way is ``unsized``. A call whose output
+    ``library_scratch`` names (op, index, sizes) peaks that many bytes above what is live once the
+    output is allocated (its working memory, measured). The storages it
     allocates are named ``<tag>:<buffer>:<n>``. Returns None when the code cannot be read exactly
     (no ``call``, graph partitions, a symbolic size)."""
     body = call_body(source_code)
@@ -233,6 +237,8 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
             if itemsize is not None:
                 tuple_elements.discard(name)     # its dtype is known after all
             state.allocate(name, storage_nbytes(sizes, steps, itemsize or fallback_itemsize, device_type))
+            scratch = library_scratch.get((match.group(4) or "", element_index.get(name, -1), tuple(sizes)), 0)
+            state.peak = max(state.peak, state.live + scratch)
         elif (match := DEL.match(statement)):
             for name in match.group(1).split(","):
                 state.unbind(name.strip())
@@ -281,7 +287,8 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
     the module docstring); None when either wrapper cannot be read exactly. ``outputs_held``:
     the caller keeps the forward's user outputs through the backward (else they die when the
     forward returns, unless the backward reads them; ``JointGraphFacts.outputs_held``)."""
-    fw = replay_wrapper(forward.source_code, {}, device_type, fallback_itemsize, "forward", forward.library_itemsizes)
+    fw = replay_wrapper(forward.source_code, {}, device_type, fallback_itemsize, "forward", forward.library_itemsizes,
+                        forward.library_scratch)
     if fw is None or len(fw.outputs) != len(forward.output_names):
         return None
     saved_names = [n for n in backward.input_names if not n.startswith("tangents_")]
@@ -308,7 +315,8 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
         held -= user_storages                                   # the caller dropped them before its backward
     for storage in held:
         inputs[f"held:{storage}"] = InputStorage(storage, fw.storage_bytes[storage], False)
-    bw = replay_wrapper(backward.source_code, inputs, device_type, fallback_itemsize, "backward", backward.library_itemsizes)
+    bw = replay_wrapper(backward.source_code, inputs, device_type, fallback_itemsize, "backward", backward.library_itemsizes,
+                        backward.library_scratch)
     if bw is None:
         return None
     handed_bytes = sum(fw.storage_bytes[s] for s in handed)
@@ -356,6 +364,26 @@ def library_itemsizes(gm: torch.fx.GraphModule) -> dict[tuple[str, int], int]:
     return {key: sizes.pop() for key, sizes in seen.items() if len(sizes) == 1}
 
 
+def library_scratch(gm: torch.fx.GraphModule) -> dict[tuple[str, int, tuple[int, ...]], int]:
+    """The measured working memory of ``gm``'s library calls (``SCRATCH_META`` on a node, set where the
+    joint graph is prepared and kept by the partition's copies), by ``(op, index, sizes)`` of each of
+    its outputs (``op`` as ``aten.x.default``, ``index`` its place in the op's tuple or -1): the key the
+    generated code's ``assert_size_stride`` of that output gives. Calls sharing a key keep the largest."""
+    table: dict[tuple[str, int, tuple[int, ...]], int] = {}
+    for node in gm.graph.nodes:
+        scratch = node.meta.get(SCRATCH_META, 0)
+        if not scratch or node.op != "call_function":
+            continue
+        value = node.meta.get("val")
+        outputs = [(-1, value)] if isinstance(value, torch.Tensor) else list(enumerate(value)) if isinstance(value, (tuple, list)) else []
+        for index, output in outputs:
+            sizes = ints_or_none(",".join(str(s) for s in output.shape)) if isinstance(output, torch.Tensor) else None
+            if sizes is not None:
+                key = (str(node.target), index, tuple(sizes))
+                table[key] = max(table.get(key, 0), int(scratch))
+    return table
+
+
 def graph_code(gm: torch.fx.GraphModule, source_code: str) -> GraphCode:
     """``GraphCode`` of ``gm`` (as handed to Inductor, before its post-grad passes: the names the
     partitioner gave, the dtypes of its library calls' outputs) and the wrapper source Inductor
@@ -366,7 +394,7 @@ def graph_code(gm: torch.fx.GraphModule, source_code: str) -> GraphCode:
     return GraphCode(source_code, tuple(n.name for n in placeholders),
                      tuple(v.name if isinstance(v, torch.fx.Node) else "" for v in values),
                      tuple(_nbytes(n.meta.get("val")) for n in placeholders), library_itemsizes(gm),
-                     gradless_tangents_of(placeholders))
+                     gradless_tangents=gradless_tangents_of(placeholders), library_scratch=library_scratch(gm))
 
 
 def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str,

@@ -134,6 +134,24 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu"
     return PeakMeasurement(window.peak_bytes, "cpu", "cpu-profiler", result, window.foreign_freed_bytes)
 
 
+def call_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> Optional[int]:
+    """The peak bytes ``fn`` allocates above its start (as ``measure_peak_bytes`` counts them), or None
+    when it cannot be measured here without disturbing another measurement: a profiler is recording on
+    this thread or a ``StepWindow`` is open (a re-plan inside a measured step). Used for short probes
+    made while a graph compiles (``simulator/library_scratch.py``)."""
+    device = torch.device(device)
+    if profiler_running() or getattr(_OPEN, "window", None) is not None:
+        return None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    return _cpu_peak(fn)[0].peak_bytes
+
+
 WINDOW_END_MARKER = "remat::measured_window_end"
 _OPEN = threading.local()     # the StepWindow open on this thread, if any (one profiler / CUDA peak per thread)
 

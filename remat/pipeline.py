@@ -38,6 +38,7 @@ from .options import DEFAULT_MILP_TIME_LIMIT_S, RematOptions, target_for_budget
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
 from .passes.plan import Plan, make_plan
 from .passes.random_ops import split_dropout_outputs
+from .simulator.library_scratch import measure_library_scratch, probes_apply, with_library_scratch
 
 # Scatter sums Inductor's CPU backend sends to the library call when more than one thread runs
 # its code (torch/_inductor/utils.py: needs_fallback_due_to_atomic_add_limitations) and lowers as
@@ -78,7 +79,8 @@ def prepare_graph(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd
     (``default_partition_saved``; without it, the inputs with a gradient are taken as the parameters).
 
     ``estimator="profile"`` times the graph's real kernels once (cached by graph hash)
-    and uses those times instead of the roofline.
+    and uses those times instead of the roofline. Library calls' working memory is measured on
+    this machine when the profile is the graph's device's kind (``simulator/library_scratch.py``).
     """
     joint.graph.eliminate_dead_code()
     split_dropout_outputs(joint.graph)
@@ -88,6 +90,8 @@ def prepare_graph(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd
     measured = measure_node_times(joint.graph) if estimator == "profile" else None
     costs = annotate_costs(joint.graph, profile, measured_times=measured)
     facts = read_joint_graph(joint.graph, costs, num_fwd_outputs, outputs_held)
+    if probes_apply(profile, device):
+        facts = with_library_scratch(facts, joint.graph, measure_library_scratch(joint.graph, facts, device))
     default = default_partition_saved(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices)
     if default is not None:
         facts = dataclasses.replace(facts, default_saved=default)

@@ -15,6 +15,7 @@ ASSERT_SIZE = re.compile(r"^assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)(
 DEL = re.compile(r"^del ([\w, ]+)$")
 ELEMENT = re.compile(r"^(\w+)\[\d+\]$")
 ELEMENT_OF = re.compile(r"^\w+ = \w+\[\d+\]$")
+RENAME = re.compile(r"^\w+ = \w+$")     # another name for a value (``buf3 = buf2``: a fallback kernel's result)
 LIBRARY_RESULT = re.compile(r"^\w+ = (?:torch\.ops\.|extern_kernels\.|aten\.)")
 LIBRARY_CALL = re.compile(r"\b(?:extern_kernels|torch\.ops\.\w+|aten)\.(\w+)\(|\b(?:torch\.ops\.\w+|aten)\.(\w+)\.\w+\(")
 
@@ -85,7 +86,8 @@ def library_outputs_before_frees(body: Sequence[str]) -> list[str]:
     outputs (``bufN = bufM[i]``, ``assert_size_stride``): the call allocates its outputs while its
     inputs are alive, but the wrapper frees the inputs before it asserts the outputs' sizes, and a
     replay in statement order would count the two apart (on the zoo Llama, SDPA-backward's q, k, v,
-    output and logsumexp: 1.06 MB under the step's peak)."""
+    output and logsumexp: 1.06 MB under the step's peak). A rename of the result (``buf3 = buf2``, then
+    the assert on ``buf3``: a fallback kernel's output) sizes it too."""
     ordered: list[str] = []
     held: list[str] = []
     after_call = False
@@ -93,7 +95,7 @@ def library_outputs_before_frees(body: Sequence[str]) -> list[str]:
         if after_call and DEL.match(statement):
             held.append(statement)
             continue
-        if after_call and (ASSERT_SIZE.match(statement) or ELEMENT_OF.match(statement)
+        if after_call and (ASSERT_SIZE.match(statement) or ELEMENT_OF.match(statement) or RENAME.match(statement)
                            or statement.startswith("assert_alignment(")):
             ordered.append(statement)
             continue
@@ -104,6 +106,6 @@ def library_outputs_before_frees(body: Sequence[str]) -> list[str]:
     return ordered + held
 
 
-__all__ = ["ALLOC", "ASSERT_SIZE", "ASSIGN", "DEL", "ELEMENT", "ELEMENT_OF", "LIBRARY_CALL", "LIBRARY_RESULT", "VIEW",
+__all__ = ["ALLOC", "ASSERT_SIZE", "ASSIGN", "DEL", "ELEMENT", "ELEMENT_OF", "LIBRARY_CALL", "LIBRARY_RESULT", "RENAME", "VIEW",
            "call_body", "ints_or_none", "library_calls", "library_calls_in", "library_outputs_before_frees",
            "returned_values", "split_top_level"]

@@ -197,17 +197,17 @@ def test_inputs_beyond_the_live_byte_cap_are_timed_in_chunks(monkeypatch):
 def test_cpu_convolutions_are_timed_channels_last_as_inductor_lays_them_out():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from remat.cost_model.calibrate import _real_args
+    from remat.cost_model.calibrate import real_args
 
     graph = make_fx(lambda x, w: torch.nn.functional.conv2d(x, w, padding=1) + 1,
                     tracing_mode="fake")(torch.randn(2, 16, 8, 8), torch.randn(16, 16, 3, 3)).graph
     conv = next(n for n in graph.nodes if n.target is torch.ops.aten.convolution.default)
     add = next(n for n in graph.nodes if n.target is torch.ops.aten.add.Tensor)
-    args, _ = _real_args(conv, torch.device("cpu"))
+    args, _ = real_args(conv, torch.device("cpu"))
     if torch.backends.mkldnn.is_available():
         assert args[0].is_contiguous(memory_format=torch.channels_last) and args[0].shape == (2, 16, 8, 8)
         assert args[1].is_contiguous(memory_format=torch.channels_last)
-    assert _real_args(add, torch.device("cpu"))[0][0].is_contiguous()   # other ops keep the traced layout
+    assert real_args(add, torch.device("cpu"))[0][0].is_contiguous()   # other ops keep the traced layout
 
 
 def test_an_input_that_is_a_view_of_a_fresh_output_is_warmed():

@@ -95,9 +95,12 @@ def _device_key(device: torch.device) -> str:
     return f"{device.type}:{socket.gethostname()}:{torch.get_num_threads()}threads"
 
 
-def graph_hash(graph: fx.Graph, device: torch.device, repeats: int) -> str:
+def graph_hash(graph: fx.Graph, device: torch.device, repeats: int, purpose: str = "") -> str:
+    """A digest of the graph's nodes (ops, arguments, shapes, strides, dtypes), the device with its
+    thread count, the torch version and ``repeats``; ``purpose`` keeps other measurements' keys apart."""
     digest = hashlib.sha256()
-    digest.update(f"schema={CALIBRATION_SCHEMA};torch={torch.__version__};{_device_key(device)};r={repeats}".encode())
+    digest.update(f"schema={CALIBRATION_SCHEMA};torch={torch.__version__};{_device_key(device)};r={repeats}"
+                  f"{';' + purpose if purpose else ''}".encode())
     for node in graph.nodes:
         entry = [node.name, node.op, str(node.target), _describe(node.args), _describe(node.kwargs),
                  _describe(node_val(node))]
@@ -140,7 +143,9 @@ def _as_inductor_lays_out(node: fx.Node, tensor: torch.Tensor, device: torch.dev
     return tensor
 
 
-def _real_args(node: fx.Node, device: torch.device) -> tuple[tuple, dict]:
+def real_args(node: fx.Node, device: torch.device) -> tuple[tuple, dict]:
+    """Real arguments for ``node``: random tensors of its inputs' traced shapes, strides and dtypes
+    (``random_tensor``; a CPU convolution's in the layout Inductor gives it), constants at their hints."""
     def realize(arg: fx.Node) -> Any:
         value = node_val(arg)
         if isinstance(value, torch.Tensor):
@@ -237,7 +242,7 @@ def _measure(graph: fx.Graph, device: torch.device, repeats: int,
             if is_free_op(node):
                 continue
             try:
-                args, kwargs = _real_args(node, device)
+                args, kwargs = real_args(node, device)
                 target = node.target
                 target(*args, **kwargs)   # an op that refuses random inputs is found here, not mid-round
             except Exception as error:  # noqa: BLE001 - any op may refuse random inputs; it keeps its roofline
@@ -287,4 +292,4 @@ def measure_node_times(graph: fx.Graph, **kwargs: Any) -> dict[str, float]:
     return dict(calibrate(graph, **kwargs).times_s)
 
 
-__all__ = ["Calibration", "calibrate", "graph_device", "graph_hash", "measure_node_times", "random_tensor"]
+__all__ = ["Calibration", "calibrate", "graph_device", "graph_hash", "measure_node_times", "random_tensor", "real_args"]

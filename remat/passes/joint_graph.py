@@ -66,6 +66,7 @@ class NodeFacts:
     shape: tuple[int, ...] = ()    # shape of its (first) tensor output, at the size hint
     itemsize: int = 0              # bytes per element of its (first) tensor output
     strides: tuple[int, ...] = ()  # strides of its (first) tensor output as traced (eager's), at the size hint
+    scratch_bytes: int = 0         # a library call's working memory beyond its outputs, measured (library_scratch.py)
 
     @property
     def alloc_bytes(self) -> int:

@@ -166,8 +166,11 @@ class _Graph:
             assert not self.estimated_inputs
             rows = self._with_view_copies(rows, of)
         extra = self._estimated_input_bytes(schedule.kernels, kernel_rows, len(rows))
+        # a library call's working memory (``library_scratch``), on top of what is live at its call
+        scratch = {kernel.ops[-1]: self.facts.nodes[node_of[kernel.ops[-1]]].scratch_bytes
+                   for kernel in schedule.kernels if kernel.extern}
         steps = [Step(inst, phase, allocs, uses, regions.get(inst, -1), phantom_bytes=phantom + more,
-                      inplace=inplace, pooled=pooled)
+                      inplace=inplace, pooled=pooled, scratch_bytes=scratch.get(inst, 0) if allocs or uses else 0)
                  for (inst, allocs, uses, phantom, inplace, pooled), more in zip(rows, extra)]
         return steps, of
 

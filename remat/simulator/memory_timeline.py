@@ -47,6 +47,9 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 
+SCRATCH_SUFFIX = "#scratch"   # the pseudo storage of a library call's working memory in ``live_at_peak``
+
+
 @dataclass(frozen=True)
 class Step:
     name: str                               # node name; "<node>@r<k>" for its k-th recomputation in the backward
@@ -59,6 +62,7 @@ class Step:
     external: bool = False                  # allocated outside the compiled graph: freed, never pooled
     inplace: tuple[tuple[str, str], ...] = ()   # (storage allocated, input storage it may overwrite)
     pooled: bool = True                     # its storages wait in the reuse pool when freed (not a call's tuple outputs)
+    scratch_bytes: int = 0                  # a library call's working memory, live only during this step
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,8 @@ def simulate_memory(steps: Sequence[Step], pinned: Iterable[str] = (), *, reuse_
     place over one is never reused (see the module docstring).
     Guarantees: ``peak_bytes == max(timeline_bytes)`` (0 for no steps); a storage
     is counted from its allocating step through its last reader, and longer only
-    while it waits in its graph's reuse pool for the allocation that takes it.
+    while it waits in its graph's reuse pool for the allocation that takes it; a step's
+    ``scratch_bytes`` count at that step alone, on top of what is live there.
     """
     pinned_set = set(pinned)
     frees_at = _lifetimes(steps, pinned_set)
@@ -225,9 +230,11 @@ def simulate_memory(steps: Sequence[Step], pinned: Iterable[str] = (), *, reuse_
     live = 0
     for index in range(count):
         live += delta[index]
-        timeline.append(live)
+        timeline.append(live + steps[index].scratch_bytes)
     peak_index = max(range(count), key=timeline.__getitem__) if count else -1
     peak_live = tuple((sid, nbytes_of[sid]) for sid in start if start[sid] <= peak_index <= end[sid]) if count else ()
+    if count and steps[peak_index].scratch_bytes:
+        peak_live += ((steps[peak_index].name + SCRATCH_SUFFIX, steps[peak_index].scratch_bytes),)
     return MemorySimulation(
         peak_bytes=timeline[peak_index] if count else 0,
         peak_step=peak_index,
