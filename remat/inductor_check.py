@@ -101,6 +101,10 @@ class GraphCode:
     # a library call's measured working memory (``simulator/library_scratch.py``), by (op as ``aten.x.default``,
     # index in its tuple or -1, the output's sizes): added on top of what is live once that output exists
     library_scratch: Mapping[tuple[str, int, tuple[int, ...]], int] = field(default_factory=dict)
+    # ops (by short name, as ``library_calls`` names them) every node of which in the FX graph had its
+    # working memory measured, and ops some node of which did not (``measured_calls``)
+    measured_calls: frozenset[str] = frozenset()
+    unmeasured_calls: frozenset[str] = frozenset()
     # a backward's tangents the step leaves without a gradient (``joint_graph.tangents_without_gradient``):
     # zeros AOTAutograd makes, freed at their last reader instead of held by the autograd engine
     gradless_tangents: frozenset[str] = frozenset()
@@ -125,18 +129,21 @@ class CheckedPeak:
     unsized: int
     held_output_bytes: int = 0
     # the library calls both graphs make (``extern_kernels.mm`` -> "mm", ``torch.ops.aten.x.default`` -> "x"):
-    # what they allocate inside themselves is the part of the step the check cannot see
+    # what they allocate inside themselves is the part of the step the check cannot see, unless measured
     library_calls: frozenset[str] = frozenset()
+    # those whose every call had its working memory measured and counted (``GraphCode.measured_calls``)
+    measured_calls: frozenset[str] = frozenset()
 
 
 def trusted_peak_bytes(checked: Optional["CheckedPeak"], simulated_peak_bytes: int) -> Optional[int]:
     """The checked peak a verdict may rest on. The check can always raise the number (its code peaks
-    above the simulator's figure); it may lower it only where it sees every allocation, i.e. the graphs
-    call no library code outside ``EXACT_LIBRARY_CALLS``. Otherwise None: the simulated peak stands, as
-    for code the check cannot read."""
+    above the simulator's figure); it may lower it only where it sees every allocation, i.e. every
+    library call the graphs make is one of ``EXACT_LIBRARY_CALLS`` or had its working memory measured
+    (``simulator/library_scratch.py``). Otherwise None: the simulated peak stands, as for code the
+    check cannot read."""
     if checked is None:
         return None
-    if checked.peak_bytes >= simulated_peak_bytes or checked.library_calls <= EXACT_LIBRARY_CALLS:
+    if checked.peak_bytes >= simulated_peak_bytes or checked.library_calls <= EXACT_LIBRARY_CALLS | checked.measured_calls:
         return checked.peak_bytes
     return None
 
@@ -322,7 +329,8 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
     handed_bytes = sum(fw.storage_bytes[s] for s in handed)
     return CheckedPeak(max(fw.peak_bytes, bw.peak_bytes), fw.peak_bytes, bw.peak_bytes, handed_bytes, tangent_bytes,
                        len(fw.unsized) + len(bw.unsized), sum(fw.storage_bytes[s] for s in held & user_storages),
-                       fw.library_calls | bw.library_calls)
+                       fw.library_calls | bw.library_calls,
+                       (forward.measured_calls | backward.measured_calls) - (forward.unmeasured_calls | backward.unmeasured_calls))
 
 
 def _nbytes(value: object) -> int:
@@ -384,17 +392,31 @@ def library_scratch(gm: torch.fx.GraphModule) -> dict[tuple[str, int, tuple[int,
     return table
 
 
+def measured_calls(gm: torch.fx.GraphModule) -> tuple[frozenset[str], frozenset[str]]:
+    """The ops of ``gm`` by short name (``aten.x.default`` -> "x") every node of which carries its
+    measured working memory (``SCRATCH_META``, 0 included), and those some node of which does not."""
+    measured: set[str] = set()
+    unmeasured: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            short = str(node.target).split(".")[1]
+            (measured if SCRATCH_META in node.meta else unmeasured).add(short)
+    return frozenset(measured - unmeasured), frozenset(unmeasured)
+
+
 def graph_code(gm: torch.fx.GraphModule, source_code: str) -> GraphCode:
     """``GraphCode`` of ``gm`` (as handed to Inductor, before its post-grad passes: the names the
     partitioner gave, the dtypes of its library calls' outputs) and the wrapper source Inductor
     generated for it."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    measured = measured_calls(gm)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     return GraphCode(source_code, tuple(n.name for n in placeholders),
                      tuple(v.name if isinstance(v, torch.fx.Node) else "" for v in values),
                      tuple(_nbytes(n.meta.get("val")) for n in placeholders), library_itemsizes(gm),
-                     gradless_tangents=gradless_tangents_of(placeholders), library_scratch=library_scratch(gm))
+                     gradless_tangents=gradless_tangents_of(placeholders), library_scratch=library_scratch(gm),
+                     measured_calls=measured[0], unmeasured_calls=measured[1])
 
 
 def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str,

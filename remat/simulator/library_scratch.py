@@ -99,7 +99,7 @@ def _probe(node: fx.Node, device: torch.device) -> tuple[Optional[int], str]:
 def measure_library_scratch(graph: fx.Graph, facts: JointGraphFacts, device: torch.device,
                             use_cache: bool = True) -> dict[str, int]:
     """Scratch bytes per probed node of ``graph`` (whose facts are ``facts``) on ``device``: the nodes
-    ``probed_calls`` names that allocate any (a node measured at 0 or not measured is absent)."""
+    ``probed_calls`` names that could be measured (0 included; a node not measured is absent)."""
     by_name = {node.name: node for node in graph.nodes}
     names = [name for name in probed_calls(facts) if isinstance(by_name[name].target, torch._ops.OpOverload)]
     if not names:
@@ -120,7 +120,7 @@ def measure_library_scratch(graph: fx.Graph, facts: JointGraphFacts, device: tor
             measured, why = _probe(by_name[name], device)
             if measured is None:
                 skipped[name] = why
-            elif measured > 0:
+            else:
                 scratch[name] = measured
     if skipped:
         log.info("library scratch not measured for %d calls: %s", len(skipped),
@@ -144,7 +144,8 @@ def with_library_scratch(facts: JointGraphFacts, graph: fx.Graph, scratch: Mappi
             node.meta[SCRATCH_META] = int(scratch[node.name])
     nodes = dict(facts.nodes)
     for name, nbytes in scratch.items():
-        nodes[name] = dataclasses.replace(nodes[name], scratch_bytes=int(nbytes))
+        if nbytes:
+            nodes[name] = dataclasses.replace(nodes[name], scratch_bytes=int(nbytes))
     return dataclasses.replace(facts, nodes=nodes)
 
 
