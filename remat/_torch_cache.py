@@ -8,6 +8,13 @@
   never called: ``torch/_functorch/_aot_autograd/autograd_cache.py: AOTAutogradCache.try_load``.
   A ``uuid()`` of None is *not* a bypass for a partitioner (it is for custom passes): it would
   join the key as None, so remat's uuid is never None.
+- What else AOTAutograd's key reads that a compile outside Dynamo's (a re-plan, compiled from a copy of
+  Dynamo's graph) must give as Dynamo's compile does, for a later process's compile of Dynamo's graph to
+  find the re-plan's entry (``autograd_cache_key``): the graph module's ``__dict__``, pickled in order
+  (``_torch_dynamo.copy_dynamo_graph``), ``AOTConfig.dynamic_shapes`` (from the first fake input's mode:
+  ``_torch_compile._tracing_context``) and functorch's config, ``force_non_lazy_backward_lowering``
+  included (``autograd_cache``'s ``non_lazy_backward``: the backend compiles every budgeted graph's
+  backward at once, as its re-plans do).
 - ``torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]``: incremented by
   ``try_load`` on every hit; the only sign a backend gets that its partitioner was skipped.
 """

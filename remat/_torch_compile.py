@@ -18,11 +18,13 @@ through, in one place (verified on torch 2.13.0; see README "Torch versions").
 - ``torch._guards.TracingContext`` / ``tracing`` with a ``FakeTensorMode`` holding a
   ``torch.fx.experimental.symbolic_shapes.ShapeEnv``: Inductor's FX graph cache reads the shape
   environment from the tracing context and bypasses the cache without one ("No shape env"), which a
-  compile outside Dynamo's (a re-plan in a later step) has not (``compile_with_partitioner``). The
-  inputs of such a compile are fakified in that mode with ``FakeTensorMode.from_tensor(x,
-  static_shapes=True)``: AOTAutograd fakifies a real input with ``static_shapes=False`` whenever the
-  fake mode has a shape environment (``_functorch/_aot_autograd/frontend_utils.py``
-  ``process_inputs``), i.e. with every dimension symbolic.
+  compile outside Dynamo's (a re-plan in a later step) has not (``compile_with_partitioner``). That
+  mode is made with ``static_shapes=True`` and the inputs of such a compile are fakified with
+  ``FakeTensorMode.from_tensor(x, static_shapes=True)`` in another mode, without a shape environment:
+  AOTAutograd fakifies a real input with ``static_shapes=False`` whenever the fake mode has a shape
+  environment (``_functorch/_aot_autograd/frontend_utils.py`` ``process_inputs``), i.e. with every
+  dimension symbolic, and it keys its cache by ``dynamic_shapes``, True when its first fake input's mode
+  has a shape environment (``_functorch/aot_autograd.py`` ``prepare_aot_config``).
 - ``torch._dynamo.backends.registry.register_backend`` and ``_COMPILER_FNS``
   (``register_dynamo_backend``).
 - AOTAutograd's autograd node of a compiled graph is named ``CompiledFunctionBackward``
@@ -118,7 +120,8 @@ def _tracing_context(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     """The tracing context to compile in and the inputs to compile for. Inside Dynamo's compile (the
     first compile of a graph): Dynamo's context and its (fake) inputs, as they are. Outside it (a
     re-plan compiled while the step runs, for the step's real inputs): a fresh context whose fake mode
-    has its own shape environment, and the inputs fakified in that mode with static shapes.
+    has its own shape environment and makes static fake tensors, and the inputs fakified with static
+    shapes in a fake mode without a shape environment (AOTAutograd fakifies them again in the context's).
 
     The shape environment, because without one Inductor's FX graph cache is bypassed: measured on a
     2-graph step re-planned after its first step, every re-plan's graph generated its code again in
@@ -133,7 +136,11 @@ def _tracing_context(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     and AOTAutograd's ``tensorify_python_scalars`` (torch/fx/passes/_tensorify_python_scalars.py,
     ``_sympy_interp``) raised ``KeyError`` on one of them, so every re-plan of such a graph failed.
     Only static shapes are compiled this way (the backend re-plans graphs without symbolic shapes),
-    so the guards the fresh environment records are not needed by anyone."""
+    so the guards the fresh environment records are not needed by anyone. The inputs' own mode without a
+    shape environment, because AOTAutograd's cache key records ``dynamic_shapes``, True when the first
+    fake input's mode has one (``prepare_aot_config``): Dynamo hands its compile real tensors (False),
+    so a re-plan fakified in the context's mode was keyed otherwise than the same graph compiled by
+    Dynamo in the next process, which therefore never found the re-plan's entry."""
     import contextlib
 
     from torch._guards import TracingContext, tracing
@@ -142,10 +149,10 @@ def _tracing_context(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
 
     if TracingContext.try_get() is not None:
         return contextlib.nullcontext(), list(example_inputs)
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-    inputs = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+    inputs_mode = FakeTensorMode()      # no shape environment: AOTAutograd's key then says static shapes
+    inputs = [inputs_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
               for x in example_inputs]
-    return tracing(TracingContext(fake_mode)), inputs
+    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True))), inputs
 
 
 def split_joint(joint: fx.GraphModule, saved_names: Sequence[str],

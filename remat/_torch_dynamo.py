@@ -40,17 +40,32 @@ def passthrough_error_class(cls: type) -> type:
     return Passthrough
 
 
+# what Dynamo sets on the graph it hands a backend, which ``deepcopy`` drops (torch 2.13)
+_DYNAMO_GRAPH_ATTRIBUTES = ("compile_subgraph_reason", "_param_name_to_source", "_source_to_user_stacks", "_backend_id")
+
+
 def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """A deep copy of Dynamo's graph ``gm`` that AOTAutograd reads as it reads ``gm``: ``deepcopy``
     drops the attributes Dynamo sets besides the graph (``_param_name_to_source``, each placeholder's
     ``_dynamo_source``), and without them AOTAutograd hands the partitioner no static-lifetime inputs,
     so a graph compiled again from the copy (a re-plan, a cache hit compiled without the cache) would
-    be planned from another default partition than the first compile was."""
+    be planned from another default partition than the first compile was. AOTAutograd's cache key
+    (``autograd_cache.py``: ``_reduce_graph_module_for_cache_key`` pickles the module's ``__dict__``)
+    is the same for the copy as for ``gm``: the same attributes (the generated code where ``gm`` has
+    it), in the same order; so a re-plan compiled from a copy is stored under the key a later process
+    computes for Dynamo's graph."""
     import copy
 
     copied = copy.deepcopy(gm)
-    if hasattr(gm, "_param_name_to_source"):
-        copied._param_name_to_source = gm._param_name_to_source
+    for name in [n for n in gm.__dict__ if n in _DYNAMO_GRAPH_ATTRIBUTES]:
+        setattr(copied, name, getattr(gm, name))
+    if "_code" in gm.__dict__:      # a lazy module's code, generated as on gm (it sets attributes)
+        copied.code  # noqa: B018
+    # AOTAutograd's cache key pickles the module's __dict__, order included: gm's order
+    order = {name: i for i, name in enumerate(gm.__dict__)}
+    attributes = sorted(copied.__dict__.items(), key=lambda item: order.get(item[0], len(order)))
+    copied.__dict__.clear()
+    copied.__dict__.update(attributes)
     for original, twin in zip(gm.graph.find_nodes(op="placeholder"), copied.graph.find_nodes(op="placeholder")):
         if hasattr(original, "_dynamo_source"):
             twin._dynamo_source = original._dynamo_source   # type: ignore[attr-defined]
