@@ -21,12 +21,12 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import fx
 
-from . import _torch_cache
-from ._torch_compile import (CodeCapture, compile_with_partitioner, make_partitioner, register_dynamo_backend,
-                             split_by_default, split_joint, watch_compiled_backward)
+from ._torch_compile import (CodeCapture, make_partitioner, register_dynamo_backend, split_by_default, split_joint,
+                             watch_compiled_backward)
 from ._torch_dynamo import copy_dynamo_graph, current_compile_id, passthrough_error_class
 from ._torch_graph_breaks import graph_break_follows
-from .compile_cache import CachedPlanner, CallCache, call_cacheable, partitioner_uuid
+from .compile_cache import (CachedPlanner, CallCache, StepKey, cache_possible, call_cacheable, compile_cached,
+                            graph_identity, partitioner_uuid, store_call)
 from .compiled_graph import CompiledGraph
 from .cost_model.tensors import has_symbolic_shapes
 from .devices import device_of, free_device_bytes
@@ -71,7 +71,7 @@ class RematBackend:
         self.partitioner = make_partitioner(self._partition_at_planned_sizes, self.cache_key)
         self.feedback_events: list[FeedbackEvent] = []     # what the feedback loop did (remat/feedback.py)
         # graph breaks: the step's graphs at run time, its re-plans and measured steps (remat/step_loop.py)
-        self._step_hooks = StepHooks(StepAccount(), options.verify_peak, self.feedback_events)
+        self._step_hooks = StepHooks(StepAccount(), options.verify_peak, self.feedback_events, options.cache_key())
         self.verified_graphs: list[VerifiedGraph] = []     # the wrappers the loop runs, in compile order
         self._corrections: dict[str, Correction] = {}      # by graph key: this backend's, stored or not
         self._replan = threading.local()                   # the correction a re-plan on this thread applies
@@ -79,8 +79,9 @@ class RematBackend:
 
     def cache_key(self) -> str:
         """The partitioner's uuid: changes whenever the budget, options, hardware profile, planner source,
-        a feedback correction or the dump's settings change (``compile_cache.partitioner_uuid``)."""
-        return partitioner_uuid(self.options, dict(self._corrections))
+        a feedback correction or the dump's settings change (``compile_cache.partitioner_uuid``), and, in a
+        compile keyed by a step's share (``compile_cache.StepKey``), with that share and the graphs before it."""
+        return partitioner_uuid(self.options, dict(self._corrections), getattr(self._replan, "step_key", None))
 
     @property
     def step_account(self) -> StepAccount:
@@ -114,31 +115,28 @@ class RematBackend:
         judge = self.options.inductor_check   # with no budget, the check only reports the plan's peak
         budget = self.options.budget_bytes is not None   # the step's account re-plans graphs (remat/step_budget.py)
         # AOTAutograd's cache skips the partitioner on a hit: its record and dump are restored from the
-        # entry stored with the compile that made them (remat/compile_cache.py), where that is safe
-        call_cache = (CallCache(gm, example_inputs, self.cache_key())
-                      if call_cacheable(self.options, len(self.compiled_graphs), example_inputs)
-                      and not self._replan.follows else None)
+        # entry stored with the compile that made them (remat/compile_cache.py), where that is safe: a graph
+        # alone in its step, or one a remembered step gives a share (keyed by it: StepKey)
+        identity = graph_identity(gm, example_inputs)
+        step_key = self._step_hooks.key_at_compile(identity) if budget and cache_possible(example_inputs) else None
+        call_cache = (CallCache(identity, partitioner_uuid(self.options, dict(self._corrections), step_key))
+                      if call_cacheable(self.options, len(self.compiled_graphs), example_inputs, self._replan.follows,
+                                        step_key) else None)
         pristine = _copy_or_none(gm) if verify or judge or budget or call_cache else None   # compile_fx's pre-grad passes rewrite gm in place
-        before, hits = len(self.compiled_graphs), _torch_cache.autograd_cache_hits()
-        capture = CodeCapture()
+        before, capture, graphs = len(self.compiled_graphs), CodeCapture(), [gm]
         # The backward is compiled now, not at its first call, so a measured step's window holds no
-        # compilation and Inductor can judge the plan.
-        with _torch_cache.autograd_cache(call_cache is not None, non_lazy_backward=verify or judge):
-            fn = compile_with_partitioner(gm, example_inputs, self.partitioner, capture)
-        restored = False
-        if call_cache is not None and _torch_cache.autograd_cache_hits() > hits:
-            entry = call_cache.restore(self.new_graph_id, self.options.dump_dir, self.step_account, current_compile_id())
-            restored = entry is not None      # an inference graph's entry has no record
-            if entry is not None and entry.record is not None:
-                self.compiled_graphs.append(entry.record)
-            if not restored:    # nothing (usable) stored for this hit: compile again without the cache
-                assert pristine is not None
-                capture = CodeCapture()
-                with _torch_cache.autograd_cache(False, non_lazy_backward=verify or judge):
-                    fn = compile_with_partitioner(copy_dynamo_graph(pristine), example_inputs, self.partitioner, capture)
+        # compilation and Inductor can judge the plan (and a re-plan's cache key is the first compile's).
+        fn, entry, call_cache = compile_cached(
+            lambda: graphs.pop() if graphs else copy_dynamo_graph(pristine), example_inputs, self.partitioner, capture,
+            self._replan, verify or judge or budget, call_cache, step_key or StepKey(),
+            lambda cache: cache.restore(self.new_graph_id, self.options.dump_dir, self.step_account,
+                                        current_compile_id()))
+        restored = entry is not None      # an inference graph's entry has no record
+        if entry is not None and entry.record is not None:
+            self.compiled_graphs.append(entry.record)
         records = self.compiled_graphs[before:]
         if len(records) != 1:
-            if call_cache is not None and not restored:
+            if call_cache is not None:
                 call_cache.store(None, None)
             return fn       # an inference graph (no plan)
         in_place = pristine is not None and not has_symbolic_shapes(example_inputs) and records[0].distributed is None
@@ -149,16 +147,23 @@ class RematBackend:
             if judge and in_place:
                 fn = self._judged(fn, capture, pristine, list(example_inputs))
             if call_cache is not None:
-                self._store_call(call_cache, records[0].graph_id)
+                store_call(call_cache, self.compiled_graphs[-1], records[0].graph_id, self.step_account)
         in_step = budget and records[0].distributed is None   # DDP / FSDP2 pieces: their own ledger
         if not verify and not in_step:
             return fn
 
         def recompile(args: list, correction: Correction) -> tuple[Callable[..., Any], CompiledGraph]:
             replanned = CodeCapture()
-            fn = self._recompile(pristine, args, correction, wrapper.record.graph_key, replanned)[0]
+            # a re-plan under its share of the known step: cached under the key a later process computes
+            step_key = self._step_hooks.key_at_replan(wrapper, correction) if in_step and cache_possible(args) else None
+            fn, record, cache = self._recompile(pristine, args, correction, wrapper.record.graph_key, replanned,
+                                                identity=identity, step_key=step_key)
+            if record.cache.startswith("autograd-cache hit"):
+                return fn, record      # restored: judged when it was made
             if judge:
                 fn = self._judged(fn, replanned, pristine, args)
+            if cache is not None:
+                store_call(cache, self.compiled_graphs[-1], record.graph_id, self.step_account)
             return fn, self.compiled_graphs[-1]
 
         wrapper = VerifiedGraph(fn, self.compiled_graphs[-1], device=device_of(example_inputs),
@@ -166,20 +171,10 @@ class RematBackend:
                                 recompile=recompile if in_place else None, watch_backward=watch_compiled_backward,
                                 store=self._remember, step=self._step_hooks if in_step else None)
         if in_step:
-            self._step_hooks.register(wrapper)
+            self._step_hooks.register(wrapper, identity)
         if verify:
             self.verified_graphs.append(wrapper)
         return wrapper
-
-    def _store_call(self, call_cache: CallCache, first_id: str) -> None:
-        """After a compile AOTAutograd's cache missed: store the record it ended with, its dump and step
-        numbers, for a later hit to restore. A plan Inductor's check replaced (``first_id`` is not the
-        last record's) is stored as such: the cached code is the replaced plan's, so a hit compiles again."""
-        final = self.compiled_graphs[-1]
-        if final.graph_id != first_id:
-            call_cache.store(None, None, replanned=True)
-        else:
-            call_cache.store(final, self.step_account.plan_of(final.graph_id))
 
     def _judged(self, fn: Callable[..., Any], capture: CodeCapture, gm: fx.GraphModule,
                 args: list) -> Callable[..., Any]:
@@ -216,20 +211,29 @@ class RematBackend:
         path = write_correction(key, correction)
         return None if path is None else str(path)
 
-    def _recompile(self, gm: fx.GraphModule, args: list, correction: Correction,
-                   key: str, capture: Optional[CodeCapture] = None,
-                   candidate: Optional[str] = None) -> tuple[Callable[..., Any], CompiledGraph]:
-        """Compile a copy of Dynamo's graph ``gm`` for the real inputs ``args`` (static shapes, as it
-        was traced), planning at the target ``correction`` gives (or, with ``candidate``, planning that
-        candidate when the target is refused: ``partition``); returns the callable and its record,
-        which keeps the store ``key`` of the graph as Dynamo compiled it (the next process's key)."""
+    def _recompile(self, gm: fx.GraphModule, args: list, correction: Correction, key: str,
+                   capture: Optional[CodeCapture] = None, candidate: Optional[str] = None, identity: str = "",
+                   step_key: Optional[StepKey] = None) -> tuple[Callable[..., Any], CompiledGraph, Optional[CallCache]]:
+        """Compile a copy of Dynamo's graph ``gm`` for the real inputs ``args`` (static shapes, as it was
+        traced), planning at the target ``correction`` gives (or, with ``candidate``, planning that candidate
+        when the target is refused: ``partition``); returns the callable, its record (which keeps the graph's
+        store ``key``: the next process's) and the call cache to store the record in once judged (or None).
+        With ``step_key`` (its share of the known step: ``StepHooks.key_at_replan``) AOTAutograd's cache is on,
+        keyed as the graph's compile in a later process recalling the step is (with its call ``identity``):
+        a hit restores the stored record (its ``cache`` says so; judged when made)."""
         self._replan.correction, self._replan.key, self._replan.candidate = correction, key, candidate
         try:
-            with _torch_cache.autograd_cache(False, non_lazy_backward=True):
-                fn = compile_with_partitioner(copy_dynamo_graph(gm), args, self.partitioner, capture)
+            fn, entry, call_cache = compile_cached(
+                lambda: copy_dynamo_graph(gm), args, self.partitioner, capture, self._replan, True,
+                CallCache(identity, partitioner_uuid(self.options, dict(self._corrections), step_key))
+                if step_key is not None and identity else None, step_key,
+                lambda cache: cache.restore(lambda: self._replan_id(correction), self.options.dump_dir,
+                                            self.step_account, current_compile_id()))
         finally:
             self._replan.correction, self._replan.candidate = None, None
-        return fn, self.compiled_graphs[-1]
+        if entry is not None and entry.record is not None:
+            self.compiled_graphs.append(entry.record)
+        return fn, self.compiled_graphs[-1], call_cache
 
     def _correction_for_code(self, code: str, joint_inputs: Sequence[object]) -> tuple[str, str, Optional[Correction]]:
         """The graph id, feedback-store key and correction of a joint graph (its ``code``) about to be
@@ -239,10 +243,14 @@ class RematBackend:
         key = self._replan.key if correction is not None else graph_key(code, joint_inputs, self.options)
         if correction is None:
             return self.new_graph_id(), key, self._corrections.get(key) or read_correction(key)
+        return self._replan_id(correction), key, correction
+
+    def _replan_id(self, correction: Correction) -> str:
+        """The id of the next re-plan a ``correction`` of ``correction.graph_id`` makes: ``graph_001_r1``, ..."""
         with self._lock:
             first = correction.graph_id.split("_r")[0]
             self._replan_rounds[first] = rounds = self._replan_rounds.get(first, 0) + 1
-        return f"{first}_r{rounds}", key, correction
+        return f"{first}_r{rounds}"
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
@@ -265,6 +273,8 @@ class RematBackend:
             share = step.share_for_joint(slot_of(graph_id), target_bytes, joint, need_of(facts), num_fwd_outputs,
                                          static_indices, getattr(self._replan, "follows", False), key)
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
+        if getattr(self._replan, "step_key", None) is not None:   # a compile keyed by its share plans at it, or stops
+            self._replan.step_key.check(share)
 
         # every answer kept by its request, here and on disk (compile_cache.CachedPlanner)
         planner = CachedPlanner(key, self.options, profile, device_type, modeled, static_indices,

@@ -9,8 +9,8 @@ Two things, both stored by ``remat/plan_cache.py`` (``$REMAT_CACHE_DIR/compile``
   regions, the dump) runs as for a fresh plan, so the record and the dump are the same.
 - ``CallCache``: AOTAutograd's cache of whole compiles. A hit skips the partitioner, so what the
   partitioner would have left behind is stored with each compile it did run, keyed by what the
-  backend is handed (Dynamo's graph code, its inputs' shapes, strides, dtypes, devices and
-  ``requires_grad``, grad mode and the partitioner's ``uuid``), and restored on a hit: the
+  backend is handed (``graph_identity``: Dynamo's graph code, its inputs' shapes, strides, dtypes,
+  devices and ``requires_grad``, grad mode; and the partitioner's ``uuid``), and restored on a hit: the
   ``CompiledGraph`` record (with this compile's graph id, compile id and dump path, and
   ``cache="autograd-cache hit: ..."``), the dump's files (the stored graph id replaced by the new
   one where they differ) and the plan's numbers on the step's account. A hit with no stored record
@@ -20,8 +20,16 @@ Two things, both stored by ``remat/plan_cache.py`` (``$REMAT_CACHE_DIR/compile``
 headroom, the hardware profile, remat's source, the thread count, the feedback corrections stored
 on disk and held by the backend, whether a dump is written and with how many Pareto points.
 AOTAutograd's cache is used only where that covers every input of the plan (``call_cacheable``):
-not under torch.distributed (a piece's share depends on the other pieces' plans), not for a graph
-that shares its step's budget with graphs already planned (graph breaks), not with symbolic shapes.
+not under torch.distributed (a piece's share depends on the other pieces' plans), not with symbolic
+shapes, and for a graph that shares its step's budget with other graphs (graph breaks) only when its
+share is known before AOTAutograd traces it: a step an earlier process settled (``step_memory``) gives
+the share (``StepHooks.key_at_compile``), or, for a re-plan under its share of the known step, the
+step's account does (``StepHooks.key_at_replan``). The compile is then keyed by a ``StepKey`` (the
+share, the graph's position, the graphs before it: what they are and hold), which joins the uuid;
+the partitioner plans at that share or raises ``KeyedShareMismatch`` before planning (``compile_cached``
+then compiles again, unkeyed, with the cache off, and stores nothing), so an entry is only ever
+stored with a plan made at its key's share. A cold process's re-plans are stored under the key the next
+process computes for the same graph, share and earlier graphs, so its graphs hit.
 With ``inductor_check`` the record stored is the judged one (its verdict in the record and the dump);
 a plan the check replaced is not restored (AOTAutograd cached the replaced plan's code): a hit on it
 compiles again without the cache.
@@ -48,6 +56,7 @@ if TYPE_CHECKING:
     from torch import fx
 
     from .compiled_graph import CompiledGraph
+    from .distributed import GraphShare
     from .options import RematOptions
     from .passes.plan import Plan
     from .pipeline import PlanningRequest
@@ -138,24 +147,72 @@ def _stored_corrections_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def partitioner_uuid(options: "RematOptions", corrections: dict[str, Any]) -> str:
+def partitioner_uuid(options: "RematOptions", corrections: dict[str, Any], step_key: Optional["StepKey"] = None) -> str:
     """Changes whenever the budget, options, hardware profile, planner source, thread count, a feedback
-    correction (stored or held: ``corrections``) or what the dump holds change."""
+    correction (stored or held: ``corrections``) or what the dump holds change, and with the share of its
+    step a compile is keyed by (``step_key``: the share, its position, the graphs before it)."""
     return (f"remat:{options.cache_key()}:dump={options.dump_dir is not None},pareto={options.pareto_points}:"
             f"threads={torch.get_num_threads()}:{_profiles_key(options.hardware)}:{plan_cache.planner_source_hash()}:"
-            f"corrections={_stored_corrections_digest()}/{sorted((k, repr(c)) for k, c in corrections.items())}")
+            f"corrections={_stored_corrections_digest()}/{sorted((k, repr(c)) for k, c in corrections.items())}"
+            + (step_key.uuid_part() if step_key is not None else ""))
 
 
-def call_cacheable(options: "RematOptions", graphs_planned: int, example_inputs: Sequence[Any]) -> bool:
-    """Whether AOTAutograd's cache may serve this compile (see the module docstring), for a backend
-    with ``options`` that planned ``graphs_planned`` graphs before it."""
+def cache_possible(example_inputs: Sequence[Any]) -> bool:
+    """Whether AOTAutograd's cache may serve any compile of these inputs: caching on, no torch.distributed
+    (a piece's share depends on the other pieces' plans), static shapes."""
     if not plan_cache.caching_enabled():
         return False
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return False
-    if has_symbolic_shapes(example_inputs):
+    return not has_symbolic_shapes(example_inputs)
+
+
+def call_cacheable(options: "RematOptions", graphs_planned: int, example_inputs: Sequence[Any],
+                   follows: bool = False, step_key: Optional["StepKey"] = None) -> bool:
+    """Whether AOTAutograd's cache may serve this compile (see the module docstring), for a backend
+    with ``options`` that planned ``graphs_planned`` graphs before it, a graph a graph break ``follows``
+    (when known) and the share of a remembered step it will be planned at (``step_key``, if any)."""
+    if not cache_possible(example_inputs):
         return False
-    return options.budget_bytes is None or not graphs_planned
+    if step_key is not None and step_key.share is not None:
+        return True
+    return not follows and (options.budget_bytes is None or not graphs_planned)
+
+
+class KeyedShareMismatch(Exception):
+    """Raised by the partitioner of a compile keyed by a ``StepKey`` when the graph would be planned at
+    another share than the key's: the compile stops before any plan is made (AOTAutograd stores nothing)
+    and ``compile_cached`` compiles it again, unkeyed, with AOTAutograd's cache off."""
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """What a compile with AOTAutograd's cache on is keyed by beyond ``partitioner_uuid``: the share of its
+    step the partitioner must plan the graph at (None: none, the graph alone in its step), its position
+    in the step and the graphs before it there (call identity, graph key, held bytes). The partitioner
+    raises ``KeyedShareMismatch`` where the share it would plan at is not ``share`` (``check``), so a
+    compile stored under this key is planned at this share, and only at it."""
+
+    share: Optional["GraphShare"] = None
+    position: int = 0
+    earlier: tuple[tuple[str, str, int], ...] = ()
+
+    def uuid_part(self) -> str:
+        """What the partitioner's uuid adds for this key ("" for a graph planned alone)."""
+        return "" if self.share is None else f":step[{self.position}]={self.earlier!r}/{self.share!r}"
+
+    def check(self, asked_share: Optional["GraphShare"]) -> None:
+        """Raise ``KeyedShareMismatch`` unless ``asked_share`` (the share the partitioner got) is this key's."""
+        if asked_share != self.share:
+            raise KeyedShareMismatch(f"keyed by {self.share!r}, planned at {asked_share!r}")
+
+
+def step_key_of(share: Optional["GraphShare"], earlier: Sequence[tuple[str, "StepGraph"]]) -> Optional[StepKey]:
+    """The ``StepKey`` of a graph to be planned at ``share`` after ``earlier`` ((call identity, running plan)
+    of each graph before it in the step, forward order); None when ``share`` is None."""
+    if share is None:
+        return None
+    return StepKey(share, len(earlier), tuple((i, g.graph_key, g.held_bytes) for i, g in earlier))
 
 
 def _input_meta(value: object) -> str:
@@ -190,13 +247,22 @@ def _write_dump(root: Path, files: tuple[tuple[str, bytes], ...], old_id: str, n
         path.write_bytes(data)
 
 
+def graph_identity(gm: "fx.GraphModule", example_inputs: Sequence[Any]) -> str:
+    """The call identity of Dynamo's graph ``gm`` (its code, before Inductor's pre-grad passes edit it) for
+    ``example_inputs`` (shapes, strides, dtypes, devices, ``requires_grad``), grad mode and torch version:
+    the same graph compiled in another process, or again from a copy (a re-plan), has the same one."""
+    code = gm.graph.python_code(root_module="self").src   # gm.code's text; reading gm.code would generate it
+    # on a lazy module, adding attributes AOTAutograd's key reads (_torch_dynamo.copy_dynamo_graph)
+    return plan_cache.digest_of("graph", code, ",".join(map(_input_meta, example_inputs)),
+                                torch.is_grad_enabled(), torch.__version__)
+
+
 class CallCache:
     """One backend call's entry: ``store`` after a compile whose partitioner ran, ``restore`` after an
-    AOTAutograd hit. Keyed by Dynamo's graph (``gm.code``, before Inductor's pre-grad passes edit it)."""
+    AOTAutograd hit. Keyed by the graph's call identity (``graph_identity``) and the partitioner's ``uuid``."""
 
-    def __init__(self, gm: "fx.GraphModule", example_inputs: Sequence[Any], uuid: str) -> None:
-        self.key = plan_cache.digest_of("call", gm.code, ",".join(map(_input_meta, example_inputs)),
-                                        torch.is_grad_enabled(), torch.__version__, uuid)
+    def __init__(self, identity: str, uuid: str) -> None:
+        self.key = plan_cache.digest_of("call", identity, uuid)
 
     def store(self, record: Optional["CompiledGraph"], step_graph: Optional["StepGraph"],
               replanned: bool = False) -> None:
@@ -224,6 +290,71 @@ class CallCache:
             _write_dump(Path(dump_path), entry.dump_files, old.graph_id, graph_id)
         record = dataclasses.replace(old, graph_id=graph_id, compile_id=compile_id, dump_path=dump_path,
                                      cache=f"autograd-cache hit: {plan_cache.entry_path('graphs', self.key)}")
-        if entry.step_graph is not None:
-            step_account.note_plan(dataclasses.replace(entry.step_graph, graph_id=graph_id, slot=slot_of(graph_id)))
+        if entry.step_graph is not None:    # the step's account as the partitioner leaves it (note_step_plan)
+            graph = dataclasses.replace(entry.step_graph, graph_id=graph_id, slot=slot_of(graph_id))
+            step_account.note_plan(graph)
+            if graph.asked_share is not None and step_account.floor_of(graph.slot) is None:
+                step_account.set_floor(graph.slot, graph.floor_peak_bytes, graph.floor_held_bytes)
         return dataclasses.replace(entry, record=record)
+
+
+def store_call(call_cache: CallCache, final: "CompiledGraph", first_id: str, step_account: "StepAccount") -> None:
+    """After a compile AOTAutograd's cache missed: store the record it ended with (``final``), its dump and step
+    numbers, for a later hit to restore. A plan Inductor's check replaced (``first_id``, the compile's own
+    plan, is not ``final``) is stored as such: the cached code is the replaced plan's, so a hit compiles again."""
+    if final.graph_id != first_id:
+        call_cache.store(None, None, replanned=True)
+    else:
+        call_cache.store(final, step_account.plan_of(final.graph_id))
+
+
+def compile_cached(source: Callable[[], "fx.GraphModule"], args: Sequence[Any], partitioner: Any, capture: Any,
+                   keyed: Any, non_lazy: bool, call_cache: Optional[CallCache], step_key: Optional[StepKey],
+                   restore: Callable[[CallCache], Optional[CachedCompile]]) -> tuple[Any, Optional[CachedCompile],
+                                                                                    Optional[CallCache]]:
+    """Inductor's compile of ``source()`` (Dynamo's graph, or a copy of it: called once per attempt) for
+    ``args`` with ``partitioner`` (``_torch_compile.compile_with_partitioner``, each generated graph kept by
+    ``capture``; the backward compiled now when ``non_lazy``), with AOTAutograd's cache where ``call_cache``
+    is given: the attempt sets ``keyed.step_key`` to ``step_key`` for the partitioner, whose uuid then
+    covers it and which raises ``KeyedShareMismatch`` at another share (``StepKey.check``). Returns the
+    compiled function, the entry ``restore`` gave on a hit (its record then stands for the partitioner's)
+    and the cache to store the partitioner's record in (None: nothing to store). A hit with nothing usable
+    stored is compiled again with the cache off, still keyed, and stored; a compile whose share is not its
+    key's is compiled again unkeyed with the cache off and not stored: no entry is ever stored under a
+    share its plan was not made at."""
+    from ._torch_cache import autograd_cache, autograd_cache_hits
+    from ._torch_compile import compile_with_partitioner
+
+    def attempt(key: Optional[StepKey], cache_on: bool) -> Any:
+        keyed.step_key = key
+        try:
+            with autograd_cache(cache_on, non_lazy_backward=non_lazy):
+                return compile_with_partitioner(source(), args, partitioner, capture)
+        finally:
+            keyed.step_key = None
+
+    if call_cache is None:
+        return attempt(None, False), None, None
+    try:
+        hits = autograd_cache_hits()
+        fn = attempt(step_key, True)
+        if autograd_cache_hits() == hits:
+            return fn, None, call_cache
+        entry = restore(call_cache)
+        if entry is not None:
+            return fn, entry, None
+        return attempt(step_key, False), None, call_cache
+    except Exception as error:      # the partitioner's error, as it reaches compile_fx's caller
+        if not _mismatch_in(error):
+            raise
+        return attempt(None, False), None, None
+
+
+def _mismatch_in(error: BaseException) -> bool:
+    seen: list[BaseException] = []
+    while error is not None and not any(error is e for e in seen):
+        if isinstance(error, KeyedShareMismatch):
+            return True
+        seen.append(error)
+        error = error.__cause__ or error.__context__     # type: ignore[assignment]
+    return False

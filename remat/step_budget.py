@@ -132,7 +132,7 @@ def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], 
     needs = tuple(need_bytes if g is None else g.need_bytes for g in graphs)
     grads_before = sum(g.param_grad_bytes for g in earlier)
     later_grads = sum(g.param_grad_bytes for g in later)
-    share = piece_target(
+    return piece_target(
         step_target_bytes=step_target_bytes, index=len(earlier), needs=needs,
         held_before_bytes=sum(g.held_bytes for g in earlier),
         input_activation_bytes=input_activation_bytes if earlier else 0,
@@ -142,7 +142,6 @@ def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], 
         own_grad_bytes=param_grad_bytes, later_estimate_bytes=later_demand_bytes(later) if later else None,
         own_floor_bytes=own_floor_bytes, later_ceiling_bytes=later_demand_bytes(later, floor=False) if later else None,
     )
-    return share
 
 
 class StepAccount:
@@ -242,6 +241,11 @@ class StepAccount:
         inputs = self.io_bytes(slot, joint, num_fwd_outputs, static_indices)[0]
         return lambda plan: plan.saved_bytes + inputs
 
+    def pending_graphs(self) -> tuple[tuple[str, StepGraph], ...]:
+        """(slot, running plan) of each graph whose forward ran in this step and whose backward has not, in order."""
+        with self._lock:
+            return tuple((s, g) for s in self._pending if (g := self._graph(s)) is not None)
+
     def forward_entered(self, slot: str) -> None:
         """Graph ``slot`` enters its forward (before any re-plan it runs now)."""
         with self._lock:
@@ -262,9 +266,7 @@ class StepAccount:
                 return None
             graph = self._graph(slot)
             earlier = [g for s in self._pending if s != slot and (g := self._graph(s)) is not None]
-            later = ()
-            if slot in self.sequence:
-                later = tuple(g for s in self.sequence[self.sequence.index(slot) + 1:] if (g := self._graph(s)))
+            later = tuple(g for s in self.sequence[self.sequence.index(slot) + 1:] if (g := self._graph(s)))
         if graph is None or not earlier:
             return None
         held = sum(g.held_bytes for g in earlier)

@@ -34,10 +34,11 @@ import warnings
 from dataclasses import replace
 from typing import Any, Optional
 
+from .compile_cache import StepKey, step_key_of
 from .feedback_store import Correction
 from .measure import StepWindow, open_window
 from .step_budget import StepAccount, slot_of
-from .step_memory import RememberedStep, remember_step, settled
+from .step_memory import RememberedStep, expected_share, remember_step, settled
 from .units import format_bytes
 
 log = logging.getLogger("remat")
@@ -49,8 +50,11 @@ MAX_STEP_CORRECTIONS = 3   # rounds of re-plans a measured step over its budget 
 class StepHooks:
     """The run-time side of the step's account (see the module docstring). One per backend."""
 
-    def __init__(self, account: StepAccount, verify_peak: int = 1, events: Optional[list] = None) -> None:
+    def __init__(self, account: StepAccount, verify_peak: int = 1, events: Optional[list] = None,
+                 context: str = "") -> None:
         self.account = account
+        self._context = context                 # the backend's options (RematOptions.cache_key): remembered steps' key
+        self._identities: dict[str, str] = {}   # slot -> its graph's call identity (compile_cache.graph_identity)
         self._verify_peak = self._verify_left = verify_peak
         self._events = events if events is not None else []
         self._wrappers: dict[str, Any] = {}     # slot -> its wrapper
@@ -61,9 +65,41 @@ class StepHooks:
         self._remembered: Optional[RememberedStep] = None    # the settled step last stored (step_memory.py)
         self._lock = threading.Lock()
 
-    def register(self, wrapper: Any) -> None:
+    def register(self, wrapper: Any, identity: str = "") -> None:
+        """Account for ``wrapper`` (a ``VerifiedGraph``) from now on; ``identity``: its graph's call identity."""
         with self._lock:
             self._wrappers[slot_of(wrapper.record.graph_id)] = wrapper
+            self._identities[slot_of(wrapper.record.graph_id)] = identity
+
+    def key_at_compile(self, identity: str) -> Optional[StepKey]:
+        """The ``StepKey`` of the graph of call identity ``identity`` Dynamo compiles now, after the graphs
+        pending in this step: the share a remembered step gives it (``step_memory.expected_share``), with the
+        pending graphs; None when no remembered step does."""
+        earlier = [(self._identities.get(slot, ""), graph) for slot, graph in self.account.pending_graphs()]
+        share = expected_share([g for _, g in earlier], [i for i, _ in earlier], identity, self._context)
+        return step_key_of(share, earlier)
+
+    def key_at_replan(self, wrapper: Any, correction: Correction) -> Optional[StepKey]:
+        """The ``StepKey`` of a re-plan of ``wrapper``'s graph with ``correction``, made under its share of the
+        known sequence: the share ``StepAccount.share_for`` gives it now, at the step target its running plan
+        was made at (so None unless ``correction`` keeps that plan's factor), with the graphs before it in the
+        sequence. The share is what the next process's graph is planned at once the step settles
+        (``key_at_compile``), so the re-plan is stored under the key that process computes."""
+        slot, sequence = slot_of(wrapper.record.graph_id), self.account.sequence
+        running, first = self.account.plan_of(wrapper.record.graph_id), self.account.plan_of(slot)
+        own = wrapper.record.correction.factor if wrapper.record.correction is not None else 1.0
+        if slot not in sequence or len(sequence) < 2 or running is None or first is None or correction.factor != own:
+            return None
+        earlier = []
+        for before in sequence[:sequence.index(slot)]:
+            found = self._wrapper(before)
+            graph = None if found is None else self.account.plan_of(found.record.graph_id)
+            if graph is None:
+                return None
+            earlier.append((self._identities.get(before, ""), graph))
+        share = self.account.share_for(slot, running.step_target_bytes, first.input_activation_bytes,
+                                       first.param_grad_bytes, running.need_bytes, False, running.graph_key)
+        return step_key_of(share, earlier)
 
     def measures(self, wrapper: Any) -> bool:
         """Whether the step window, not ``wrapper``'s own, measures it (its sequence has several graphs)."""
@@ -134,10 +170,11 @@ class StepHooks:
         """A step completed with nothing to re-plan: if it is settled (``step_memory.settled``), store it
         for later processes, once per set of running plans."""
         wrappers = [self._wrapper(slot) for slot in order]
-        step = settled([None if w is None else self.account.plan_of(w.record.graph_id) for w in wrappers])
+        step = settled([None if w is None else self.account.plan_of(w.record.graph_id) for w in wrappers],
+                       [self._identities.get(slot, "") for slot in order])
         if step is not None and step != self._remembered:
             self._remembered = step
-            remember_step(step)
+            remember_step(step, self._context)
 
     def _wrapper(self, slot: str) -> Any:
         with self._lock:

@@ -21,8 +21,14 @@ the remembered key, or other plans) is planned as in a cold process, and the end
 the step's condition on the running plans and re-plans what breaks it, as it does after a cold step 1
 (which may run over, as a cold step 1 may).
 
+The step is also kept under the *call identity* of its first graph (``compile_cache.graph_identity``:
+Dynamo's graph and its inputs, known before AOTAutograd traces anything), with each graph's identity:
+``expected_share`` tells the backend, as Dynamo hands it a graph, which share the partitioner will
+recall for it, so that AOTAutograd's cache can be keyed by that share (``compile_cache.StepKey``).
+
 Stored with the plan cache (``plan_cache``: ``steps/<key>.pkl``; key: the first graph's key, the step
-target and remat's source); off with it (``REMAT_COMPILE_CACHE=0``), cleared with it.
+target and remat's source; the identity's entry: the first graph's identity, the backend's options and
+remat's source); off with it (``REMAT_COMPILE_CACHE=0``), cleared with it.
 """
 
 from __future__ import annotations
@@ -49,10 +55,12 @@ class StepGraph(Protocol):
 
 @dataclass(frozen=True)
 class RememberedStep:
-    """A settled step: its graphs' keys in forward order and the share each running plan was asked to fit."""
+    """A settled step: its graphs' keys in forward order, the share each running plan was asked to fit and
+    each graph's call identity (``compile_cache.graph_identity``; "" where unknown)."""
 
     graph_keys: tuple[str, ...]
     asked_shares: tuple["GraphShare", ...]
+    identities: tuple[str, ...] = ()
 
 
 def step_key(first_graph_key: str, step_target_bytes: int) -> str:
@@ -60,20 +68,51 @@ def step_key(first_graph_key: str, step_target_bytes: int) -> str:
     return plan_cache.digest_of("step", first_graph_key, step_target_bytes, plan_cache.planner_source_hash())
 
 
-def settled(graphs: Sequence[Optional["StepGraph"]]) -> Optional[RememberedStep]:
-    """The step ``graphs`` (the running plans of a completed step, forward order) as a ``RememberedStep``,
-    or None when it is not one to remember: fewer than two graphs, a graph without a key, or a plan not
-    made under a share of the known sequence (provisional, or planned alone)."""
+def identity_key(first_identity: str, context: str) -> str:
+    """The store key of a step whose first graph has the call identity ``first_identity``, for a backend
+    whose options are ``context`` (``RematOptions.cache_key``)."""
+    return plan_cache.digest_of("step-call", first_identity, context, plan_cache.planner_source_hash())
+
+
+def settled(graphs: Sequence[Optional["StepGraph"]], identities: Sequence[str] = ()) -> Optional[RememberedStep]:
+    """The step ``graphs`` (the running plans of a completed step, forward order; ``identities``: their
+    call identities) as a ``RememberedStep``, or None when it is not one to remember: fewer than two
+    graphs, a graph without a key, or a plan not made under a share of the known sequence (provisional,
+    or planned alone)."""
     if len(graphs) < 2 or any(g is None or not g.graph_key or g.asked_share is None or g.asked_share.kind != "break"
                               for g in graphs):
         return None
     return RememberedStep(tuple(g.graph_key for g in graphs if g is not None),
-                          tuple(g.asked_share for g in graphs if g is not None and g.asked_share is not None))
+                          tuple(g.asked_share for g in graphs if g is not None and g.asked_share is not None),
+                          tuple(identities))
 
 
-def remember_step(step: RememberedStep) -> Optional[Path]:
-    """Store ``step`` for later processes (``settled`` makes it); the path, or None (caching off, not writable)."""
+def remember_step(step: RememberedStep, context: str = "") -> Optional[Path]:
+    """Store ``step`` for later processes (``settled`` makes it), by its first graph's key and step target,
+    and, when every graph's call identity is known, by its first graph's identity and ``context`` (the
+    options: ``expected_share``); the first path, or None (caching off, not writable)."""
+    if len(step.identities) == len(step.graph_keys) and all(step.identities):
+        plan_cache.write_entry(ENTRY_KIND, identity_key(step.identities[0], context), step)
     return plan_cache.write_entry(ENTRY_KIND, step_key(step.graph_keys[0], step.asked_shares[0].step_target_bytes), step)
+
+
+def expected_share(earlier: Sequence["StepGraph"], earlier_identities: Sequence[str], identity: str,
+                   context: str) -> Optional["GraphShare"]:
+    """The share a remembered step (stored by identity under ``context``) gives the graph of call identity
+    ``identity`` compiled now after ``earlier`` (the running plans of the graphs whose backward is pending,
+    forward order; ``earlier_identities``, theirs): the share ``recall_share`` will return for it when its
+    joint graph, step target, inputs and gradients are the remembered ones, which only the partitioner can
+    check. None when no remembered step has these graphs before this one holding what they hold."""
+    k = len(earlier)
+    first = earlier_identities[0] if k else identity
+    step = plan_cache.read_entry(ENTRY_KIND, identity_key(first, context)) if first else None
+    if not isinstance(step, RememberedStep) or len(step.identities) <= k or len(step.asked_shares) <= k:
+        return None
+    if step.identities[:k + 1] != tuple(earlier_identities) + (identity,) \
+            or step.graph_keys[:k] != tuple(g.graph_key for g in earlier):
+        return None
+    share = step.asked_shares[k]
+    return share if (share.index, share.held_before_bytes) == (k, sum(g.held_bytes for g in earlier)) else None
 
 
 def recall_share(earlier: Sequence["StepGraph"], graph_key: str, step_target_bytes: int,

@@ -292,3 +292,71 @@ def test_the_inductor_settings_the_simulator_reads_are_keyed(caches):
     with torch._inductor.config.patch(reorder_for_peak_memory=not torch._inductor.config.reorder_for_peak_memory):
         ask()
     assert len(calls) == 2
+
+
+def test_a_remembered_steps_graphs_are_autograd_cache_hits_in_the_next_process(caches, monkeypatch):
+    """A step split at a graph break: the cold process's final plans (its re-plans once step 1 showed the
+    step) are compiled with AOTAutograd's cache on, keyed by their share of the step; the next process
+    recalls the settled step as Dynamo hands it each graph, computes the same keys and hits both graphs,
+    with the cold run's records, dumps and step numbers restored: nothing is traced, solved or re-planned,
+    and the gradients are the cold run's. Another budget, or a share other than the key's, never hits."""
+    import importlib
+
+    from test_graph_breaks import BrokenBlocks
+
+    solved = _count_solves(monkeypatch)
+    aot = counters["aot_autograd"]
+
+    def run(steps: int, dump: str, budget_gb: float = 0.0008):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = BrokenBlocks(breaks=1, width=64, hidden=128), torch.randn(128, 64)
+        backend = remat.backend(budget_gb, dump_dir=caches / dump, verify_peak=0, inductor_check=False)
+        step, grads = torch.compile(model, backend=backend), []
+        before = (aot["autograd_cache_hit"], aot["autograd_cache_saved"])
+        for _ in range(steps):
+            model.zero_grad()
+            step(x).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        return backend, grads, (aot["autograd_cache_hit"] - before[0], aot["autograd_cache_saved"] - before[1])
+
+    cold, cold_grads, (hits, saved) = run(2, "cold")
+    ids = [r.graph_id for r in cold.compiled_graphs]
+    assert ids == ["graph_000", "graph_001", "graph_000_r1", "graph_001_r1"], ids
+    assert (hits, saved) == (0, 2), "the re-plans under the step's shares are stored in AOTAutograd's cache"
+    cold_solves = len(solved)
+
+    warm, warm_grads, (hits, saved) = run(2, "warm")
+    assert [r.graph_id for r in warm.compiled_graphs] == ["graph_000", "graph_001"], "the warm run re-planned"
+    assert (hits, saved) == (2, 0) and len(solved) == cold_solves
+    assert all(r.cache.startswith("autograd-cache hit: ") for r in warm.compiled_graphs)
+    volatile = dict(graph_id="", compile_id="", dump_path="", cache="")
+    for record, final in zip(warm.compiled_graphs, cold.compiled_graphs[2:]):
+        assert dataclasses.replace(record, **volatile) == dataclasses.replace(final, **volatile)
+        assert record.dump_path == str(caches / "warm" / record.graph_id)
+        renamed = {name: data.replace(final.graph_id.encode(), record.graph_id.encode())
+                   for name, data in _files(final.dump_path).items()}
+        assert _files(record.dump_path) == renamed
+        assert {"forward.py", "backward.py", "plan.json", "report.md"} <= set(renamed)
+        noted = warm.step_account.plan_of(record.graph_id)
+        assert noted == dataclasses.replace(cold.step_account.plan_of(final.graph_id), graph_id=record.graph_id,
+                                            slot=record.graph_id)
+        assert not noted.provisional and warm.step_account.floor_of(record.graph_id) == cold.step_account.floor_of(
+            final.graph_id.split("_r")[0])
+    for warm_step in warm_grads:      # both steps run the cold run's final plans, as its second step did
+        assert all(torch.equal(a, b) for a, b in zip(warm_step, cold_grads[1]))
+
+    # a share the partitioner does not plan at (here: the key's share altered) is compiled unkeyed, without
+    # AOTAutograd's cache, and nothing is stored under that key
+    step_loop = importlib.import_module("remat.step_loop")
+    recalled = step_loop.expected_share
+    monkeypatch.setattr(step_loop, "expected_share", lambda *a: (s := recalled(*a)) and dataclasses.replace(
+        s, target_bytes=s.target_bytes + 1))
+    wrong, _, (hits, saved) = run(1, "wrong")
+    assert (hits, saved) == (0, 0)
+    assert [r.plan for r in wrong.compiled_graphs] == [r.plan for r in warm.compiled_graphs]
+    assert all(r.cache.startswith("plan cache: ") for r in wrong.compiled_graphs)
+    monkeypatch.setattr(step_loop, "expected_share", recalled)
+
+    other, _, (hits, _) = run(1, "budget", budget_gb=0.0009)
+    assert hits == 0 and not any(r.cache.startswith("autograd-cache hit") for r in other.compiled_graphs)
