@@ -33,7 +33,7 @@ import gc
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -134,22 +134,54 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu"
     return PeakMeasurement(window.peak_bytes, "cpu", "cpu-profiler", result, window.foreign_freed_bytes)
 
 
-def call_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> Optional[int]:
-    """The peak bytes ``fn`` allocates above its start (as ``measure_peak_bytes`` counts them), or None
-    when it cannot be measured here without disturbing another measurement: a profiler is recording on
-    this thread or a ``StepWindow`` is open (a re-plan inside a measured step). Used for short probes
-    made while a graph compiles (``simulator/library_scratch.py``)."""
+def calls_peak_bytes(calls: Sequence[Callable[[], Any]], device: torch.device | str = "cpu") -> Optional[list[int]]:
+    """The peak bytes each of ``calls`` allocates above its own start (as ``measure_peak_bytes`` counts
+    them: only allocations made inside it), run once each in order, or None when they cannot be measured
+    here without disturbing another measurement: a profiler is recording on this thread or a
+    ``StepWindow`` is open (a re-plan inside a measured step). On CPU all run in one profiler session,
+    each inside a marker whose span selects its allocation events (a session costs far more than a
+    short call). Used for short probes made while a graph compiles (``simulator/library_scratch.py``)."""
     device = torch.device(device)
     if profiler_running() or getattr(_OPEN, "window", None) is not None:
         return None
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    return _cpu_peak(fn)[0].peak_bytes
+        peaks = []
+        for call in calls:
+            torch.cuda.synchronize(device)
+            start = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            call()
+            torch.cuda.synchronize(device)
+            peaks.append(torch.cuda.max_memory_allocated(device) - start)
+        return peaks
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def run_all() -> None:
+        for index, call in enumerate(calls):
+            with record_function(f"{PROBE_MARKER}{index}"):
+                call()
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_all()
+    spans = _marker_spans(prof, PROBE_MARKER)
+    events = sorted(cpu_allocation_events(prof))
+    return [window_peak([e for e in events if spans[i][0] <= e[0] <= spans[i][1]]).peak_bytes
+            if i in spans else 0 for i in range(len(calls))]
+
+
+PROBE_MARKER = "remat::probe_"
+
+
+def _marker_spans(prof: Any, prefix: str) -> dict[int, tuple[int, int]]:
+    """``{index: (start_ns, end_ns)}`` of the ``record_function(prefix + str(index))`` events of a finished profile."""
+    spans: dict[int, tuple[int, int]] = {}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.name.startswith(prefix) and event.name[len(prefix):].isdigit():
+            spans[int(event.name[len(prefix):])] = (event.start_time_ns, event.end_time_ns)
+    return spans
 
 
 WINDOW_END_MARKER = "remat::measured_window_end"

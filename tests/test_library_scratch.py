@@ -126,3 +126,19 @@ def test_the_predicted_peak_covers_a_library_calls_working_memory(budget_share):
         assert record.judgement.checked_peak_bytes == pytest.approx(measured, rel=0.01)
         assert measured <= budget_gb * 1e9
     torch._dynamo.reset()
+
+
+def test_calls_measured_in_one_session_each_count_their_own_allocations():
+    from remat.measure import calls_peak_bytes
+
+    kept = []
+
+    def output_only():
+        kept.append(torch.zeros(1000))                 # 4,000 B kept
+
+    def with_temporary():
+        temporary = torch.zeros(5000)                   # 20,000 B freed on return
+        kept.append(torch.zeros(10))
+        del temporary
+
+    assert calls_peak_bytes([output_only, with_temporary, output_only]) == [4000, 20040, 4000]

@@ -75,17 +75,18 @@ def _concrete(value: Any) -> Any:
     return value
 
 
-def _describe(value: Any) -> Any:
-    """A JSON-able description of an argument for the graph hash."""
+def describe(value: Any) -> Any:
+    """A JSON-able description of an argument (a node by its name and meta value's dtype, device, sizes and
+    strides at their hints), for the graph hash."""
     if isinstance(value, fx.Node):
-        return {"node": value.name, "val": _describe(node_val(value))}
+        return {"node": value.name, "val": describe(node_val(value))}
     if isinstance(value, torch.Tensor):
         return [str(value.dtype), str(value.device.type), list(_concrete(tuple(value.shape))),
                 list(_concrete(tuple(value.stride())))]
     if isinstance(value, (list, tuple)):
-        return [_describe(v) for v in value]
+        return [describe(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _describe(v) for k, v in value.items()}
+        return {str(k): describe(v) for k, v in value.items()}
     return repr(_concrete(value))
 
 
@@ -102,8 +103,8 @@ def graph_hash(graph: fx.Graph, device: torch.device, repeats: int, purpose: str
     digest.update(f"schema={CALIBRATION_SCHEMA};torch={torch.__version__};{_device_key(device)};r={repeats}"
                   f"{';' + purpose if purpose else ''}".encode())
     for node in graph.nodes:
-        entry = [node.name, node.op, str(node.target), _describe(node.args), _describe(node.kwargs),
-                 _describe(node_val(node))]
+        entry = [node.name, node.op, str(node.target), describe(node.args), describe(node.kwargs),
+                 describe(node_val(node))]
         digest.update(json.dumps(entry, sort_keys=True, default=str).encode())
     return digest.hexdigest()[:32]
 
@@ -292,4 +293,4 @@ def measure_node_times(graph: fx.Graph, **kwargs: Any) -> dict[str, float]:
     return dict(calibrate(graph, **kwargs).times_s)
 
 
-__all__ = ["Calibration", "calibrate", "graph_device", "graph_hash", "measure_node_times", "random_tensor", "real_args"]
+__all__ = ["Calibration", "calibrate", "graph_device", "graph_hash", "measure_node_times", "describe", "random_tensor", "real_args"]

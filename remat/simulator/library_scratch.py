@@ -14,8 +14,9 @@ allocates 295 kB beyond its 279 kB of outputs; SDPA's CPU flash backward, 197 kB
 No rule predicts these bytes (they depend on the library's algorithm choice, the thread count
 and the shapes), so they are measured: ``measure_library_scratch`` runs each such call of a graph
 once on random inputs of its traced shapes, strides and dtypes (``calibrate.real_args``, the
-layout Inductor gives convolutions), warm, then twice under the memory measurement of
-``remat.measure`` (the CPU profiler's allocation events, or the CUDA allocator's peak), and
+layout Inductor gives convolutions; calls with the same arguments' shapes once per graph), warm,
+then twice under the memory measurement of ``remat.measure.calls_peak_bytes`` (the CPU profiler's
+allocation events, one session for many calls; or the CUDA allocator's peak), and
 keeps ``max(0, peak - outputs)``, the larger of the two. The random number generators' states
 are restored afterwards, so probing changes no draw the step makes.
 
@@ -34,18 +35,20 @@ dtypes, the device with its thread count, the torch version).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import fx
 
-from ..cost_model.calibrate import graph_hash, real_args
+from ..cost_model.calibrate import describe, graph_hash, real_args
 from ..cost_model.hardware import cache_dir, real_tensors, write_atomically
+from ..cost_model.tensors import node_val
 from ..cost_model.inductor_rules import EXACT_LIBRARY_CALLS
 from ..cost_model.profiles import DATASHEET_PROFILES, HardwareProfile
-from ..measure import call_peak_bytes
+from ..measure import calls_peak_bytes
 from ..passes.joint_graph import JointGraphFacts
 from .kernel_facts import kernel_kind, op_short_name
 from .kernel_lowering import EXTERN
@@ -55,6 +58,7 @@ log = logging.getLogger(__name__)
 SCRATCH_SCHEMA = 1
 SCRATCH_META = "remat_scratch_bytes"   # on a joint graph node: its measured scratch, for Inductor's check
 PROBE_RUNS = 2          # measured runs after the warm one; the largest scratch is kept
+MAX_PROBE_INPUT_BYTES = 1 << 28   # inputs held at once: calls are measured in chunks of at most this much
 
 
 def probes_apply(profile: HardwareProfile, device: torch.device) -> bool:
@@ -78,22 +82,62 @@ def _output_bytes(value: object) -> int:
     return sum(storages.values())
 
 
-def _probe(node: fx.Node, device: torch.device) -> tuple[Optional[int], str]:
-    """The node's scratch bytes on random inputs, or None and why not."""
+def _prepared(node: fx.Node, device: torch.device) -> tuple[Optional[Callable[[], Any]], str]:
+    """The node's call on random inputs, run once (warm: a library's first call may set up caches it
+    keeps), or None and why it cannot run."""
     try:
         args, kwargs = real_args(node, device)
-        target = node.target
-        target(*args, **kwargs)      # warm: a library's first call may set up caches it keeps
-        best = 0
-        for _ in range(PROBE_RUNS):
-            outputs: list = []
-            peak = call_peak_bytes(lambda: outputs.append(target(*args, **kwargs)), device)
-            if peak is None:
-                return None, "another measurement is open on this thread"
-            best = max(best, peak - _output_bytes(outputs))
-        return best, ""
+        node.target(*args, **kwargs)
+        return functools.partial(node.target, *args, **kwargs), ""
     except Exception as error:  # noqa: BLE001 - an op may refuse random inputs: it keeps no scratch
         return None, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+
+
+def _measured(calls: list[Callable[[], Any]], device: torch.device) -> Optional[list[int]]:
+    """Each call's scratch: the largest over ``PROBE_RUNS`` runs of its peak beyond the outputs it returns."""
+    kept: list[Any] = []
+    runs = [functools.partial(lambda c: kept.append(c()), call) for call in calls for _ in range(PROBE_RUNS)]
+    peaks = calls_peak_bytes(runs, device)
+    if peaks is None:
+        return None
+    return [max(0, max(peaks[k] - _output_bytes(kept[k]) for k in range(i * PROBE_RUNS, (i + 1) * PROBE_RUNS)))
+            for i in range(len(calls))]
+
+
+def _signature(node: fx.Node) -> str:
+    """The op and its arguments' shapes, strides and dtypes: calls alike in these are probed once."""
+    return json.dumps([str(node.target), describe(fx.node.map_arg(node.args, node_val)),
+                       describe(fx.node.map_arg(node.kwargs, node_val))], default=str)
+
+
+def _probe_all(nodes: list[fx.Node], device: torch.device) -> list[tuple[Optional[int], str]]:
+    """Each node's scratch (or None and why not), measured in chunks of at most ``MAX_PROBE_INPUT_BYTES``
+    of inputs, each chunk in one measurement."""
+    results: list[tuple[Optional[int], str]] = []
+    chunk: list[Callable[[], Any]] = []
+    pending: list[int] = []       # indexes into results waiting for the chunk's measurement
+    live = 0
+
+    def flush() -> None:
+        scratch = _measured(chunk, device)
+        for k, index in enumerate(pending):
+            results[index] = (None, "another measurement is open on this thread") if scratch is None else (scratch[k], "")
+        chunk.clear()
+        pending.clear()
+
+    for node in nodes:
+        call, why = _prepared(node, device)
+        results.append((None, why))
+        if call is not None:
+            chunk.append(call)
+            pending.append(len(results) - 1)
+            live += _output_bytes((call.args, call.keywords))
+            if live > MAX_PROBE_INPUT_BYTES:
+                flush()
+                live = 0
+    if chunk:
+        flush()
+    return results
 
 
 def measure_library_scratch(graph: fx.Graph, facts: JointGraphFacts, device: torch.device,
@@ -112,25 +156,24 @@ def measure_library_scratch(graph: fx.Graph, facts: JointGraphFacts, device: tor
             return {str(k): int(v) for k, v in data["scratch_bytes"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass    # missing or corrupt: measure again
-    scratch: dict[str, int] = {}
-    skipped: dict[str, str] = {}
+    signature = {name: _signature(by_name[name]) for name in names}
+    first: dict[str, str] = {}
+    for name in names:
+        first.setdefault(signature[name], name)
     devices = [device] if device.type == "cuda" else []
     with real_tensors(), torch.random.fork_rng(devices=devices):
-        for name in names:
-            measured, why = _probe(by_name[name], device)
-            if measured is None:
-                skipped[name] = why
-            else:
-                scratch[name] = measured
+        probed = dict(zip(first, _probe_all([by_name[n] for n in first.values()], device)))
+    measured = {name: probed[signature[name]][0] for name in names if probed[signature[name]][0] is not None}
+    skipped = {name: probed[signature[name]][1] for name in names if probed[signature[name]][0] is None}
     if skipped:
         log.info("library scratch not measured for %d calls: %s", len(skipped),
                  "; ".join(f"{k}: {v}" for k, v in sorted(skipped.items())[:5]))
     if use_cache and not skipped:
         try:
-            write_atomically(path, json.dumps({"schema": SCRATCH_SCHEMA, "graph_hash": key, "scratch_bytes": scratch}))
+            write_atomically(path, json.dumps({"schema": SCRATCH_SCHEMA, "graph_hash": key, "scratch_bytes": measured}))
         except OSError:
             pass
-    return scratch
+    return {name: int(value) for name, value in measured.items() if value is not None}
 
 
 def with_library_scratch(facts: JointGraphFacts, graph: fx.Graph, scratch: Mapping[str, int]) -> JointGraphFacts:
