@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import fx
@@ -70,6 +70,15 @@ def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
         if hasattr(original, "_dynamo_source"):
             twin._dynamo_source = original._dynamo_source   # type: ignore[attr-defined]
     return copied
+
+
+def copy_dynamo_graph_or_none(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
+    """``copy_dynamo_graph(gm)``, or None when an attribute cannot be copied (the feedback loop then
+    cannot recompile the graph in place)."""
+    try:
+        return copy_dynamo_graph(gm)
+    except Exception:  # noqa: BLE001 - any attribute Dynamo set may refuse a deep copy
+        return None
 
 
 def current_compile_id() -> str:

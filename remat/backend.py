@@ -23,7 +23,7 @@ from torch import fx
 
 from ._torch_compile import (CodeCapture, make_partitioner, register_dynamo_backend, split_by_default, split_joint,
                              watch_compiled_backward)
-from ._torch_dynamo import copy_dynamo_graph, current_compile_id, passthrough_error_class
+from ._torch_dynamo import copy_dynamo_graph, copy_dynamo_graph_or_none, current_compile_id, passthrough_error_class
 from ._torch_graph_breaks import graph_break_follows
 from .compile_cache import (CachedPlanner, CallCache, StepKey, cache_possible, call_cacheable, compile_cached,
                             graph_identity, partitioner_uuid, store_call)
@@ -42,17 +42,11 @@ from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
 from .pipeline import FREE_MINCUT_CANDIDATE, free_mincut_candidate, plan_graph, prepare_graph, request_for
+from .simulator.library_scratch import scratch_key
 from .step_budget import StepAccount, fit_in_step, need_of, note_step_plan, slot_of
 from .step_loop import StepHooks
 
 log = logging.getLogger("remat")
-
-
-def _copy_or_none(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
-    try:
-        return copy_dynamo_graph(gm)
-    except Exception:     # an attribute that cannot be copied: the loop then cannot recompile in place
-        return None
 
 
 class RematBackend:
@@ -122,7 +116,7 @@ class RematBackend:
         call_cache = (CallCache(identity, partitioner_uuid(self.options, dict(self._corrections), step_key))
                       if call_cacheable(self.options, len(self.compiled_graphs), example_inputs, self._replan.follows,
                                         step_key) else None)
-        pristine = _copy_or_none(gm) if verify or judge or budget or call_cache else None   # compile_fx's pre-grad passes rewrite gm in place
+        pristine = copy_dynamo_graph_or_none(gm) if verify or judge or budget or call_cache else None   # compile_fx's pre-grad passes rewrite gm in place
         before, capture, graphs = len(self.compiled_graphs), CodeCapture(), [gm]
         # The backward is compiled now, not at its first call, so a measured step's window holds no
         # compilation and Inductor can judge the plan (and a re-plan's cache key is the first compile's).
@@ -278,7 +272,8 @@ class RematBackend:
 
         # every answer kept by its request, here and on disk (compile_cache.CachedPlanner)
         planner = CachedPlanner(key, self.options, profile, device_type, modeled, static_indices,
-                                lambda asked: plan_graph(facts, asked), enabled=not has_symbolic_shapes(joint_inputs))
+                                lambda asked: plan_graph(facts, asked), enabled=not has_symbolic_shapes(joint_inputs),
+                                measured=scratch_key(facts))
 
         def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
                     best_effort: Optional[bool] = None) -> Plan:

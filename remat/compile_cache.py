@@ -76,16 +76,19 @@ class CachedPlanner:
     target, cap, best effort, headroom and feedback correction's factor), the device type, whether the
     simulator models the graph, the static-lifetime inputs, the Inductor settings the simulator reads
     (``_torch_inductor.inductor_config``, read when the planner is made, as the simulation reads them
-    in the same partitioner call) and remat's source: everything a plan is a function of.
+    in the same partitioner call), what was measured of the graph on this machine (``measured``: its
+    library calls' working memory, ``library_scratch.scratch_key``) and remat's source: everything a
+    plan is a function of.
 
     Off (``enabled`` False: symbolic shapes, whose plan depends on the sizes it is planned at) or with
     the cache turned off (``REMAT_COMPILE_CACHE=0``): every request is solved once, and only this
     object remembers it. One object per partitioner call: no state outlives the graph it plans."""
 
     def __init__(self, graph_key: str, options: "RematOptions", profile: object, device_type: str, modeled: bool,
-                 static_indices: object, solve: "Callable[[PlanningRequest], Plan]", enabled: bool = True) -> None:
+                 static_indices: object, solve: "Callable[[PlanningRequest], Plan]", enabled: bool = True,
+                 measured: str = "") -> None:
         self._parts = (graph_key, options.cache_key(), repr(profile), device_type, modeled,
-                       f"{static_indices!r};{inductor_config()!r}")
+                       f"{static_indices!r};{inductor_config()!r};{measured}")
         self._solve, self._enabled = solve, enabled
         self._answers: dict[str, Any] = {}      # key -> Plan or ("refused", message, fields)
         self._sources: dict[int, str] = {}      # id(plan) -> the entry it was read from

@@ -130,8 +130,7 @@ def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], 
     break follows): kind "break-smallest", the graph takes its smallest-peak plan (``fit_in_step``)."""
     graphs = earlier + (None,) + later
     needs = tuple(need_bytes if g is None else g.need_bytes for g in graphs)
-    grads_before = sum(g.param_grad_bytes for g in earlier)
-    later_grads = sum(g.param_grad_bytes for g in later)
+    grads_before, later_grads = sum(g.param_grad_bytes for g in earlier), sum(g.param_grad_bytes for g in later)
     return piece_target(
         step_target_bytes=step_target_bytes, index=len(earlier), needs=needs,
         held_before_bytes=sum(g.held_bytes for g in earlier),

@@ -140,6 +140,12 @@ def test_a_refusal_is_kept_and_raised_afresh(caches):
     with pytest.raises(BudgetInfeasibleError):
         other(PlanningRequest(10, 9, saved_cap_bytes=0))     # another request: solved
     assert len(calls) == 2
+    # the same graph and request with other measured library-call scratch (another machine): solved
+    measured = compile_cache.CachedPlanner("graph", options, "profile", "cpu", True, None, refuse,
+                                           measured="[('convolution_backward', 73728)]")
+    with pytest.raises(BudgetInfeasibleError):
+        measured(request)
+    assert len(calls) == 3
 
 
 def _count_solves(monkeypatch) -> list:

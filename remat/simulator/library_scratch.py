@@ -192,4 +192,9 @@ def with_library_scratch(facts: JointGraphFacts, graph: fx.Graph, scratch: Mappi
     return dataclasses.replace(facts, nodes=nodes)
 
 
-__all__ = ["SCRATCH_META", "measure_library_scratch", "probed_calls", "probes_apply", "with_library_scratch"]
+def scratch_key(facts: JointGraphFacts) -> str:
+    """What the plans of ``facts`` read of the measured scratch, for cache keys: each node's bytes."""
+    return repr(sorted((name, node.scratch_bytes) for name, node in facts.nodes.items() if node.scratch_bytes))
+
+
+__all__ = ["SCRATCH_META", "scratch_key", "measure_library_scratch", "probed_calls", "probes_apply", "with_library_scratch"]
