@@ -142,3 +142,16 @@ def test_calls_measured_in_one_session_each_count_their_own_allocations():
         del temporary
 
     assert calls_peak_bytes([output_only, with_temporary, output_only]) == [4000, 20040, 4000]
+
+
+def test_scratch_is_measured_only_for_a_profile_of_the_graphs_own_device():
+    import dataclasses
+
+    from remat.cost_model.hardware import get_profile
+
+    cpu, cuda, gpu_sheet = torch.device("cpu"), torch.device("cuda"), get_profile("h100")
+    measured_gpu = dataclasses.replace(get_profile("cpu"), name="cuda")   # a measured profile is named by its device
+    assert library_scratch.probes_apply(get_profile("cpu"), cpu)
+    assert not library_scratch.probes_apply(gpu_sheet, cpu)
+    assert library_scratch.probes_apply(gpu_sheet, cuda) and library_scratch.probes_apply(measured_gpu, cuda)
+    assert not library_scratch.probes_apply(get_profile("cpu"), cuda)

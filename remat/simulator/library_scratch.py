@@ -63,8 +63,9 @@ MAX_PROBE_INPUT_BYTES = 1 << 28   # inputs held at once: calls are measured in c
 
 def probes_apply(profile: HardwareProfile, device: torch.device) -> bool:
     """Whether a graph on ``device`` planned with ``profile`` gets this machine's measured scratch:
-    the profile is the device's own kind (a datasheet profile describes a GPU; any other, this CPU)."""
-    profile_device = "cuda" if profile.name in DATASHEET_PROFILES else "cpu"
+    the profile is the device's own kind (a datasheet profile describes a GPU; a measured one is
+    named by its device type, "cpu" or "cuda")."""
+    profile_device = "cuda" if profile.name in DATASHEET_PROFILES else profile.name
     return profile_device == device.type
 
 
