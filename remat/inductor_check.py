@@ -353,6 +353,14 @@ def activation_itemsize(gm: torch.fx.GraphModule) -> int:
     return max(counts, key=counts.__getitem__) if counts else 4
 
 
+def _tensor_outputs(node: torch.fx.Node) -> list[tuple[int, torch.Tensor]]:
+    """``(index, value)`` of each tensor a node's meta value holds: its place in the op's tuple, or -1
+    for a single tensor (the index the generated code's tuple elements use)."""
+    value = node.meta.get("val")
+    outputs = [(-1, value)] if isinstance(value, torch.Tensor) else list(enumerate(value)) if isinstance(value, (tuple, list)) else []
+    return [(index, output) for index, output in outputs if isinstance(output, torch.Tensor)]
+
+
 def library_itemsizes(gm: torch.fx.GraphModule) -> dict[tuple[str, int], int]:
     """The item size of each op's outputs in ``gm``, by ``(op, index)`` (``op`` as ``aten.x.default``,
     ``index`` the output's place in the op's tuple, -1 for a single tensor), kept only where every
@@ -364,11 +372,8 @@ def library_itemsizes(gm: torch.fx.GraphModule) -> dict[tuple[str, int], int]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        value = node.meta.get("val")
-        outputs = [(-1, value)] if isinstance(value, torch.Tensor) else list(enumerate(value)) if isinstance(value, (tuple, list)) else []
-        for index, output in outputs:
-            if isinstance(output, torch.Tensor):
-                seen.setdefault((str(node.target), index), set()).add(output.element_size())
+        for index, output in _tensor_outputs(node):
+            seen.setdefault((str(node.target), index), set()).add(output.element_size())
     return {key: sizes.pop() for key, sizes in seen.items() if len(sizes) == 1}
 
 
@@ -382,10 +387,8 @@ def library_scratch(gm: torch.fx.GraphModule) -> dict[tuple[str, int, tuple[int,
         scratch = node.meta.get(SCRATCH_META, 0)
         if not scratch or node.op != "call_function":
             continue
-        value = node.meta.get("val")
-        outputs = [(-1, value)] if isinstance(value, torch.Tensor) else list(enumerate(value)) if isinstance(value, (tuple, list)) else []
-        for index, output in outputs:
-            sizes = ints_or_none(",".join(str(s) for s in output.shape)) if isinstance(output, torch.Tensor) else None
+        for index, output in _tensor_outputs(node):
+            sizes = ints_or_none(",".join(str(s) for s in output.shape))   # None for a symbolic size
             if sizes is not None:
                 key = (str(node.target), index, tuple(sizes))
                 table[key] = max(table.get(key, 0), int(scratch))

@@ -33,7 +33,7 @@ import gc
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -75,6 +75,15 @@ def window_peak(events: Iterable[tuple[int, int, int]]) -> WindowPeak:
     return WindowPeak(peak, foreign)
 
 
+def _profiled_events(prof: Any) -> Iterator[Any]:
+    """Every event of a finished ``torch.profiler.profile``, nested ones included (no order)."""
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        yield event
+
+
 def cpu_allocation_events(prof: Any, end_marker: Optional[str] = None) -> list[tuple[int, int, int]]:
     """``(time_ns, size_bytes, address)`` of the CPU allocation events a finished
     ``torch.profiler.profile(profile_memory=True)`` recorded; with ``end_marker``, only those
@@ -82,10 +91,7 @@ def cpu_allocation_events(prof: Any, end_marker: Optional[str] = None) -> list[t
     from torch._C._profiler import _EventType
 
     events, markers = [], []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
+    for event in _profiled_events(prof):
         if end_marker is not None and event.name == end_marker:
             markers.append(event.start_time_ns)
         if event.tag != _EventType.Allocation:
@@ -175,10 +181,7 @@ PROBE_MARKER = "remat::probe_"
 def _marker_spans(prof: Any, prefix: str) -> dict[int, tuple[int, int]]:
     """``{index: (start_ns, end_ns)}`` of the ``record_function(prefix + str(index))`` events of a finished profile."""
     spans: dict[int, tuple[int, int]] = {}
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
+    for event in _profiled_events(prof):
         if event.name.startswith(prefix) and event.name[len(prefix):].isdigit():
             spans[int(event.name[len(prefix):])] = (event.start_time_ns, event.end_time_ns)
     return spans

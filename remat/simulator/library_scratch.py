@@ -164,7 +164,7 @@ def measure_library_scratch(graph: fx.Graph, facts: JointGraphFacts, device: tor
     devices = [device] if device.type == "cuda" else []
     with real_tensors(), torch.random.fork_rng(devices=devices):
         probed = dict(zip(first, _probe_all([by_name[n] for n in first.values()], device)))
-    measured = {name: probed[signature[name]][0] for name in names if probed[signature[name]][0] is not None}
+    measured = {name: int(probed[signature[name]][0]) for name in names if probed[signature[name]][0] is not None}
     skipped = {name: probed[signature[name]][1] for name in names if probed[signature[name]][0] is None}
     if skipped:
         log.info("library scratch not measured for %d calls: %s", len(skipped),
@@ -174,7 +174,7 @@ def measure_library_scratch(graph: fx.Graph, facts: JointGraphFacts, device: tor
             write_atomically(path, json.dumps({"schema": SCRATCH_SCHEMA, "graph_hash": key, "scratch_bytes": measured}))
         except OSError:
             pass
-    return {name: int(value) for name, value in measured.items() if value is not None}
+    return measured
 
 
 def with_library_scratch(facts: JointGraphFacts, graph: fx.Graph, scratch: Mapping[str, int]) -> JointGraphFacts:
