@@ -10,8 +10,7 @@ through, in one place (verified on torch 2.13.0; see README "Torch versions").
   ``uuid()`` joins the compile-cache key (``make_partitioner``).
 - ``torch._inductor.compile_fx.compile_fx_inner`` (called with ``is_backward=True`` for the
   backward) and ``CompiledFxGraph.source_code``: the generated wrapper of each graph, which
-  ``remat.inductor_check`` reads to judge the plan (``CodeCapture``); ``torch._inductor.config.patch(
-  reorder_for_peak_memory=False)`` around the compile of a backward remat emitted in its simulated order.
+  ``remat.inductor_check`` reads to judge the plan (``CodeCapture``).
 - ``torch._functorch.partitioners._extract_fwd_bwd_modules``: builds the forward and backward
   modules from a joint graph and the saved values chosen (it keeps AOTAutograd's calling
   conventions: saved-tensor order, symbol bindings); ``default_partition`` handles joint graphs
@@ -41,7 +40,6 @@ import torch
 from torch import fx
 
 from .inductor_check import GraphCode, activation_itemsize, graph_code
-from .passes.rewrite import KERNEL_ORDER_META
 
 
 class CodeCapture:
@@ -55,14 +53,7 @@ class CodeCapture:
         from torch._inductor.compile_fx import compile_fx_inner
 
         names, itemsize = graph_code(gm, ""), activation_itemsize(gm)   # before Inductor's post-grad passes
-        if gm.meta.get(KERNEL_ORDER_META):
-            # remat emitted this graph in the order it simulated: Inductor keeps it (``place_recompute_regions``)
-            from torch._inductor import config
-
-            with config.patch(reorder_for_peak_memory=False):
-                compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-        else:
-            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
         source = getattr(compiled, "source_code", None)
         if isinstance(source, str):
             self.graphs.append((bool(kwargs.get("is_backward", False)),

@@ -11,7 +11,6 @@ tagged with a frozen ``RecomputeTag`` under ``node.meta[REMAT_KEY]``.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,14 +20,9 @@ from ..cost_model.tensors import is_mutating_op
 from ..units import format_bytes
 from .joint_graph import JointGraphFacts, is_collective
 from .plan import Plan
-from ..simulator.kernel_steps import backward_kernel_ranks
-from ..simulator.schedule import Scheduled, backward_order, forward_order, partition_nodes
+from ..simulator.schedule import Scheduled, backward_order, partition_nodes
 
 REMAT_KEY = "remat"
-log = logging.getLogger(__name__)
-# ``GraphModule.meta`` key: True when the backward is emitted in the simulated kernel order, which
-# Inductor is then to keep (its ``reorder_for_peak_memory`` off for that graph)
-KERNEL_ORDER_META = "remat_kernel_order"
 
 
 @dataclass(frozen=True)
@@ -62,20 +56,8 @@ def _first_uses(order: list[Scheduled]) -> dict[int, str]:
     return first_use
 
 
-class _OutOfOrder(Exception):
-    """An order in which some node would be emitted before a node it reads."""
-
-
 def place_recompute_regions(bw: fx.GraphModule, facts: JointGraphFacts, plan: Plan) -> tuple[fx.GraphModule, tuple[RegionSummary, ...]]:
     """Rebuild ``bw`` in the schedule's order; returns the new module and the regions.
-
-    The order is the simulated backward's kernel order (``kernel_steps.backward_kernel_ranks``: the
-    schedule's nodes grouped by the kernel call that computes them, Inductor's peak-memory reorder
-    as the simulator models it included), and the module is marked so that Inductor keeps it
-    (``KERNEL_ORDER_META``, read by ``_torch_compile.CodeCapture``): Inductor's own reorder picks by
-    its estimate, and where that picked another order than the simulator's, the code peaked up to 20%
-    above the simulation (corpus nets at their floors). Where that order cannot be emitted (a node
-    before one it reads), the schedule's order is emitted unmarked and Inductor reorders it as before.
 
     Guarantees: the same placeholders and output; one copy of each live backward node;
     one copy of a recomputed node per instance of it in ``backward_order`` (copies after
@@ -84,29 +66,10 @@ def place_recompute_regions(bw: fx.GraphModule, facts: JointGraphFacts, plan: Pl
     """
     partition = partition_nodes(facts, set(plan.saved))
     order = backward_order(facts, partition)
-    ranks = backward_kernel_ranks(facts, partition, forward_order(facts, partition), order)
-    in_kernels = [entry for _, _, entry in sorted((ranks.get(e.instance, len(ranks)), i, e) for i, e in enumerate(order))]
     first_use = _first_uses(order)
     reasons = {d.name: d.reason for d in plan.decisions}
-    try:
-        new_graph, kept = _emit(bw, in_kernels, first_use, reasons, strict=True), True
-    except _OutOfOrder as error:
-        log.info("remat: the backward's simulated kernel order reads %s before it is made; emitted in the "
-                 "schedule's order, Inductor's reorder left on", error)
-        new_graph, kept = _emit(bw, order, first_use, reasons, strict=False), False
-    new_graph.lint()
-    new_bw = fx.GraphModule(bw, new_graph)
-    new_bw.meta[KERNEL_ORDER_META] = kept
-    return new_bw, _summaries(new_bw, facts)
 
-
-def _emit(bw: fx.GraphModule, order: list[Scheduled], first_use: dict[int, str], reasons: dict[str, str],
-          strict: bool) -> fx.Graph:
-    """``bw``'s nodes copied in ``order`` (see ``place_recompute_regions``). ``strict``: raise
-    ``_OutOfOrder`` where a node would be copied before a node of ``order`` it reads, instead of
-    copying that node early (what a non-strict emission does for nodes the schedule does not name)."""
     old_nodes = {n.name: n for n in bw.graph.nodes}
-    scheduled = {entry.name for entry in order}
     new_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}            # the backward's own nodes, placeholders
     instances: dict[str, fx.Node] = {}          # instance name -> its copy
@@ -117,12 +80,8 @@ def _emit(bw: fx.GraphModule, order: list[Scheduled], first_use: dict[int, str],
     def lookup(reads: dict[str, str]) -> Callable[[fx.Node], fx.Node]:
         def arg(node: fx.Node) -> fx.Node:
             if node.name in reads:
-                if reads[node.name] not in instances:
-                    raise _OutOfOrder(reads[node.name])
                 return instances[reads[node.name]]
             if node not in env and node.name in latest:
-                if strict:          # which copy is the latest depends on the order
-                    raise _OutOfOrder(node.name)
                 return latest[node.name]
             if node not in env:
                 emit_unscheduled(node)
@@ -134,8 +93,6 @@ def _emit(bw: fx.GraphModule, order: list[Scheduled], first_use: dict[int, str],
         pending = [node]
         while pending:
             current = pending[-1]
-            if strict and current.name in scheduled:
-                raise _OutOfOrder(current.name)
             missing = [a for a in current.all_input_nodes if a not in env and a.name not in latest]
             if missing:
                 pending.extend(missing)
@@ -165,7 +122,9 @@ def _emit(bw: fx.GraphModule, order: list[Scheduled], first_use: dict[int, str],
         if node in live and node.op not in ("placeholder", "output") and node not in env and node.name not in latest:
             emit_unscheduled(node)
     env[output] = new_graph.node_copy(output, lookup({}))
-    return new_graph
+    new_graph.lint()
+    new_bw = fx.GraphModule(bw, new_graph)
+    return new_bw, _summaries(new_bw, facts)
 
 
 def _copy_node(graph: fx.Graph, node: fx.Node, arg: Callable[[fx.Node], fx.Node], name: str | None) -> fx.Node:

@@ -273,11 +273,18 @@ def forward_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequen
     return ForwardSteps(fw_steps, fw_storages, copies, tuple(fw_order), returned)
 
 
-def _backward_graph(facts: JointGraphFacts, partition: Partition, forward: ForwardSteps,
-                    bw_order: Sequence[Scheduled]) -> _Graph:
-    """The backward graph of ``partition`` as ``kernel_steps`` simulates it (``bw_order``'s instances)."""
+def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequence[str],
+                 bw_order: Sequence[Scheduled], forward: ForwardSteps | None = None) -> tuple[list[Step], set[str]]:
+    """The forward, then the backward, as simulator steps in Inductor's kernel order; and the pinned storages.
+
+    ``bw_order`` is ``schedule.backward_order``'s: each recomputation is its own instance,
+    with its own storages, reading the instances it names. ``forward``: ``forward_steps`` of
+    the same partition and ``fw_order``, when the caller has it (the result is the same).
+    """
     cache = kernel_facts_of(facts)
-    fw_storages, copies = forward.storages, forward.copies
+    if forward is None or forward.fw_order != tuple(fw_order):
+        forward = forward_steps(facts, partition, fw_order)
+    fw_steps, fw_storages, copies = list(forward.steps), forward.storages, forward.copies
 
     def backward_input(name: str) -> tuple[str, ...]:
         """A saved value, a primal (its channels-last copy if the forward made one), a tangent."""
@@ -289,6 +296,9 @@ def _backward_graph(facts: JointGraphFacts, partition: Partition, forward: Forwa
         return node.value_storages
 
     output_storages = set(forward.returned)
+    # the caller's outputs: alive to the step's end when it holds them, else from the forward's return
+    # only while the backward reads them (``FORWARD_RETURNS``)
+    pinned_fw = output_storages if facts.outputs_held else set()
     # AOTAutograd donates to the backward every saved tensor whose storage no forward input or
     # output shares (``collect_fw_donated_buffer_idxs``), views of intermediates included; the
     # backward may then overwrite it (``cache.owned``: storages the step allocates; a primal's or
@@ -310,50 +320,18 @@ def _backward_graph(facts: JointGraphFacts, partition: Partition, forward: Forwa
         if node.allocs or (storages and storages <= cache.owned):
             donated.add(n)
     bw_instances = [(s.name, s.instance) for s in bw_order]
+    regions = {s.instance: s.region for s in bw_order}
     reads = {s.instance: dict(s.reads) for s in bw_order if s.reads}
     last = {s.name: s.instance for s in bw_order}    # a gradient that is a recomputed value: its last copy
     outputs = {last.get(o, o) for o in facts.bwd_outputs}
-    return _Graph(facts, cache, bw_instances, outputs, backward_input, frozenset(donated), reads,
-                  frozenset(param_views))
-
-
-def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequence[str],
-                 bw_order: Sequence[Scheduled], forward: ForwardSteps | None = None) -> tuple[list[Step], set[str]]:
-    """The forward, then the backward, as simulator steps in Inductor's kernel order; and the pinned storages.
-
-    ``bw_order`` is ``schedule.backward_order``'s: each recomputation is its own instance,
-    with its own storages, reading the instances it names. ``forward``: ``forward_steps`` of
-    the same partition and ``fw_order``, when the caller has it (the result is the same).
-    """
-    cache = kernel_facts_of(facts)
-    if forward is None or forward.fw_order != tuple(fw_order):
-        forward = forward_steps(facts, partition, fw_order)
-    backward = _backward_graph(facts, partition, forward, bw_order)
-    regions = {s.instance: s.region for s in bw_order}
+    backward = _Graph(facts, cache, bw_instances, outputs, backward_input, frozenset(donated), reads,
+                      frozenset(param_views))
     bw_steps, bw_storages = backward.steps("backward", regions)
-    steps = list(forward.steps) + [Step("<tangents>", "backward", cache.tangent_allocs, (), external=True)] + bw_steps
-    # the caller's outputs: alive to the step's end when it holds them, else from the forward's return
-    # only while the backward reads them (``FORWARD_RETURNS``)
-    pinned_fw = set(forward.returned) if facts.outputs_held else set()
+    steps = fw_steps + [Step("<tangents>", "backward", cache.tangent_allocs, (), external=True)] + bw_steps
     # the incoming gradients live to the backward's end: the autograd engine holds the tangents it
     # passed to AOTAutograd's backward node until the node returns (measured: they are freed after the
     # compiled backward's last allocation, whatever its last reader); but the zeros AOTAutograd makes
     # for an output without a gradient die at their last reader (``joint_graph.tangents_without_gradient``)
     held_tangents = {sid for sid, _ in cache.tangent_allocs if storage_owner(sid) not in facts.gradless_tangents}
-    pinned = pinned_fw | held_tangents | {s for o in backward.outputs for s in bw_storages(o)}
+    pinned = pinned_fw | held_tangents | {s for o in outputs for s in bw_storages(o)}
     return steps, pinned
-
-
-def backward_kernel_ranks(facts: JointGraphFacts, partition: Partition, fw_order: Sequence[str],
-                          bw_order: Sequence[Scheduled]) -> dict[str, int]:
-    """Per instance of ``bw_order``, the kernel call of the simulated backward that computes it (a
-    view or a value computed inside kernels: the first call that reads it; one no call touches: the
-    number of calls), in the order ``kernel_steps`` runs them, Inductor's peak-memory reorder included.
-
-    The rewrite emits the backward in this order and has Inductor keep it (``backward_in_kernel_order``),
-    so the order that runs is the order simulated, not one Inductor's own estimate picks anew."""
-    backward = _backward_graph(facts, partition, forward_steps(facts, partition, fw_order), bw_order)
-    schedule = schedule_kernels(backward.ops(), backward.input_bytes(), backward.donated, backward.cache.layouts,
-                                backward.cache.inductor)
-    count = len(schedule.kernels)
-    return {inst: schedule.first_kernel.get(inst, count) for _, inst in backward.instances}
