@@ -467,13 +467,23 @@ def test_plans_do_not_depend_on_the_hash_seed():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
+    # Both processes at once (each plans on one thread; this one only waits): independent runs,
+    # so running them side by side changes nothing they print, and halves the wait on two cores.
+    runs = [subprocess.Popen([sys.executable, "-c", _DETERMINISM_SCRIPT], cwd=root,
+                             env=dict(os.environ, PYTHONHASHSEED=seed),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for seed in ("0", "12345")]
     results = []
-    for seed in ("0", "12345"):
-        env = dict(os.environ, PYTHONHASHSEED=seed)
-        run = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT], cwd=root, env=env,
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
-        results.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    try:
+        for run in runs:
+            stdout, stderr = run.communicate(timeout=600)
+            assert run.returncode == 0, stderr[-3000:]
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
     assert len(results[0]) == 14
     assert any(row[2] == "infeasible" for row in results[0]), "one budget should be out of reach"
     assert results[0] == results[1]
