@@ -159,3 +159,36 @@ def scale_simulated_peaks(monkeypatch: pytest.MonkeyPatch, scale: float) -> None
         return dataclasses.replace(run, simulation=wrong)
 
     monkeypatch.setattr(schedule, "simulate_partition", scaled)
+
+
+# ---- spawned runs started at collection (tests/test_distributed.py) ----------------------------
+
+@pytest.hookimpl(trylast=True)    # after -k / -m deselection: only the selected tests count
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that read a spawned multi-process run (a test module's ``spawned_runs_needed``) go to
+    the end of the session, and their runs start now, in the background (``start_spawned_runs``):
+    they use the core the rest of the suite leaves idle instead of the session waiting on them."""
+    needed: dict[Any, list[str]] = {}
+    waiting, others = [], []
+    for item in items:
+        module = getattr(item, "module", None)
+        keys = module.spawned_runs_needed(item) if hasattr(module, "spawned_runs_needed") else ()
+        (waiting if keys else others).append(item)
+        for key in keys:
+            if key not in needed.setdefault(module, []):
+                needed[module].append(key)
+    if not needed or config.option.collectonly:
+        return
+    items[:] = others + waiting
+    for module, keys in needed.items():
+        module.start_spawned_runs(keys, config._tmp_path_factory)
+        _SPAWNING.append(module)
+
+
+_SPAWNING: list[Any] = []   # the modules whose runs were started
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Kill the spawned runs still going (the session stopped before their tests)."""
+    for module in _SPAWNING:
+        module.stop_spawned_runs()
