@@ -99,10 +99,11 @@ class CachedPlanner:
             stored = plan_cache.read_entry("plans", key) if self._enabled else None
             if stored is not None:
                 self._answers[key] = stored
-                if not isinstance(stored, tuple):
-                    self._sources[id(stored)] = f"plan cache: {plan_cache.entry_path('plans', key)}"
+                plan = stored[2].get("best_effort_plan") if isinstance(stored, tuple) else stored
+                if plan is not None:     # a refusal's best-effort plan was read with it
+                    self._sources[id(plan)] = f"plan cache: {plan_cache.entry_path('plans', key)}"
             else:
-                self._answers[key] = self._answer(request)
+                self._answers[key] = self._refusals_plan(request) or self._answer(request)
                 if self._enabled:
                     plan_cache.write_entry("plans", key, self._answers[key])
         answer = self._answers[key]
@@ -110,6 +111,17 @@ class CachedPlanner:
             _, message, fields = answer
             raise BudgetInfeasibleError(message, **fields)
         return answer
+
+    def _refusals_plan(self, request: "PlanningRequest") -> Optional["Plan"]:
+        """For a best-effort request, the best-effort plan of the same request's refusal answered in this
+        process (``BudgetInfeasibleError.best_effort_plan``): the planner runs one search for both, where
+        asking again ran the whole smallest-peak search a second time (17 s of a zoo Llama's refusal at
+        1 kB on the 2-core VM). None otherwise."""
+        if not request.best_effort:
+            return None
+        refused = self._answers.get(plan_cache.plan_key(*self._parts, request=request.at(
+            request.target_bytes, request.saved_cap_bytes, best_effort=False).cache_repr()))
+        return refused[2].get("best_effort_plan") if isinstance(refused, tuple) else None
 
     def _answer(self, request: "PlanningRequest") -> Any:
         try:
@@ -120,7 +132,8 @@ class CachedPlanner:
             return ("refused", str(error.args[0]), dict(budget_bytes=error.budget_bytes,
                                                           min_feasible_bytes=error.min_feasible_bytes,
                                                           min_budget_bytes=error.min_budget_bytes,
-                                                          reasons=tuple(error.reasons)))
+                                                          reasons=tuple(error.reasons),
+                                                          best_effort_plan=error.best_effort_plan))
 
     def source(self, plan: "Plan") -> str:
         """Where ``plan`` came from: "plan cache: <entry>" when read from disk, "" when solved now."""

@@ -9,6 +9,8 @@ before any tracing, so they read like any other Python argument error.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .units import format_gb_up
 
 
@@ -29,15 +31,18 @@ class BudgetInfeasibleError(RematError):
     - ``min_feasible_bytes``: the smallest simulated peak the planner reached for that graph
       (what the plan peaks at, not a budget: the budget must add the headroom on top).
     - ``reasons``: the largest contributors to that peak, each a sentence.
+    - ``best_effort_plan``: the plan ``best_effort=True`` runs at this budget (the smallest-peak plan,
+      ``fits_budget`` False), where the planner that refused made it; else None.
     """
 
     def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int, min_budget_bytes: int,
-                 reasons: tuple[str, ...]) -> None:
+                 reasons: tuple[str, ...], best_effort_plan: Any = None) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
         self.min_budget_bytes = min_budget_bytes
         self.reasons = reasons
+        self.best_effort_plan = best_effort_plan
 
     @property
     def min_budget_gb(self) -> float:

@@ -148,6 +148,43 @@ def test_a_refusal_is_kept_and_raised_afresh(caches):
     assert len(calls) == 3
 
 
+def test_a_refusals_best_effort_plan_is_the_best_effort_answer_without_a_second_search():
+    """A refused target's error carries the plan ``best_effort=True`` runs there (one smallest-peak
+    search makes both), equal to what a best-effort solve of the same target gives; the planner's
+    cache answers the best-effort request from the refusal without solving again."""
+    import dataclasses
+
+    from remat.errors import BudgetInfeasibleError
+    from remat.passes.plan import make_plan
+    from remat.pipeline import PlanningRequest
+    from test_solvers import facts_of
+
+    facts = facts_of("attention")
+    smallest = make_plan(facts, 1, best_effort=True)
+    assert not smallest.fits_budget
+    with pytest.raises(BudgetInfeasibleError) as caught:
+        make_plan(facts, 1)
+    same = dataclasses.replace(caught.value.best_effort_plan, plan_time_s=smallest.plan_time_s)
+    assert same == smallest
+
+    calls = []
+
+    def solve(request):
+        calls.append(request.best_effort)
+        return make_plan(facts, request.budget_bytes, target_bytes=request.target_bytes, best_effort=request.best_effort)
+
+    planner = compile_cache.CachedPlanner("graph", remat.backend(BUDGET_GB).options, "profile", "cpu", True, None,
+                                          solve, enabled=False)
+    request = PlanningRequest(1, 1)
+    with pytest.raises(BudgetInfeasibleError):
+        planner(request)
+    plan = planner(request.at(1, best_effort=True))
+    assert calls == [False]
+    assert dataclasses.replace(plan, plan_time_s=smallest.plan_time_s) == smallest
+    planner(request.at(2, best_effort=True))     # another target: solved
+    assert calls == [False, True]
+
+
 def _count_solves(monkeypatch) -> list:
     """The requests the backend's planner solves from now on (not those read from the plan cache)."""
     import importlib

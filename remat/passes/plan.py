@@ -25,7 +25,7 @@ import contextlib
 import gc
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import AbstractSet, Callable, Iterator, Optional
 
 from ..errors import BudgetInfeasibleError, raise_budget_hint
 from ..options import DEFAULT_MILP_TIME_LIMIT_S, SOLVERS, smallest_budget_bytes
@@ -217,7 +217,7 @@ def _exact(facts: JointGraphFacts, target: int, solver: str, milp_time_limit_s: 
 
 
 def _infeasible_error(facts: JointGraphFacts, budget_bytes: int, target: int, smallest: Evaluated,
-                      target_for_budget: Callable[[int], int]) -> BudgetInfeasibleError:
+                      target_for_budget: Callable[[int], int], best_effort_plan: Plan) -> BudgetInfeasibleError:
     """The error naming the smallest budget whose planning target (``target_for_budget``, the
     rule the caller planned with) meets ``smallest``'s peak: planning at it succeeds, since a
     target that plan meets always gets a plan (``solve_greedy.smallest_peak`` is the same plan
@@ -238,6 +238,7 @@ def _infeasible_error(facts: JointGraphFacts, budget_bytes: int, target: int, sm
         min_feasible_bytes=peak,
         min_budget_bytes=minimum,
         reasons=reasons,
+        best_effort_plan=best_effort_plan,
     )
 
 
@@ -341,10 +342,21 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
         assert budget_bytes is not None and target is not None
         if smallest is None:
             smallest, _ = smallest_peak_plan(facts, starts)
+        dropped = tuple(n for n in facts.order if n in _save_all(facts) - smallest.chosen)
+        fallback = _plan_record(facts, budget_bytes, target, used, smallest, no_remat, mincut, mincut_saved, dropped,
+                                starts[0], False, t0)
         if not best_effort:
             raise _infeasible_error(facts, budget_bytes, target, smallest,
-                                    target_for_budget or _proportional_rule(budget_bytes, target))
-        chosen, dropped = smallest, tuple(n for n in facts.order if n in _save_all(facts) - smallest.chosen)
+                                    target_for_budget or _proportional_rule(budget_bytes, target), fallback)
+        return fallback
+    return _plan_record(facts, budget_bytes, target, used, chosen, no_remat, mincut, mincut_saved, dropped, starts[0],
+                        fits, t0)
+
+
+def _plan_record(facts: JointGraphFacts, budget_bytes: Optional[int], target: Optional[int], used: str,
+                 chosen: Evaluated, no_remat: Evaluated, mincut: Evaluated, mincut_saved: AbstractSet[str],
+                 dropped: tuple[str, ...], first_start: Evaluated, fits: bool, t0: float) -> Plan:
+    """The ``Plan`` of the simulated plan ``chosen`` (``_make_plan``'s answer, or a refusal's best-effort plan)."""
     part = chosen.partition
     return Plan(
         budget_bytes=budget_bytes,
@@ -363,6 +375,6 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
         est_extra_time_s=chosen.extra_time_s,
         plan_time_s=time.perf_counter() - t0,
         decisions=_decisions(facts, chosen, mincut_saved, dropped, chosen is mincut,
-                             chosen is starts[0] and chosen is not mincut),
+                             chosen is first_start and chosen is not mincut),
         fits_budget=fits,
     )
