@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -160,94 +159,3 @@ def scale_simulated_peaks(monkeypatch: pytest.MonkeyPatch, scale: float) -> None
         return dataclasses.replace(run, simulation=wrong)
 
     monkeypatch.setattr(schedule, "simulate_partition", scaled)
-
-
-# ---- work started at collection, beside the suite ------------------------------------------------
-#
-# Most of the suite runs on one thread (tracing, planning, Inductor), so on two cores one sits idle.
-# Tests that only wait on other processes (tests/test_distributed.py's two-rank runs; the subprocesses
-# of tests/test_solvers.py, test_window_close.py and test_warm_start.py) or whose result is a pure
-# function computed in one (tests/test_plan_hashes.py's records) start that work at collection, niced
-# so that the tests running meanwhile keep their core, and run at the end of the session, when it is
-# done. A module takes part by defining ``spawned_runs_needed(item)`` (the keys of the work a selected
-# test reads; empty for the others) and ``start_spawned_runs(keys, tmp_path_factory)``, and, unless its
-# work is ``EarlyProcess``es (stopped here), ``stop_spawned_runs()``; a test whose work was not started
-# early does it itself, as before.
-
-
-class EarlyProcess:
-    """A subprocess a test only waits on, started at collection at a lower priority (``EARLY_NICE``);
-    ``result(timeout_s)`` waits for it (at normal priority from then on, where the OS allows it) as
-    ``subprocess.run(..., capture_output=True, text=True, timeout=timeout_s)`` would, counting the
-    time limit from the call."""
-
-    EARLY_NICE = 10
-
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: Optional[str] = None) -> None:
-        self.argv = argv
-        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=self._out, stderr=self._err)
-        self._niced = _renice(self.proc.pid, self.EARLY_NICE)
-        _EARLY_PROCESSES.append(self)
-
-    def result(self, timeout_s: float) -> subprocess.CompletedProcess:
-        if self._niced:
-            self._niced = not _renice(self.proc.pid, 0)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise
-        self._out.seek(0)
-        self._err.seek(0)
-        return subprocess.CompletedProcess(self.argv, self.proc.returncode, self._out.read(), self._err.read())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-_EARLY_PROCESSES: list[EarlyProcess] = []
-
-
-def _renice(pid: int, niceness: int) -> bool:
-    try:
-        os.setpriority(os.PRIO_PROCESS, pid, niceness)
-        return True
-    except OSError:     # gone already, or (back to 0) not allowed without the privilege: it runs on as it is
-        return False
-
-
-@pytest.hookimpl(trylast=True)    # after -k / -m deselection: only the selected tests count
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests that read work started early (a test module's ``spawned_runs_needed``) go to the end
-    of the session, and the work starts now, in the background (``start_spawned_runs``): it uses the
-    core the rest of the suite leaves idle instead of the session waiting on it."""
-    needed: dict[Any, list[str]] = {}
-    waiting, others = [], []
-    for item in items:
-        module = getattr(item, "module", None)
-        keys = module.spawned_runs_needed(item) if hasattr(module, "spawned_runs_needed") else ()
-        (waiting if keys else others).append(item)
-        for key in keys:
-            if key not in needed.setdefault(module, []):
-                needed[module].append(key)
-    if not needed or config.option.collectonly:
-        return
-    items[:] = others + waiting
-    for module, keys in needed.items():
-        module.start_spawned_runs(keys, config._tmp_path_factory)
-        _SPAWNING.append(module)
-
-
-_SPAWNING: list[Any] = []   # the modules whose work was started
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Kill the work still going (the session stopped before its tests)."""
-    for module in _SPAWNING:
-        if hasattr(module, "stop_spawned_runs"):
-            module.stop_spawned_runs()
-    for process in _EARLY_PROCESSES:
-        process.stop()

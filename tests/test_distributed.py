@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -35,7 +32,7 @@ import remat
 from remat.units import format_gb_up
 
 from remat.testing.distributed_setup import (
-    CFG, STEPS, WORLD_SIZE, all_max, batches, free_port, make_model, run_ranks, worker_parser, wrap,
+    CFG, STEPS, WORLD_SIZE, all_max, batches, make_model, run_ranks, worker_parser, wrap,
 )
 
 pytestmark = [
@@ -171,12 +168,6 @@ def _spawn(mode: str, out: Path, extra: tuple[str, ...] = (), timeout_s: float =
     """Run both ranks; kill both if either fails or the time is up. Returns each rank's result."""
     codes = run_ranks(__file__, ["--mode", mode, "--out", str(out), *extra],
                       [out / f"log_rank{r}.txt" for r in range(WORLD_SIZE)], timeout_s)
-    return _results(mode, out, codes, timeout_s)
-
-
-def _results(mode: str, out: Path, codes: list[int], timeout_s: float) -> list[dict[str, Any]]:
-    """Each rank's result of a run whose ranks exited with ``codes``; the test fails with their logs
-    when one did not exit cleanly (killed: -9)."""
     logs = "\n".join(f"--- rank {r} (exit {code}) ---\n" + (out / f"log_rank{r}.txt").read_text()[-4000:]
                      for r, code in enumerate(codes))
     if any(code != 0 for code in codes):
@@ -205,11 +196,9 @@ def _spawned_once(key: str, mode: str, tmp_path_factory: pytest.TempPathFactory,
     (per-rank results, per-rank params); ``describe(result)`` is printed per rank. A run that failed
     raises its error again in every test that asks for it."""
     if key not in _RUNS:
-        early = _EARLY.get(key)
-        assert early is None or (early.mode, early.extra, early.timeout_s) == (mode, tuple(extra), timeout_s), key
-        out = early.out if early is not None else tmp_path_factory.mktemp(f"dist_{key}")
+        out = tmp_path_factory.mktemp(f"dist_{key}")
         try:
-            results = early.results() if early is not None else _spawn(mode, out, extra, timeout_s)
+            results = _spawn(mode, out, extra, timeout_s)
             _RUNS[key] = (results, [torch.load(out / f"params_rank{r}.pt") for r in range(WORLD_SIZE)])
             for r in results:
                 print(f"{key} rank {r['rank']}: {describe(r)}")
@@ -384,148 +373,6 @@ def test_postln_tied_lm_measures_within_the_budget(mode: str, tmp_path_factory: 
             assert bound is None or peak <= bound * r["plain_peak_max_bytes"], (
                 f"{mode} rank {r['rank']}: measured {peak} B, over {bound:.0%} of plain Inductor's "
                 f"{r['plain_peak_max_bytes']} B")
-
-
-# ---------------------------------------------------------------- the spawned runs, started at collection
-
-# Each spawned run above is two single-threaded ranks, and the rest of the suite is mostly one thread
-# (tracing, planning, Inductor's compiles), so on two cores one is idle nearly all the time. The
-# session's conftest.py (``pytest_collection_modifyitems``) asks ``spawned_runs_needed`` which runs the
-# selected tests read, moves those tests to the end of the session, and calls ``start_spawned_runs``:
-# a thread runs them one after the other, their ranks at a lower priority (``EARLY_NICE``) so that
-# the tests running meanwhile keep their core. A test that needs a run waits for it (``_Early.results``):
-# from then on the ranks run at normal priority where the OS allows it, and the run is killed when it is
-# not done ``timeout_s`` (the foreground's limit) after the test began waiting. What each run computes,
-# and what the tests check of it, is the same as when ``_spawn`` runs it in the foreground.
-SPAWNED_RUNS: dict[str, tuple[str, tuple[str, ...], float]] = {     # key -> (mode, worker arguments, time limit)
-    "ddp": ("ddp", (), RUN_TIMEOUT_S), "fsdp2": ("fsdp2", (), RUN_TIMEOUT_S),
-    "postln-ddp": ("ddp", POSTLN_ARGS["ddp"], POSTLN_TIMEOUT_S),
-    "postln-fsdp2": ("fsdp2", POSTLN_ARGS["fsdp2"], POSTLN_TIMEOUT_S),
-}
-EARLY_NICE = 10
-_BY_MODE = {"test_parameters_match_single_process_training", "test_measured_peak_per_rank_within_budget",
-            "test_smallest_feasible_budget_fraction", "test_no_collective_recomputed"}
-
-
-def spawned_runs_needed(item: pytest.Item) -> tuple[str, ...]:
-    """The keys of ``SPAWNED_RUNS`` test ``item`` reads (empty for the tests that spawn nothing)."""
-    name = getattr(item, "originalname", item.name)
-    mode = item.callspec.params.get("mode") if hasattr(item, "callspec") else None
-    if name in _BY_MODE:
-        return (mode,)
-    if name.startswith("test_postln_tied_lm_"):
-        return (f"postln-{mode}",)
-    return {"test_ddp_budget_split_across_pieces": ("ddp",),
-            "test_fsdp2_unit_graph_shared_by_blocks": ("fsdp2",)}.get(name, ())
-
-
-@dataclass
-class _Early:
-    """One spawned run started at collection: its ranks, and their exit codes once it is over."""
-
-    key: str
-    mode: str
-    extra: tuple[str, ...]
-    timeout_s: float
-    out: Path
-    done: threading.Event = field(default_factory=threading.Event)
-    waited_since: Optional[float] = None
-    codes: Optional[list[int]] = None
-    procs: list[subprocess.Popen] = field(default_factory=list)
-
-    def results(self) -> list[dict[str, Any]]:
-        """Wait for the run (now at normal priority), then read it as ``_spawn`` does."""
-        self.waited_since = time.monotonic()
-        if not _URGENT_AT:
-            _URGENT_AT.append(self.waited_since)
-        _URGENT.set()
-        while not self.done.wait(timeout=1.0):   # (a bare wait would not see a Ctrl-C)
-            pass
-        assert self.codes is not None
-        return _results(self.mode, self.out, self.codes, self.timeout_s)
-
-    def run(self) -> None:
-        """``run_ranks``, with the ranks niced until a test waits, and killed only once one has waited
-        ``timeout_s`` (or when the session ends)."""
-        logs: list[Any] = []
-        try:
-            port = free_port()
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            args = ["--mode", self.mode, "--out", str(self.out), *self.extra]
-            niced = not _URGENT.is_set()
-            for r in range(WORLD_SIZE):
-                logs.append(open(self.out / f"log_rank{r}.txt", "w"))
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, __file__, "--worker", "--rank", str(r), "--port", str(port), *args], env=env,
-                    stdout=logs[r], stderr=subprocess.STDOUT))
-                if niced:
-                    _renice(self.procs[-1], EARLY_NICE)
-            while any(p.poll() is None for p in self.procs):
-                if any(p.poll() not in (None, 0) for p in self.procs) or _STOP.is_set():
-                    break
-                # the time limit counts from when a test first waited (for this run or an earlier one)
-                since = self.waited_since if self.waited_since is not None else _URGENT_AT[0] if _URGENT_AT else None
-                if since is not None and time.monotonic() > since + self.timeout_s:
-                    break
-                if niced and _URGENT.is_set():
-                    niced = False
-                    for p in self.procs:
-                        _renice(p, 0)
-                time.sleep(0.5)
-        finally:
-            for p in self.procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for f in logs:
-                f.close()
-            self.codes = [p.returncode for p in self.procs] if len(self.procs) == WORLD_SIZE else [-1] * WORLD_SIZE
-            self.done.set()
-
-
-def _renice(proc: subprocess.Popen, niceness: int) -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, proc.pid, niceness)
-    except OSError:     # gone already, or (back to 0) not allowed without the privilege: it runs on as it is
-        pass
-
-
-_EARLY: dict[str, _Early] = {}
-_URGENT = threading.Event()     # a test is waiting: no more niced ranks
-_URGENT_AT: list[float] = []    # when a test first waited
-_STOP = threading.Event()       # the session is over: kill what still runs
-
-
-def start_spawned_runs(keys: list[str], tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Start the spawned runs ``keys`` (in this order, one at a time) in a thread; see ``SPAWNED_RUNS``."""
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        return
-    launches = []
-    for key in keys:
-        if key not in _EARLY and key not in _RUNS:
-            mode, extra, timeout_s = SPAWNED_RUNS[key]
-            _EARLY[key] = _Early(key, mode, extra, timeout_s, tmp_path_factory.mktemp(f"dist_{key}"))
-            launches.append(_EARLY[key])
-
-    def run_all() -> None:
-        for launch in launches:
-            if _STOP.is_set():
-                launch.codes = [-9] * WORLD_SIZE
-                launch.done.set()
-            else:
-                try:
-                    launch.run()
-                except Exception:   # noqa: BLE001 - run() recorded its codes (-1 where it started no ranks)
-                    pass
-
-    threading.Thread(target=run_all, name="spawned-runs", daemon=True).start()
-
-
-def stop_spawned_runs() -> None:
-    """Kill the ranks still running (the session ended before a test read them)."""
-    _STOP.set()
-    for launch in _EARLY.values():
-        launch.done.wait(timeout=30)
 
 
 # ---------------------------------------------------------------- the split, on plain numbers

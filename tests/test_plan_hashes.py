@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -106,7 +103,7 @@ def recorded() -> dict[str, Any]:
 def test_plans_match_the_recorded_hashes(name: str) -> None:
     expected: Optional[dict[str, Any]] = recorded()["models"].get(name)
     assert expected is not None, f"no recorded plans for {name}: re-record ({__doc__.splitlines()[-1].strip()})"
-    actual = _EARLY[name].records(name) if name in _EARLY else model_records(name)
+    actual = model_records(name)
     changed = {k: (expected.get(k), v) for k, v in actual.items() if expected.get(k) != v}
     missing = sorted(expected.keys() - actual.keys())
     assert not changed and not missing, (
@@ -125,98 +122,7 @@ def record() -> None:
     print(f"wrote {RECORDED}")
 
 
-# ---- computed beside the suite --------------------------------------------------------------------
-#
-# ``model_records`` is a pure function of the model and the planner (the h100 profile, no compile, no
-# state of the session's), and one thread of CPU for ~45 s in all; the rest of the suite is mostly one
-# thread too, so on two cores one sits idle. conftest.py's ``pytest_collection_modifyitems`` asks
-# ``spawned_runs_needed`` which models the selected tests need, moves those tests to the end of the
-# session and calls ``start_spawned_runs``: one process (``python tests/test_plan_hashes.py --records
-# OUT NAME...``, niced so that the tests running meanwhile keep their core) computes each model's
-# records in turn and writes them to OUT/NAME.json, and each test compares what was written for its
-# model, exactly as it compares ``model_records(name)`` computed in the test when nothing was started.
-
-EARLY_NICE = 10
-EARLY_TIMEOUT_S = 600        # from when a test begins to wait
-
-
-class _Early:
-    """The records of some zoo models, computed in one process started at collection."""
-
-    def __init__(self, names: list[str], out: Path) -> None:
-        self.names, self.out = names, out
-        self.log = out / "log.txt"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(RECORDED.parents[2]),
-                                                                          os.environ.get("PYTHONPATH")])))
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, __file__, "--records", str(out), *names], env=env,
-                                         stdout=log, stderr=subprocess.STDOUT)
-        self.niced = _renice(self.proc, EARLY_NICE)
-
-    def records(self, name: str) -> dict[str, Any]:
-        """``name``'s records, once written (the process runs at normal priority from now, where the
-        OS allows it; it is killed when they are not written ``EARLY_TIMEOUT_S`` after this call)."""
-        if self.niced:
-            _renice(self.proc, 0)
-            self.niced = False
-        path, deadline = self.out / f"{name}.json", time.monotonic() + EARLY_TIMEOUT_S
-        while not path.is_file() and self.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not path.is_file():
-            self.stop()
-            raise AssertionError(f"computing {name}'s records failed (exit {self.proc.returncode}):\n"
-                                 + self.log.read_text()[-4000:])
-        return json.loads(path.read_text())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-def _renice(proc: subprocess.Popen, niceness: int) -> bool:
-    try:
-        os.setpriority(os.PRIO_PROCESS, proc.pid, niceness)
-        return True
-    except OSError:     # gone already, or (back to 0) not allowed without the privilege: it runs on as it is
-        return False
-
-
-_EARLY: dict[str, _Early] = {}   # model name -> the process computing its records
-
-
-def spawned_runs_needed(item: pytest.Item) -> tuple[str, ...]:
-    """The zoo models whose records test ``item`` compares."""
-    if getattr(item, "originalname", None) == "test_plans_match_the_recorded_hashes":
-        return (item.callspec.params["name"],)
-    return ()
-
-
-def start_spawned_runs(names: list[str], tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Start computing the records of ``names`` (in this order) in one process."""
-    names = [name for name in names if name not in _EARLY]
-    if names:
-        early = _Early(names, tmp_path_factory.mktemp("plan_hashes"))
-        _EARLY.update(dict.fromkeys(names, early))
-
-
-def stop_spawned_runs() -> None:
-    """Kill the process if it still runs (the session ended before a test read its records)."""
-    for early in set(_EARLY.values()):
-        early.stop()
-
-
-def _write_records(out: Path, names: list[str]) -> None:
-    for name in names:
-        partial = out / f"{name}.json.partial"
-        partial.write_text(json.dumps(model_records(name)))
-        partial.rename(out / f"{name}.json")
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--records"] and len(sys.argv) >= 4:
-        _write_records(Path(sys.argv[2]), sys.argv[3:])
-    elif sys.argv[1:] != ["--record"]:
+    if sys.argv[1:] != ["--record"]:
         sys.exit(f"usage: PYTHONPATH=$PWD python {sys.argv[0]} --record")
-    else:
-        record()
+    record()

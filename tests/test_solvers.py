@@ -457,49 +457,23 @@ print(json.dumps(out))
 """
 
 
-HASH_SEEDS = ("0", "12345")
-_EARLY: dict[str, object] = {}     # hash seed -> conftest.EarlyProcess
-
-
-def _started(seed: str):
-    """The determinism script under ``PYTHONHASHSEED=seed``, running (conftest.EarlyProcess)."""
-    import os
-    import sys
-    from pathlib import Path
-
-    from conftest import EarlyProcess
-
-    return EarlyProcess([sys.executable, "-c", _DETERMINISM_SCRIPT], dict(os.environ, PYTHONHASHSEED=seed),
-                        cwd=str(Path(__file__).resolve().parents[1]))
-
-
-def spawned_runs_needed(item: pytest.Item) -> tuple[str, ...]:
-    """The two determinism processes run beside the suite from collection on (conftest.py's hook)."""
-    return HASH_SEEDS if item.name == "test_plans_do_not_depend_on_the_hash_seed" else ()
-
-
-def start_spawned_runs(seeds: list[str], tmp_path_factory: pytest.TempPathFactory) -> None:
-    for seed in seeds:
-        _EARLY.setdefault(seed, _started(seed))
-
-
 def test_plans_do_not_depend_on_the_hash_seed():
     """Issue 4: the same graph and budget give the same plan under two PYTHONHASHSEEDs (the
     default solver, its infeasibility answer, and solver='milp')."""
     import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    # Both processes run at once (this one only waits; they are independent), started at collection
-    # where conftest.py's hook did, else now.
-    runs = [_EARLY.pop(seed, None) or _started(seed) for seed in HASH_SEEDS]
+    root = Path(__file__).resolve().parents[1]
     results = []
-    try:
-        for run in runs:
-            done = run.result(timeout_s=600)
-            assert done.returncode == 0, done.stderr[-3000:]
-            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    finally:
-        for run in runs:
-            run.stop()
+    for seed in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        run = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results.append(json.loads(run.stdout.strip().splitlines()[-1]))
     assert len(results[0]) == 14
     assert any(row[2] == "infeasible" for row in results[0]), "one budget should be out of reach"
     assert results[0] == results[1]

@@ -9,12 +9,9 @@ ran inside the first compile, i.e. inside the first training step, on a warm AOT
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
-
-import pytest
-
-from conftest import EarlyProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,25 +24,10 @@ print("PROBE", before, "torch._inductor.compile_fx" in sys.modules)
 """
 
 
-def _started() -> EarlyProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    return EarlyProcess([sys.executable, "-c", _PROBE], env)
-
-
-_EARLY: dict[str, EarlyProcess] = {}
-
-
-def spawned_runs_needed(item: pytest.Item) -> tuple[str, ...]:
-    """The probe runs beside the suite from collection on (conftest.py's hook)."""
-    return ("probe",) if item.name == "test_making_a_backend_imports_inductors_compile_path" else ()
-
-
-def start_spawned_runs(keys: list[str], tmp_path_factory: pytest.TempPathFactory) -> None:
-    _EARLY.setdefault("probe", _started())
-
-
 def test_making_a_backend_imports_inductors_compile_path():
-    done = (_EARLY.pop("probe", None) or _started()).result(timeout_s=600)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("PROBE ")), None)
     assert line is not None, done.stderr[-2000:]
     _, before, after = line.split()

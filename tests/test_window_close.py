@@ -9,12 +9,11 @@ corruption (``free(): invalid next size``).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 
 import pytest
-
-from conftest import EarlyProcess
 
 SCRIPT = textwrap.dedent("""
     import torch, remat
@@ -29,26 +28,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _started(feedback_dir) -> EarlyProcess:
-    return EarlyProcess([sys.executable, "-c", SCRIPT], {**os.environ, "REMAT_FEEDBACK_DIR": str(feedback_dir)})
-
-
-_EARLY: dict[str, EarlyProcess] = {}
-
-
-def spawned_runs_needed(item: pytest.Item) -> tuple[str, ...]:
-    """The script below runs beside the suite from collection on (conftest.py's hook)."""
-    return ("script",) if item.name == "test_one_measured_step_then_exit_leaves_no_profiler_and_exits_cleanly" else ()
-
-
-def start_spawned_runs(keys: list[str], tmp_path_factory: pytest.TempPathFactory) -> None:
-    _EARLY.setdefault("script", _started(tmp_path_factory.mktemp("window_close") / "feedback"))
-
-
 @pytest.mark.e2e
 def test_one_measured_step_then_exit_leaves_no_profiler_and_exits_cleanly(tmp_path):
-    early = _EARLY.pop("script", None) or _started(tmp_path / "feedback")
-    run = early.result(timeout_s=600)
+    env = {**os.environ, "REMAT_FEEDBACK_DIR": str(tmp_path / "feedback")}
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, f"exit code {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
     assert "window open after the step: False profiler running: False" in run.stdout
     assert "events: ['within budget']" in run.stdout
