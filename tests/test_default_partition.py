@@ -71,3 +71,31 @@ def test_unbudgeted_plan_and_floor_against_plain_inductor():
     # within the CPU's 5% planning headroom of plain Inductor's peak (was 1.20x)
     assert floor <= plain / 0.95 * 1.01, (floor, plain)
     assert _measured(entry, remat.backend(floor / 1e9)) <= floor
+
+
+class _ReluDropoutMLP(torch.nn.Module):
+    """fc1 -> ReLU -> dropout -> fc2: the default partitioner saves ReLU's bool mask (``le``) and the
+    dropout output, not the float ReLU output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x)))).sum()
+
+
+def test_the_default_partition_is_planned_as_it_runs():
+    """Each value the default partitioner saves stays saved in remat's partition of that saved set,
+    a bool mask the forward's fused kernel keeps in registers included (rand-1202: the mask became
+    the float it came from, saved beside the dropout output: 2.14 MB against plain Inductor's 1.75 MB)."""
+    from remat.simulator.schedule import partition_nodes
+
+    torch.manual_seed(0)
+    (facts,) = trace_joint_facts(_ReluDropoutMLP().train(), (torch.randn(8, 64, 64),))
+    forward = {n for n in facts.default_saved if facts.nodes[n].role == "forward"}
+    masks = {n for n in forward if facts.nodes[n].op == "aten.le.Scalar" and facts.nodes[n].itemsize == 1}
+    assert masks, f"the default partition saves ReLU's bool mask: {sorted(forward)}"
+    assert partition_nodes(facts, forward).saved == forward
+    assert make_plan(facts, None).predicted_peak_bytes <= evaluate(facts, forward).peak_bytes

@@ -19,7 +19,7 @@ from typing import AbstractSet, Iterable, Mapping
 
 from ..passes.graph_analysis import REBUILD_ENTRIES
 from ..passes.joint_graph import JointGraphFacts
-from ..passes.mincut import min_cut_saved
+from ..passes.mincut import min_cut_saved, saved_cost_bytes
 from ..passes.partition import Partition, Scheduled
 from ..passes.recompute_bans import node_positions, recompute_bans
 from .kernel_facts import RECOMPUTE_SUFFIX, graph_inductor_config, graph_inputs_aligned, kernel_kinds
@@ -36,14 +36,52 @@ def _register_only_uncached(facts: JointGraphFacts) -> frozenset[str]:
         if node.role == "forward" and bans[name] is None and not node.is_getitem and node.cost.fusion_group
         and node.cost.bytes_written > 0 and node.cost.fused_bytes_written == 0
     }
-    return frozenset(in_registers - min_cut_saved(facts))
+    candidates = in_registers - min_cut_saved(facts)
+    return frozenset(candidates - _default_saved_masks(facts, candidates))
+
+
+def _default_saved_masks(facts: JointGraphFacts, in_registers: AbstractSet[str]) -> set[str]:
+    """The values of ``in_registers`` PyTorch's default partitioner saves (``JointGraphFacts.default_saved``)
+    that take fewer bytes than the largest value their kernel rebuilds them from (a bool mask saved
+    instead of the float it came from)."""
+    masks = set()
+    for name in (facts.default_saved or frozenset()) & in_registers:
+        sources = _memory_sources(facts, {name}, in_registers, set())
+        largest = max((saved_cost_bytes(facts, s) for s in sources), default=0)
+        if saved_cost_bytes(facts, name) < largest:
+            masks.add(name)
+    return masks
+
+
+def _memory_sources(facts: JointGraphFacts, values: AbstractSet[str], in_registers: AbstractSet[str],
+                    saved: AbstractSet[str]) -> set[str]:
+    """The nearest forward values ``values``' kernels read from memory (not in ``in_registers``, not
+    in ``saved``): what the backward rebuilds ``values`` from."""
+    nodes = facts.nodes
+    found: set[str] = set()
+    seen: set[str] = set()
+    stack = [i for name in values for i in nodes[name].inputs]
+    while stack:
+        name = stack.pop()
+        if name in seen or name in saved or nodes[name].role != "forward":
+            continue
+        seen.add(name)
+        if name in in_registers:
+            stack.extend(nodes[name].inputs)
+        else:
+            found.add(name)
+    return found
 
 
 def register_only(facts: JointGraphFacts) -> frozenset[str]:
     """Forward values no plan saves: values the forward's fused kernels keep in registers (the
     cost model's fusion writes none of their bytes) that may be recomputed, except those the
     free min-cut saves (a bool mask kept instead of the float it came from cuts the bytes the
-    forward hands to the backward).
+    forward hands to the backward) and the masks PyTorch's default partitioner saves
+    (``_default_saved_masks``): plain Inductor's forward stores those already, so saving one adds no
+    store plain Inductor's code lacks, and without them the default's partition could not be
+    planned as it runs (rand-1202: its ReLU mask ``le`` became the float ``relu`` saved beside the
+    dropout output, 2.14 MB simulated and measured against plain Inductor's 1.75 MB).
 
     Saving any other one adds a store to a fused forward kernel to buy back a recomputation the
     cost model prices at microseconds; on Inductor's CPU code that was measured to make the zoo
@@ -66,19 +104,7 @@ def _instead_of_register_only(facts: JointGraphFacts, chosen_saved: AbstractSet[
     if not dropped:
         return saved
     saved -= dropped
-    nodes = facts.nodes
-    seen: set[str] = set()
-    stack = [i for name in dropped for i in nodes[name].inputs]
-    while stack:
-        name = stack.pop()
-        if name in seen or name in saved or nodes[name].role != "forward":
-            continue
-        seen.add(name)
-        if name in not_saved:
-            stack.extend(nodes[name].inputs)
-        else:
-            saved.add(name)
-    return saved
+    return saved | _memory_sources(facts, dropped, not_saved, saved)
 
 
 def partition_nodes(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Partition:
