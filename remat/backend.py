@@ -36,7 +36,7 @@ from .distributed_errors import ShareInfeasibleError
 from .errors import BudgetInfeasibleError
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
-from .inductor_verdict import refusal_for, share_check_target
+from .inductor_verdict import Refusal, refusal_for, share_check_target
 from .judge_loop import judge_compiled
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.plan import Plan
@@ -178,10 +178,16 @@ class RematBackend:
             replanned = CodeCapture()
             return self._recompile(gm, args, correction, key, replanned, candidate)[0], replanned
 
-        def compile_candidate(key: str, graph_id: str) -> tuple[Callable[..., Any], CodeCapture]:
-            # the refused graph again, planned as the free min-cut (``partition``'s candidate); its id is a re-plan's
-            same = Correction(1.0, self.options.budget_bytes, 0, 0, graph_id, "a candidate plan for Inductor's check")
-            return recompile(same, key, FREE_MINCUT_CANDIDATE)
+        def compile_candidate(refused: CompiledGraph) -> tuple[Callable[..., Any], CodeCapture]:
+            # the refused graph again, planned as the free min-cut (``partition``'s candidate); its id is a re-plan's.
+            # The refusal is handed on: planning the candidate does not search for it again.
+            same = Correction(1.0, self.options.budget_bytes, 0, 0, refused.graph_id, "a candidate plan for Inductor's check")
+            assert refused.refusal is not None
+            self._replan.refused = (refused.plan.target_bytes, refused.refusal.error)
+            try:
+                return recompile(same, refused.graph_key, FREE_MINCUT_CANDIDATE)
+            finally:
+                self._replan.refused = None
 
         return judge_compiled(fn, capture, device_of(args).type, self.options.outputs_held, self.compiled_graphs,
                               recompile, compile_candidate)
@@ -280,15 +286,10 @@ class RematBackend:
             return planner(request.at(target_bytes, saved_cap_bytes, best_effort))
 
         refusal, asked_share = None, share
-        try:
-            if share is None:   # alone in its step
-                plan = plan_at(target_bytes)
-            else:  # the largest target the step's ledger admits (remat/distributed.py)
-                plan, share = fit_in_step(share, lambda share: fit_plan(
-                    share, held_of, plan_at,
-                    self.options.budget_bytes, request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at, held_of)
-        except BudgetInfeasibleError as error:
-            candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
+        candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
+
+        def refused(error: BudgetInfeasibleError) -> tuple[Plan, Refusal]:
+            """The plan compiled for a refused target (for Inductor's check, or best effort) and the refusal."""
             if correction is not None and correction.factor != 1.0 and candidate != FREE_MINCUT_CANDIDATE:
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
@@ -302,8 +303,22 @@ class RematBackend:
                 plan = error.named_plan       # the plan the named budget rests on
             else:
                 plan = plan_at(target_bytes, best_effort=True)
-            refusal = refusal_for(error, plan, share, held_of,
-                                  lambda b: self.options.planning_target_for(b, device_type, modeled), self.options.budget_bytes)
+            return plan, refusal_for(error, plan, share, held_of,
+                                     lambda b: self.options.planning_target_for(b, device_type, modeled),
+                                     self.options.budget_bytes)
+
+        if share is None and candidate == FREE_MINCUT_CANDIDATE and _refused_at(self._replan, target_bytes):
+            plan, refusal = refused(self._replan.refused[1])   # the refusal the candidate is for: not searched again
+        else:
+            try:
+                if share is None:   # alone in its step
+                    plan = plan_at(target_bytes)
+                else:  # the largest target the step's ledger admits (remat/distributed.py)
+                    plan, share = fit_in_step(share, lambda share: fit_plan(
+                        share, held_of, plan_at, self.options.budget_bytes, request.target_for, plan_capped=plan_at,
+                        ledger=self._step_ledger), plan_at, held_of)
+            except BudgetInfeasibleError as error:
+                plan, refusal = refused(error)
         cache = planner.source(plan)
         if not plan.fits_budget and refusal is None:
             warnings.warn(
@@ -334,6 +349,13 @@ class RematBackend:
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw
+
+
+def _refused_at(replan: threading.local, target_bytes: Optional[int]) -> bool:
+    """Whether the compile ``replan`` describes is the free min-cut candidate of a refusal at ``target_bytes``
+    (``RematBackend._judged``'s ``compile_candidate``): the planner refused that target moments ago."""
+    refused = getattr(replan, "refused", None)
+    return refused is not None and refused[0] == target_bytes
 
 
 def backend(

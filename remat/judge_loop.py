@@ -36,7 +36,7 @@ MAX_JUDGED_REPLANS = 3   # re-plans Inductor's verdict may ask for per compile (
 def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: str, outputs_held: bool,
                    compiled_graphs: list["CompiledGraph"],
                    recompile: Callable[[Correction, str, Optional[str]], tuple[Callable[..., Any], "CodeCapture"]],
-                   compile_candidate: Optional[Callable[[str, str], tuple[Callable[..., Any], "CodeCapture"]]] = None,
+                   compile_candidate: Optional[Callable[["CompiledGraph"], tuple[Callable[..., Any], "CodeCapture"]]] = None,
                    ) -> Callable[..., Any]:
     """Inductor judges the plan just compiled (the last of ``compiled_graphs``, its code in ``capture``),
     before any step runs: its peak is read from the generated forward and backward; over the planning
@@ -67,8 +67,8 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
             # (minutes on GPT-2's body under load), and what min-cut saves is what a share rarely admits.
             return overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                                       None if compile_candidate is None or record.step_share is not None else
-                                      lambda: _checked_candidate(compile_candidate, record.graph_key, record.graph_id,
-                                                                 device_type, outputs_held), rejected)
+                                      lambda: _checked_candidate(compile_candidate, record, device_type, outputs_held),
+                                      rejected)
         target = record.base_target_bytes if record.check_target_bytes is None else record.check_target_bytes
         verdict = judge_plan(record.plan.predicted_peak_bytes, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                              target, record.plan.budget_bytes,
@@ -106,10 +106,12 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     raise AssertionError("unreachable")
 
 
-def _checked_candidate(compile_candidate: Callable[[str, str], tuple[Callable[..., Any], "CodeCapture"]], graph_key: str,
-                       graph_id: str, device_type: str, outputs_held: bool) -> tuple[Callable[..., Any], Optional[CheckedPeak]]:
-    """Compile the refused graph's candidate plan (its record is appended) and read its checked peak."""
-    fn, capture = compile_candidate(graph_key, graph_id)
+def _checked_candidate(compile_candidate: Callable[["CompiledGraph"], tuple[Callable[..., Any], "CodeCapture"]],
+                       refused: "CompiledGraph", device_type: str,
+                       outputs_held: bool) -> tuple[Callable[..., Any], Optional[CheckedPeak]]:
+    """Compile the candidate plan of the graph whose record ``refused`` is (its record is appended) and read
+    its checked peak."""
+    fn, capture = compile_candidate(refused)
     return fn, checked_peak_of(capture.graphs, device_type, outputs_held)
 
 

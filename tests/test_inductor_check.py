@@ -234,6 +234,27 @@ def test_a_budget_no_checked_plan_meets_is_refused_naming_one_that_fits(scaled_s
     assert event.action == "within budget" and event.measured_peak_bytes <= backend.options.budget_bytes, (event, graph.judgement)
 
 
+def test_a_refusal_searches_once_with_its_free_min_cut_candidate_checked(tmp_path, monkeypatch):
+    """With the compile cache off (as for symbolic shapes), a refused budget runs the planner's search
+    once: the refusal's best-effort plan and the free min-cut candidate Inductor's check compiles next
+    reuse that refusal (the candidate's compile searched the refused target again: 35% of the zoo
+    GPT's refusal at 1 kB)."""
+    import importlib
+
+    backend_module = importlib.import_module("remat.backend")   # the module: ``remat.backend`` is the function
+    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
+    monkeypatch.setenv("REMAT_COMPILE_CACHE", "0")
+    searched = []
+    plan_graph = backend_module.plan_graph
+    monkeypatch.setattr(backend_module, "plan_graph", lambda facts, request: searched.append(request) or plan_graph(facts, request))
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    with pytest.raises(remat.BudgetInfeasibleError) as refused:
+        run_step(torch.compile(model, backend=remat.backend(1e-6, inductor_check=True)), model, inputs)
+    assert refused.value.min_budget_bytes > refused.value.budget_bytes
+    assert [r.best_effort for r in searched] == [False], searched
+
+
 def test_a_library_output_of_unstated_size_leaves_the_plan_on_its_simulated_peak():
     from remat.inductor_check import checked_peak_of
 
