@@ -223,9 +223,9 @@ def register_dynamo_backend(compiler_fn: Callable[..., Any], name: str) -> None:
 def watch_compiled_backward(outputs: Any, at_end: Optional[Callable[[], None]],
                             at_start: Optional[Callable[[], Any]] = None) -> bool:
     """Run ``at_end``, if given, right after the compiled backward of the graph whose outputs these
-    are (a post-hook on AOTAutograd's ``CompiledFunctionBackward`` node, reached from an output's
-    ``grad_fn``, through the view nodes of aliased outputs), and ``at_start``, if given, right
-    before it (a pre-hook); False if no output leads to one."""
+    are (AOTAutograd's ``CompiledFunctionBackward`` node, reached from an output's ``grad_fn``, through
+    the view nodes of aliased outputs; ``_after``), and ``at_start``, if given, right before it (a
+    pre-hook); False if no output leads to one."""
     roots = [o.grad_fn for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
              if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     seen, node = set(), None
@@ -238,12 +238,37 @@ def watch_compiled_backward(outputs: Any, at_end: Optional[Callable[[], None]],
     if node is None:
         return False
     if at_end is not None:
-        node.register_hook(lambda *_: at_end())
+        _after(node, at_end)
     if at_start is not None:
         def before(*_: Any) -> None:   # a pre-hook returning None leaves the incoming gradients as they are
             at_start()
         node.register_prehook(before)
     return True
+
+
+def _after(node: Any, at_end: Callable[[], None]) -> None:
+    """Run ``at_end`` once, when the first node the autograd engine runs after ``node`` starts (a pre-hook
+    on each of ``node``'s next functions, all removed then), or after ``node`` when it has none.
+
+    Not a post-hook on ``node``: the engine keeps a node's incoming gradients alive until its post-hooks
+    have run, so one would hold the step's tangents through the whole compiled backward, where the
+    generated code frees each at its last reader. Measured (corpus net rand-1239, an LM whose loss
+    is outside the graph: its tangent is the logits' gradient, 131 kB): 1,234,952 B on the step the
+    feedback loop measured against 1,103,880 B on the next steps and under plain Inductor."""
+    after = [nxt for nxt, _ in node.next_functions if nxt is not None]
+    if not after:
+        node.register_hook(lambda *_: at_end())
+        return
+    handles: list[Any] = []
+
+    def first(*_: Any) -> None:     # a pre-hook returning None leaves the incoming gradients as they are
+        if handles:
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+            at_end()
+
+    handles.extend(nxt.register_prehook(first) for nxt in after)
 
 
 __all__ = ["CodeCapture", "compile_with_partitioner", "import_compile_path", "make_partitioner",
