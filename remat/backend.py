@@ -36,8 +36,8 @@ from .distributed_errors import ShareInfeasibleError
 from .errors import BudgetInfeasibleError
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
-from .inductor_verdict import Refusal, refusal_for, share_check_target
-from .judge_loop import judge_compiled
+from .inductor_verdict import refusal_for, share_check_target
+from .judge_loop import judge_compiled, refused_at
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
@@ -179,15 +179,12 @@ class RematBackend:
             return self._recompile(gm, args, correction, key, replanned, candidate)[0], replanned
 
         def compile_candidate(refused: CompiledGraph) -> tuple[Callable[..., Any], CodeCapture]:
-            # the refused graph again, planned as the free min-cut (``partition``'s candidate); its id is a re-plan's.
-            # The refusal is handed on: planning the candidate does not search for it again.
+            # the refused graph again, planned as the free min-cut (``partition``'s candidate; its id is a re-plan's),
+            # with the refusal handed on (``judge_loop.refused_at``; ``_recompile`` clears it): no second search
             same = Correction(1.0, self.options.budget_bytes, 0, 0, refused.graph_id, "a candidate plan for Inductor's check")
             assert refused.refusal is not None
             self._replan.refused = (refused.plan.target_bytes, refused.refusal.error)
-            try:
-                return recompile(same, refused.graph_key, FREE_MINCUT_CANDIDATE)
-            finally:
-                self._replan.refused = None
+            return recompile(same, refused.graph_key, FREE_MINCUT_CANDIDATE)
 
         return judge_compiled(fn, capture, device_of(args).type, self.options.outputs_held, self.compiled_graphs,
                               recompile, compile_candidate)
@@ -230,7 +227,7 @@ class RematBackend:
                 lambda cache: cache.restore(lambda: self._replan_id(correction), self.options.dump_dir,
                                             self.step_account, current_compile_id()))
         finally:
-            self._replan.correction, self._replan.candidate = None, None
+            self._replan.correction, self._replan.candidate, self._replan.refused = None, None, None
         if entry is not None and entry.record is not None:
             self.compiled_graphs.append(entry.record)
         return fn, self.compiled_graphs[-1], call_cache
@@ -287,9 +284,15 @@ class RematBackend:
 
         refusal, asked_share = None, share
         candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
-
-        def refused(error: BudgetInfeasibleError) -> tuple[Plan, Refusal]:
-            """The plan compiled for a refused target (for Inductor's check, or best effort) and the refusal."""
+        try:
+            if share is None and candidate == FREE_MINCUT_CANDIDATE and refused_at(self._replan, target_bytes):
+                raise self._replan.refused[1]   # the refusal the candidate is for: known, not searched again
+            if share is None:   # alone in its step
+                plan = plan_at(target_bytes)
+            else:  # the largest target the step's ledger admits (remat/distributed.py)
+                plan, share = fit_in_step(share, lambda share: fit_plan(share, held_of, plan_at, self.options.budget_bytes,
+                    request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at, held_of)
+        except BudgetInfeasibleError as error:
             if correction is not None and correction.factor != 1.0 and candidate != FREE_MINCUT_CANDIDATE:
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
@@ -303,22 +306,8 @@ class RematBackend:
                 plan = error.named_plan       # the plan the named budget rests on
             else:
                 plan = plan_at(target_bytes, best_effort=True)
-            return plan, refusal_for(error, plan, share, held_of,
-                                     lambda b: self.options.planning_target_for(b, device_type, modeled),
-                                     self.options.budget_bytes)
-
-        if share is None and candidate == FREE_MINCUT_CANDIDATE and _refused_at(self._replan, target_bytes):
-            plan, refusal = refused(self._replan.refused[1])   # the refusal the candidate is for: not searched again
-        else:
-            try:
-                if share is None:   # alone in its step
-                    plan = plan_at(target_bytes)
-                else:  # the largest target the step's ledger admits (remat/distributed.py)
-                    plan, share = fit_in_step(share, lambda share: fit_plan(
-                        share, held_of, plan_at, self.options.budget_bytes, request.target_for, plan_capped=plan_at,
-                        ledger=self._step_ledger), plan_at, held_of)
-            except BudgetInfeasibleError as error:
-                plan, refusal = refused(error)
+            refusal = refusal_for(error, plan, share, held_of,
+                                  lambda b: self.options.planning_target_for(b, device_type, modeled), self.options.budget_bytes)
         cache = planner.source(plan)
         if not plan.fits_budget and refusal is None:
             warnings.warn(
@@ -349,13 +338,6 @@ class RematBackend:
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw
-
-
-def _refused_at(replan: threading.local, target_bytes: Optional[int]) -> bool:
-    """Whether the compile ``replan`` describes is the free min-cut candidate of a refusal at ``target_bytes``
-    (``RematBackend._judged``'s ``compile_candidate``): the planner refused that target moments ago."""
-    refused = getattr(replan, "refused", None)
-    return refused is not None and refused[0] == target_bytes
 
 
 def backend(

@@ -115,6 +115,14 @@ def _checked_candidate(compile_candidate: Callable[["CompiledGraph"], tuple[Call
     return fn, checked_peak_of(capture.graphs, device_type, outputs_held)
 
 
+def refused_at(replan: Any, target_bytes: Optional[int]) -> bool:
+    """Whether the compile ``replan`` (the backend's per-thread re-plan state) describes is the free min-cut
+    candidate of a refusal at ``target_bytes`` (``_checked_candidate``: its ``refused`` is (target, error)):
+    the planner refused that target moments ago, and planning the candidate need not search for it again."""
+    refused = getattr(replan, "refused", None)
+    return refused is not None and refused[0] == target_bytes
+
+
 def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
                        checked_peak_bytes: Optional[int],
                        candidate: Optional[Callable[[], tuple[Callable[..., Any], Optional[CheckedPeak]]]] = None,
