@@ -17,9 +17,10 @@ outputs (``assert_size_stride``). ``replay_wrapper`` walks that code and counts 
   plus the incoming gradients (tangents, made by the autograd engine before the backward
   runs, counted to the backward's end as the simulator counts them, on the safe side of the code,
   which frees each at its last reader: docs/budget.md; but zeros AOTAutograd makes for an output
-  without a gradient, ``GraphCode.gradless_tangents``, are freed where the code drops them). Saved storages are freed where the backward drops its last
-  reference, as the generated code says (AOTAutograd's backward clears its context's saved
-  tensors before it calls the code, ``ctx.maybe_clear_saved_tensors``), except one a user output
+  without a gradient, ``GraphCode.gradless_tangents``, are freed where the code drops them). Saved
+  storages are freed where the backward drops its last reference, as the generated code says
+  (AOTAutograd's backward clears its context's saved tensors before it calls the code,
+  ``ctx.maybe_clear_saved_tensors``), except one a user output
   shares while the caller holds its outputs. User outputs stay only when the caller holds them
   through its backward (``outputs_held``, the same convention as the simulator's); by default the
   caller dropped them, and one the backward reads lives to its last reader there.
