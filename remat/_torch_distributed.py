@@ -50,6 +50,8 @@ class DDPPieces:
     split_id: int                      # identity of the split graph: pieces of one step share it
     forward_bytes: tuple[int, ...]     # per piece: bytes of the tensors its forward computes (Dynamo's meta)
     output_bytes: int = 0              # bytes of the tensors the last piece returns: the step's outputs (a bound)
+    # per piece: bytes of the trainable parameters some later piece reads (``later_param_bytes``)
+    later_param_bytes: tuple[int, ...] = ()
 
 
 def _forward_tensor_bytes(gm: fx.GraphModule) -> int:
@@ -93,6 +95,41 @@ def _piece_number(name: str) -> int:
     return int(tail) if tail.isdigit() else -1
 
 
+def _trainable(value: Any) -> bool:
+    return isinstance(value, torch.nn.Parameter) and value.requires_grad
+
+
+def later_param_bytes(split: fx.GraphModule, ordered: list[tuple[str, Any]]) -> tuple[int, ...]:
+    """Per piece k of the DDP optimizer's ``split`` (``ordered``: its pieces in forward order), the
+    bytes of the trainable parameters read by some piece after k.
+
+    A parameter's gradient exists from the backward of the last piece that reads it: a parameter
+    read by pieces i < j (a tied embedding and LM head) gets j's part of its gradient first, and
+    the autograd engine holds that part until i's backward adds its own (then it becomes
+    ``.grad``). Parameters are the split's placeholders a piece takes (Dynamo lifts them as inputs)
+    or, in older traces, a piece's own ``get_attr`` nodes."""
+    index = {name: k for k, (name, _) in enumerate(ordered)}
+    last_reader: dict[int, tuple[int, int]] = {}   # id(parameter) -> (last piece reading it, its bytes)
+
+    def read(k: int, value: Any) -> None:
+        if _trainable(value):
+            nbytes = value.numel() * value.element_size()
+            last_reader[id(value)] = (max(k, last_reader.get(id(value), (k, 0))[0]), nbytes)
+
+    for node in split.graph.find_nodes(op="call_module"):
+        k = index.get(str(node.target))
+        if k is None:
+            continue
+        for arg in node.all_input_nodes:
+            if arg.op == "placeholder":
+                read(k, arg.meta.get("example_value"))
+        piece = ordered[k][1]
+        if isinstance(piece, fx.GraphModule):
+            for attr in piece.graph.find_nodes(op="get_attr"):
+                read(k, getattr(piece, str(attr.target), None))
+    return tuple(sum(nbytes for last, nbytes in last_reader.values() if last > k) for k in range(len(ordered)))
+
+
 def ddp_pieces() -> Optional[DDPPieces]:
     """Where the graph now compiling sits in the DDP optimizer's split, or None when the
     backend was not called by the DDP optimizer."""
@@ -114,7 +151,7 @@ def ddp_pieces() -> Optional[DDPPieces]:
         last = ordered[-1][1] if ordered else None
         outputs = _output_tensor_bytes(last) if isinstance(last, fx.GraphModule) else 0
         return DDPPieces(index=index, count=len(ordered), split_id=id(compiler.module), forward_bytes=sizes,
-                         output_bytes=outputs)
+                         output_bytes=outputs, later_param_bytes=later_param_bytes(compiler.module, ordered))
     return None
 
 

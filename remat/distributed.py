@@ -18,8 +18,10 @@ gradients it produces, above its inputs):
   (its saved activations, and its activation inputs if it saves them), exactly known when
   k compiles, because pieces compile in forward order and the ledger records each plan;
 - ``a_k``: piece k's own activation inputs (not parameters);
-- ``G_>k``: gradients the later pieces' backwards already produced (parameter bytes of
-  the model, less those of pieces <= k, known from AOTAutograd's static inputs);
+- ``G_>k``: gradients the later pieces' backwards already produced: the bytes of the
+  parameters some piece after k reads (``_torch_distributed.later_param_bytes``; a parameter
+  pieces i < j both read, a tied embedding and head, has j's part of its gradient held by the
+  autograd engine from j's backward until i's adds to it);
 - ``outside``: memory the step allocates outside remat's graphs that remat can count
   (FSDP2: the running unit's all-gathered parameters and all-gather output, and the root's
   parameters and gradients, ``distributed_fit.fsdp_outside_bytes`` says why each).

@@ -416,6 +416,32 @@ def test_piece_target_from_the_ledger() -> None:
                      total_grad_bytes=0, grads_so_far_bytes=0)
 
 
+def test_a_parameter_two_pieces_read_counts_as_a_later_gradient_until_the_first_piece() -> None:
+    """A tied embedding and head (pieces 0 and 2): the head's part of the gradient is made in piece 2's
+    backward and held by the autograd engine until piece 0's adds to it, so it is a later gradient for
+    pieces 0 and 1; a parameter only piece 1 reads is one for piece 0 only."""
+    from torch import fx
+
+    from remat._torch_distributed import later_param_bytes
+
+    tied, own = torch.nn.Parameter(torch.zeros(10, 4)), torch.nn.Parameter(torch.zeros(3))
+    frozen = torch.nn.Parameter(torch.zeros(100), requires_grad=False)
+    graph = fx.Graph()
+    x, w, b, f = (graph.placeholder(name) for name in ("x", "w", "b", "f"))
+    w.meta["example_value"], b.meta["example_value"], f.meta["example_value"] = tied, own, frozen
+    h = graph.call_module("submod_0", (x, w, f))
+    h = graph.call_module("submod_1", (h, b))
+    graph.output(graph.call_module("submod_2", (h, w)))
+    pieces = [(f"submod_{k}", torch.nn.Identity()) for k in range(3)]
+    split = fx.GraphModule(dict(pieces), graph)
+    assert later_param_bytes(split, pieces) == (160 + 12, 160, 0)
+    # pieces already compiled are renamed, in the graph and in the module alike
+    renamed = [("compiled_submod_0", torch.nn.Identity())] + pieces[1:]
+    for node in graph.find_nodes(op="call_module"):
+        node.target = "compiled_" + node.target if node.target == "submod_0" else node.target
+    assert later_param_bytes(fx.GraphModule(dict(renamed), graph), renamed) == (160 + 12, 160, 0)
+
+
 def test_admits_checks_own_runs_and_the_later_pieces_reserve() -> None:
     from remat.distributed import piece_target
 
