@@ -49,9 +49,8 @@ class DDPPieces:
     count: int                         # how many pieces the graph was split into
     split_id: int                      # identity of the split graph: pieces of one step share it
     forward_bytes: tuple[int, ...]     # per piece: bytes of the tensors its forward computes (Dynamo's meta)
+    later_param_bytes: tuple[int, ...]  # per piece: bytes of the trainable parameters a later piece reads
     output_bytes: int = 0              # bytes of the tensors the last piece returns: the step's outputs (a bound)
-    # per piece: bytes of the trainable parameters some later piece reads (``later_param_bytes``)
-    later_param_bytes: tuple[int, ...] = ()
 
 
 def _forward_tensor_bytes(gm: fx.GraphModule) -> int:

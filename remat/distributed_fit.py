@@ -76,15 +76,15 @@ def share_for_graph(ledger: StepLedger, step_target_bytes: Optional[int], joint:
         total_grads = tdist.ddp_param_grad_bytes() or 0
         held_before, grads_before, needs = ledger.before(pieces.split_id, pieces.index, pieces.forward_bytes)
         total = max(total_grads, grads_before + own_grads)
-        # G_>k: the gradients of the parameters a later piece reads (a parameter several pieces read
-        # has its gradient from the last one's backward on); summed by piece when the split's
-        # parameters cannot be read
-        so_far = (total - pieces.later_param_bytes[pieces.index] if pieces.later_param_bytes
-                  else grads_before + own_grads)
+        # G_>k: the gradients of the parameters a later piece reads (a parameter several pieces read has
+        # its gradient from the last one's backward on). Both numbers are lower bounds of it: the split's
+        # reading misses parameters whose meta it cannot read, the gradients less those of pieces 0..k
+        # miss a parameter shared with a later piece; the larger is taken.
+        later = max(pieces.later_param_bytes[pieces.index], total - grads_before - own_grads)
         return piece_target(
             step_target_bytes=step_target_bytes, index=pieces.index, needs=needs, held_before_bytes=held_before,
             input_activation_bytes=activation_bytes, total_grad_bytes=total,
-            grads_so_far_bytes=so_far, kind="ddp", step_output_bytes=pieces.output_bytes,
+            grads_so_far_bytes=total - later, kind="ddp", step_output_bytes=pieces.output_bytes,
             own_grad_bytes=own_grads,
         )
     unit = tdist.fsdp_unit()

@@ -330,9 +330,9 @@ def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequenc
     steps = fw_steps + [Step("<tangents>", "backward", cache.tangent_allocs, (), external=True)] + bw_steps
     # the incoming gradients are counted to the backward's end, a convention on the safe side: the
     # generated code frees each at its last reader (remat registers no post-hook that would make the
-    # engine keep them, ``_torch_compile._after``), but their bytes cover what a graph-break step's first
-    # step does not count, the later graphs' gradients (docs/budget.md); the zeros AOTAutograd makes for an output without a
-    # gradient die at their last reader (``joint_graph.tangents_without_gradient``)
+    # engine keep them, ``_torch_compile._after``), but their bytes cover what a graph-break step's
+    # first step does not count, the later graphs' gradients (docs/budget.md); the zeros AOTAutograd
+    # makes for an output without a gradient die at their last reader (``joint_graph.tangents_without_gradient``)
     held_tangents = {sid for sid, _ in cache.tangent_allocs if storage_owner(sid) not in facts.gradless_tangents}
     pinned = pinned_fw | held_tangents | {s for o in outputs for s in bw_storages(o)}
     return steps, pinned
