@@ -52,6 +52,8 @@ not depend on hash seeds or set iteration order. Each solve builds one ``SearchC
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -150,13 +152,18 @@ def _descent_round(g: SearchContext, current: Evaluated, target_bytes: int) -> f
     """The drops one round applies (see the module docstring); empty when none spans an excess step."""
     timeline = current.simulation.timeline_bytes
     left = {i: live - target_bytes for i, live in enumerate(timeline) if live > target_bytes}
+    over_steps = sorted(left)            # the steps ``left`` started with, for range lookups
+    largest = [(-excess, i) for i, excess in left.items()]   # a max-heap of excesses, stale entries skipped
+    heapq.heapify(largest)
     options = drop_options(g, current)
     saved = set(current.partition.saved)
     recomputed = set(current.partition.recomputed)
     picked: list[int] = []
     used: set[int] = set()
     while left:
-        step = min(left, key=lambda i: (-left[i], i))
+        while left.get(largest[0][1]) != -largest[0][0]:
+            heapq.heappop(largest)
+        step = largest[0][1]             # the largest excess, the earliest step on a tie
         priced = []
         for index, option in enumerate(options):
             if index in used:
@@ -185,10 +192,14 @@ def _descent_round(g: SearchContext, current: Evaluated, target_bytes: int) -> f
             saved.update(added[2])
             recomputed.update(added[1])
             for lo, hi, nbytes in option.spans:
-                for i in [i for i in left if lo <= i <= hi]:
+                for i in over_steps[bisect.bisect_left(over_steps, lo):bisect.bisect_right(over_steps, hi)]:
+                    if i not in left:
+                        continue
                     left[i] -= nbytes
                     if left[i] <= 0:
                         del left[i]
+                    else:
+                        heapq.heappush(largest, (-left[i], i))
         left.pop(step, None)
     return frozenset(m for index in picked for m in options[index].members)
 
