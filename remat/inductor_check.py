@@ -15,12 +15,11 @@ outputs (``assert_size_stride``). ``replay_wrapper`` walks that code and counts 
 - then the backward, starting from what the forward handed over: every storage the forward
   returned (saved tensors and user outputs; a returned input or a view of one costs nothing),
   plus the incoming gradients (tangents, made by the autograd engine before the backward
-  runs, counted to the backward's end as the simulator counts them, on the safe side of the code,
-  which frees each at its last reader: docs/budget.md; but zeros AOTAutograd makes for an output
-  without a gradient, ``GraphCode.gradless_tangents``, are freed where the code drops them). Saved
-  storages are freed where the backward drops its last reference, as the generated code says
-  (AOTAutograd's backward clears its context's saved tensors before it calls the code,
-  ``ctx.maybe_clear_saved_tensors``), except one a user output
+  runs; freed where the code drops them: the engine hands them over and keeps none, as long as no
+  post-hook is registered on the backward's node, ``_torch_compile._after``). Saved storages are
+  freed where the backward drops its last
+  reference, as the generated code says (AOTAutograd's backward clears its context's saved
+  tensors before it calls the code, ``ctx.maybe_clear_saved_tensors``), except one a user output
   shares while the caller holds its outputs. User outputs stay only when the caller holds them
   through its backward (``outputs_held``, the same convention as the simulator's); by default the
   caller dropped them, and one the backward reads lives to its last reader there.
@@ -46,7 +45,6 @@ import torch
 
 from .cost_model.inductor_rules import EXACT_LIBRARY_CALLS
 from .simulator.library_scratch import SCRATCH_META
-from .passes.joint_graph import gradless_tangents_of
 from .wrapper_text import (ALLOC, ASSERT_SIZE, ASSIGN, DEL, ELEMENT, VIEW, call_body, ints_or_none, library_calls_in,
                            library_outputs_before_frees, returned_values)
 
@@ -106,9 +104,6 @@ class GraphCode:
     # working memory measured, and ops some node of which did not (``measured_calls``)
     measured_calls: frozenset[str] = frozenset()
     unmeasured_calls: frozenset[str] = frozenset()
-    # a backward's tangents the step leaves without a gradient (``joint_graph.tangents_without_gradient``):
-    # zeros AOTAutograd makes, freed at their last reader instead of held by the autograd engine
-    gradless_tangents: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -308,8 +303,8 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
     inputs: dict[str, InputStorage] = {}
     tangent_bytes = 0
     for name, nbytes in zip(backward.input_names, backward.input_bytes):
-        if name.startswith("tangents_"):    # counted to the backward's end (docs/budget.md)
-            inputs[name] = InputStorage(f"tangent:{name}", nbytes, name in backward.gradless_tangents)
+        if name.startswith("tangents_"):    # freed where the code drops them (``_torch_compile._after``)
+            inputs[name] = InputStorage(f"tangent:{name}", nbytes, True)
             tangent_bytes += nbytes
         elif (storage := by_name.get(name)) is not None:
             # a saved tensor is freed at the backward's last reference to it (AOTAutograd's backward clears
@@ -419,7 +414,7 @@ def graph_code(gm: torch.fx.GraphModule, source_code: str) -> GraphCode:
     return GraphCode(source_code, tuple(n.name for n in placeholders),
                      tuple(v.name if isinstance(v, torch.fx.Node) else "" for v in values),
                      tuple(_nbytes(n.meta.get("val")) for n in placeholders), library_itemsizes(gm),
-                     gradless_tangents=gradless_tangents_of(placeholders), library_scratch=library_scratch(gm),
+                     library_scratch=library_scratch(gm),
                      measured_calls=measured[0], unmeasured_calls=measured[1])
 
 

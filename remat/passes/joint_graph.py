@@ -15,11 +15,9 @@ in the backward if the plan says so.
 
 from __future__ import annotations
 
-import math
-
 import operator
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 from torch import fx
@@ -86,9 +84,6 @@ class JointGraphFacts:
     # False: they die when the forward returns, unless the backward reads them; the usual training step
     # ``loss_fn(model(x)).backward()`` drops them before its backward starts (``RematOptions.outputs_held``).
     outputs_held: bool = False
-    # Tangents the step is taken to leave without a gradient (``tangents_without_gradient``): AOTAutograd
-    # fills them with zeros it makes at the backward's start, and the backward frees them at their last reader.
-    gradless_tangents: frozenset[str] = frozenset()
     # The values PyTorch's default partitioner (plain Inductor's) saves for this graph, None when not known:
     # a saved set whose partition plain Inductor is measured to reach, which the planner starts from too.
     default_saved: Optional[frozenset[str]] = None
@@ -252,34 +247,6 @@ def _ancestors(roots: list[fx.Node], stop: set[str]) -> set[str]:
     return seen
 
 
-def gradless_tangents_of(placeholders: Iterable[fx.Node]) -> frozenset[str]:
-    """``tangents_without_gradient`` of a graph's placeholders: each ``tangents_*`` by its element count,
-    -1 where a size is symbolic (read without adding a guard: a symbolic size is never taken for a
-    scalar). The joint graph's facts and Inductor's check of the backward both read it here."""
-    numels = {}
-    for node in placeholders:
-        value = node.meta.get("val")
-        if node.name.startswith("tangents_") and isinstance(value, torch.Tensor):
-            static = all(isinstance(d, int) for d in value.shape)
-            numels[node.name] = math.prod(value.shape) if static else -1
-    return tangents_without_gradient(numels)
-
-
-def tangents_without_gradient(tangent_numels: Mapping[str, int]) -> frozenset[str]:
-    """The tangents (by placeholder name, ``tangents_*``) a training step is taken to leave without a
-    gradient: when the graph returns a scalar (a loss it computed, as a Hugging Face model returns
-    ``loss`` next to its ``logits``) and other differentiable outputs, the step backpropagates from the
-    scalar (``out.loss.backward()``), and every non-scalar output gets no gradient. The autograd engine
-    then passes None, AOTAutograd makes a zero tensor for it at the backward's start, and the compiled
-    backward frees that tensor at its last reader (measured on CPU), where a real gradient is counted to
-    the backward's end (docs/budget.md). Empty when no tangent, or every tangent, is a scalar. A step that
-    does backpropagate through such an output measures over its plan once; the feedback loop re-plans."""
-    scalars = {name for name, numel in tangent_numels.items() if numel == 1}
-    if not scalars or len(scalars) == len(tangent_numels):
-        return frozenset()
-    return frozenset(tangent_numels) - scalars
-
-
 def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_outputs: int,
                      outputs_held: bool = False) -> JointGraphFacts:
     """Collect the facts the planner needs; requires ``costs`` for every node name.
@@ -348,5 +315,4 @@ def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_out
         forward_required=frozenset(n for n in forward_required if nodes.get(n) is not None and nodes[n].role == "forward"),
         needed_by_backward=tuple(needed),
         outputs_held=outputs_held,
-        gradless_tangents=gradless_tangents_of(graph.find_nodes(op="placeholder")),
     )
