@@ -260,9 +260,10 @@ class GraphShare:
             "graph's peak plus what the earlier graphs hold, its inputs and the later graphs' gradients stays under "
             "the step target."
             + ("" if self.reserve_met else
-               " A graph break follows this graph and the later graphs are not known yet: the plan near the smallest "
-               "peak with the least held + peak was taken (its target is above), leaving the later graphs and their "
-               "gradients the most room; when the step completes it is re-planned with the whole sequence known."
+               " A graph break follows this graph and the later graphs are not known yet: of the plans near the smallest "
+               "peak, the one under which the step admits the most later graphs like this one (each holding what it "
+               "holds and producing its gradients), then the least held + peak, was taken (its target is above); "
+               "when the step completes it is re-planned with the whole sequence known."
                if self.kind == "break-smallest" else
                " No plan fit next to what the earlier graphs hold (they were planned before the step's graphs were "
                "known): the smallest-peak plan was taken and this first step runs over; at its end the graphs whose "

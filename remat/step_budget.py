@@ -28,7 +28,7 @@ corrects; measured figures in docs/budget.md):
   break follows (the frame's last) is planned next to what the pending graphs hold (kind
   "break-partial"). Step 1 then fits unless the budget is below what the leanest plans compose, the
   step's graphs come from frames compiled apart (no break tells the first that the second follows),
-  or the leanest plan's assumption (the next graph peaks like this one) is far off. A step an earlier
+  or the leanest plan's assumption (the later graphs are like this one, ``copies_admitted``) is far off. A step an earlier
   process settled is planned at once at the shares it gave (``step_memory.py``): no provisional plans;
 - at the end of step 1 the sequence is known (``backward_done`` returns it): every graph planned
   provisionally (``StepGraph.provisional``) and every graph whose plan breaks the condition above
@@ -337,8 +337,7 @@ def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, Graph
     re-planned once its step completes (``StepGraph.provisional``). Elsewhere the error stands (it
     names the budget that fits)."""
     if share.kind == "break-smallest":
-        own_runs = replace(share, reserved_later_bytes=0)   # what this graph's own runs need, nothing reserved
-        plan = leanest_plan(plan_at, held_of, lambda p: own_runs.admits(held_of(p), p.predicted_peak_bytes))
+        plan = leanest_plan(plan_at, held_of, lambda p: copies_admitted(share, held_of(p), p.predicted_peak_bytes))
         log.info("remat: graph %d of the first step takes its leanest plan until the step's graphs are known "
                  "(a graph break follows it)", share.index + 1)
         return plan, replace(share, target_bytes=plan.target_bytes or 0, reserve_met=False)
@@ -360,22 +359,44 @@ def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, Graph
     raise refused
 
 
+MAX_COPIES = 64   # copies_admitted stops counting here (a plan that holds nothing and has no gradients)
+
+
+def copies_admitted(share: GraphShare, held_bytes: int, peak_bytes: int) -> int:
+    """How many graphs like this one a step could run, this one first, with this one's plan
+    (holding ``held_bytes`` for its backward, peaking at ``peak_bytes``) after the earlier graphs
+    (``share``: what they hold, this graph's inputs, the step target): with ``n`` of them, this
+    graph's backward runs after the ``n - 1`` later ones produced their gradients (this graph's
+    ``own_grad_bytes`` each), and the last one peaks as this one does while this one and the
+    ``n - 2`` between hold ``held_bytes`` each (the condition of the module docstring, at its two
+    ends; the graphs between lie on the line joining them). 0 when this graph's own run alone
+    breaks the step target; at most ``MAX_COPIES``. With the later graphs unknown (step 1, a graph
+    break follows), this is the plan's margin: it grows as what the plan holds and its peak fall."""
+    base = share.held_before_bytes + share.input_activation_bytes + peak_bytes
+    n = 0
+    while n < MAX_COPIES and base + n * max(share.own_grad_bytes, held_bytes) <= share.step_target_bytes:
+        n += 1
+    return n
+
+
 def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
-                 fits: "Callable[[Any], bool]" = lambda plan: True) -> Any:
-    """The plan with the least ``held + peak`` among the candidates whose own runs ``fits`` the
-    step (all candidates when none does). The candidates: the plans near the smallest simulated
-    peak (``distributed_search.near_smallest``) and the plans saving least at the first and the
-    last of those targets (cap 0 saved: the slowest solves asked here, 7-9 s each on GPT-2's body
-    on the 2-core VM). Why both ends: at the smallest peak's target alone a lower smallest peak can
-    leave only plans holding much (the 2-break dropout MLP of tests/test_graph_breaks.py: 1.31 MB held
-    at 2.89 MB peak composed 6.03 MB in step 1 at a 5.83 MB budget; the last target's capped plan
-    holds 0.26 MB at 3.67 MB). Why that sum: the step charges a graph's peak under what the earlier
-    graphs hold, and what it holds under every later graph's peak; with the later graphs unknown, the
-    next one is taken to peak like this one, so ``held + peak`` is what this graph adds to the worst
-    pair it is in (the smallest-peak plan alone often saves nearly everything). Why ``fits`` first:
-    a plan whose own peak is over the step target is never taken where one under it exists (GPT-2's
-    body at a 5.26 MB budget: the least ``held + peak`` peaked 7% over the step target, and the first
-    step measured 1.07x the budget). Raises ``BudgetInfeasibleError`` only when no target plans at all."""
+                 copies: "Callable[[Any], int]" = lambda plan: 1) -> Any:
+    """The candidate plan that admits the most graphs like this one in the step (``copies``,
+    ``copies_admitted``), then the least ``held + peak``. The candidates: the plans near the
+    smallest simulated peak (``distributed_search.near_smallest``) and the plans saving least at the
+    first and the last of those targets (cap 0 saved: the slowest solves asked here, 7-9 s each on
+    GPT-2's body on the 2-core VM). Why both ends: at the smallest peak's target alone a lower
+    smallest peak can leave only plans holding much. Why copies: the later graphs are unknown, so
+    each is taken to be like this one (its plan, its gradients); the step then fits with as many of
+    them as the plan admits, and what this graph holds and its peak both count (a plan whose own run
+    breaks the step target admits none and is taken only where nothing else is: GPT-2's body at a
+    5.26 MB budget, whose least ``held + peak`` peaked 7% over the step target, measured 1.07x the
+    budget in step 1). The pair rule it replaces (least ``held + peak``, the next graph taken to
+    peak like this one, now the tie-break) ignored the third graph: the 2-break dropout MLP of
+    tests/test_graph_breaks.py took a plan holding 1.57 MB at a 2.62 MB peak in its first graph
+    (2 such graphs fit the 5.54 MB step target) over one holding 0.79 MB at 3.54 MB (3 fit), and its
+    first step measured 6.03 MB at a 5.83 MB budget (5.25 MB by copies). Raises ``BudgetInfeasibleError`` only when no
+    target plans at all."""
     from .distributed_search import holding_least, near_smallest
 
     try:
@@ -386,8 +407,7 @@ def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
             raise
     ends = near[:1] + near[-1:] if len(near) > 1 else near[:1]
     candidates = near + holding_least(ends, plan_at)[len(ends):]
-    pool = [tc for tc in candidates if fits(tc[1])] or candidates
-    return min(pool, key=lambda tc: (held_of(tc[1]) + tc[1].predicted_peak_bytes, tc[0]))[1]
+    return min(candidates, key=lambda tc: (-copies(tc[1]), held_of(tc[1]) + tc[1].predicted_peak_bytes, tc[0]))[1]
 
 
 def smallest_plan(plan_at: "Callable[[int], Any]", fallback: Any) -> Any:

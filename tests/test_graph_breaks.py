@@ -136,6 +136,48 @@ def test_the_leanest_plan_is_the_least_held_plus_peak_near_the_smallest_peak():
     assert (plan.saved, plan.predicted_peak_bytes) == (10, 100) and capped_targets == [100, 135]
 
 
+COPIES_TABLE = [
+    # (held, peak) of a plan -> graphs like it the step admits: 10 held before, inputs 5, gradients 8, target 100
+    ((20, 50), 2),    # 65, then + 20 per graph: 85, 105
+    ((5, 60), 4),     # 75, then + 8 per graph (its gradients, larger than what it holds): 83, 91, 99, 107
+    ((0, 70), 2),     # 85, 93, 101: holding nothing, the later graphs' gradients still count
+    ((0, 85), 1),     # 100: its own run at the target; a later graph's gradients are over it
+    ((0, 86), 0),     # its own run alone breaks the target
+]
+
+
+@pytest.mark.parametrize(("plan", "copies"), COPIES_TABLE)
+def test_copies_admitted_table(plan, copies):
+    from remat.step_budget import copies_admitted
+
+    share = share_in_step((graph("g0", held=10, peak=60),), (), 100, 5, 8, 10, False, smallest=True)
+    assert (share.kind, share.held_before_bytes, share.input_activation_bytes, share.own_grad_bytes) == \
+        ("break-smallest", 10, 5, 8)
+    assert copies_admitted(share, *plan) == copies
+
+
+def test_the_leanest_plan_admits_the_most_graphs_like_it_before_the_least_held_plus_peak():
+    """Of (held 60, peak 100) and (held 40, peak 135) the first has the least held + peak, but in a step
+    target of 300 only 4 graphs like it fit (100 + 3 * 60 <= 300 < 100 + 4 * 60) against 5 like the
+    second (135 + 4 * 40 <= 300): the second is taken. Equal copies fall back to the least held + peak."""
+    from types import SimpleNamespace
+
+    from remat.step_budget import leanest_plan
+
+    def plan_at(target, saved_cap_bytes=None):
+        if target < 100:
+            raise BudgetInfeasibleError("no plan", budget_bytes=0, min_feasible_bytes=100, min_budget_bytes=0,
+                                        reasons=())
+        peak, saved = (135, 40) if target >= 135 else (100, 60)
+        return SimpleNamespace(predicted_peak_bytes=peak, saved=saved, target_bytes=target)
+
+    def copies(plan, target=300):
+        return (target - plan.predicted_peak_bytes) // plan.saved + 1
+
+    assert leanest_plan(plan_at, lambda p: p.saved, copies).predicted_peak_bytes == 135
+    assert leanest_plan(plan_at, lambda p: p.saved, lambda p: 1).predicted_peak_bytes == 100
+
+
 def test_the_report_names_the_share_not_headroom_as_the_planning_targets_cut(tmp_path):
     """report.md is rendered before the share is known; the split's writer restates its
     planning-target line (it called the share's cut "71% headroom" on GPT-2's loss graph)."""
