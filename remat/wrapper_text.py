@@ -81,9 +81,47 @@ def returned_values(statement: str) -> list[str]:
     return split_top_level(inner)
 
 
+def elements_at_their_call(body: Sequence[str]) -> list[str]:
+    """``body`` with each element of a library call's tuple (``bufK = bufN[i]`` and the
+    ``assert_size_stride`` that sizes ``bufK``) moved to right after the call: the call allocated every
+    element, but the wrapper takes each out of the tuple just before its first use, later kernels in
+    between (SDPA-backward's grad q, k and v taken one by one between the matmuls that read them: a
+    replay in statement order counted two of them 64 KiB late, under the step's peak on corpus net
+    rand-1255, -4.8%). Buffer names are bound once in a ``call``, so a tuple's elements are the
+    statements that name it."""
+    elements: dict[str, list[int]] = {}    # a tuple's name -> the statements taking its elements out
+    sized: dict[str, int] = {}             # a name -> its first assert_size_stride
+    for index, statement in enumerate(body):
+        if ELEMENT_OF.match(statement):
+            elements.setdefault(statement.split(" = ", 1)[1].split("[", 1)[0], []).append(index)
+        elif (size := ASSERT_SIZE.match(statement)) and size.group(1) not in sized:
+            sized[size.group(1)] = index
+    after: dict[int, list[int]] = {}       # a library call -> the statements moved right after it
+    moved: set[int] = set()
+    for index, statement in enumerate(body):
+        if not LIBRARY_RESULT.match(statement):
+            continue
+        group: set[int] = set()
+        for element in elements.get(statement.split(" = ", 1)[0], ()):
+            if element > index:
+                group.add(element)
+                assert_index = sized.get(body[element].split(" = ", 1)[0], -1)
+                if assert_index > element:
+                    group.add(assert_index)
+        after[index] = sorted(group - moved)
+        moved.update(group)
+    out: list[str] = []
+    for index, statement in enumerate(body):
+        if index not in moved:
+            out.append(statement)
+            out.extend(body[i] for i in after.get(index, ()))
+    return out
+
+
 def library_outputs_before_frees(body: Sequence[str]) -> list[str]:
     """``body`` with the ``del``s that follow a library call moved after the statements that size its
-    outputs (``bufN = bufM[i]``, ``assert_size_stride``): the call allocates its outputs while its
+    outputs (``bufN = bufM[i]``, ``assert_size_stride``, each element first moved to the call,
+    ``elements_at_their_call``): the call allocates its outputs while its
     inputs are alive, but the wrapper frees the inputs before it asserts the outputs' sizes, and a
     replay in statement order would count the two apart (on the zoo Llama, SDPA-backward's q, k, v,
     output and logsumexp: 1.06 MB under the step's peak). A rename of the result (``buf3 = buf2``, then
@@ -91,7 +129,7 @@ def library_outputs_before_frees(body: Sequence[str]) -> list[str]:
     ordered: list[str] = []
     held: list[str] = []
     after_call = False
-    for statement in body:
+    for statement in elements_at_their_call(body):
         if after_call and DEL.match(statement):
             held.append(statement)
             continue
@@ -107,5 +145,5 @@ def library_outputs_before_frees(body: Sequence[str]) -> list[str]:
 
 
 __all__ = ["ALLOC", "ASSERT_SIZE", "ASSIGN", "DEL", "ELEMENT", "ELEMENT_OF", "LIBRARY_CALL", "LIBRARY_RESULT", "RENAME", "VIEW",
-           "call_body", "ints_or_none", "library_calls", "library_calls_in", "library_outputs_before_frees",
+           "call_body", "elements_at_their_call", "ints_or_none", "library_calls", "library_calls_in", "library_outputs_before_frees",
            "returned_values", "split_top_level"]

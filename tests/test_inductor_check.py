@@ -83,6 +83,25 @@ def test_a_library_calls_outputs_are_live_with_its_inputs():
     assert replay.end_bytes == 2 * MiB + 4096
 
 
+LIBRARY_TUPLE_TAKEN_LATE = LIBRARY_TUPLE.replace('''        buf2 = buf0[1]
+''', '''        buf3 = empty_strided_cpu((256, 1024), (1024, 1), torch.float32)
+        kernel(buf1, buf3)
+        buf2 = buf0[1]
+''')
+
+
+def test_a_library_calls_tuple_elements_are_live_from_the_call():
+    """The wrapper takes a tuple's second element out after a kernel that allocates 1 MiB; the call
+    made both elements, so they are live from it: the peak is the inputs, the gradient and both
+    outputs, 4 MiB + 4 KiB (in statement order the second output was counted after the inputs' frees
+    and the kernel's buffer: 3 MiB + 4 KiB)."""
+    inputs = {"saved_q": InputStorage("forward:q", MiB, True), "saved_k": InputStorage("forward:k", MiB, True),
+              "tangents_1": InputStorage("t", 4096, True)}
+    assert "buf3 = empty_strided_cpu" in LIBRARY_TUPLE_TAKEN_LATE
+    replay = replay_wrapper(LIBRARY_TUPLE_TAKEN_LATE, inputs, "cpu")
+    assert replay.peak_bytes == 4 * MiB + 4096
+
+
 FORWARD = '''
 class Runner:
     def call(self, args):
