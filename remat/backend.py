@@ -43,7 +43,8 @@ from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
 from .pipeline import FREE_MINCUT_CANDIDATE, free_mincut_candidate, plan_graph, prepare_graph, request_for
 from .simulator.library_scratch import scratch_key
-from .step_budget import StepAccount, fit_in_step, need_of, note_step_plan, slot_of
+from .step_budget import StepAccount, need_of, note_step_plan, slot_of
+from .step_fit import fit_in_step
 from .step_loop import StepHooks
 
 log = logging.getLogger("remat")
@@ -310,11 +311,9 @@ class RematBackend:
                                   lambda b: self.options.planning_target_for(b, device_type, modeled), self.options.budget_bytes)
         cache = planner.source(plan)
         if not plan.fits_budget and refusal is None:
-            warnings.warn(
-                f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the "
-                f"smallest-peak plan found, predicted peak {plan.predicted_peak_bytes / 1e9:.4f} GB (best_effort=True).",
-                stacklevel=2,
-            )
+            warnings.warn(f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the smallest-"
+                          f"peak plan found, predicted peak {plan.predicted_peak_bytes / 1e9:.4f} GB (best_effort=True).",
+                          stacklevel=2)
         fw, bw = split_joint(joint, plan.saved_primals + plan.saved, num_fwd_outputs)
         bw, regions = place_recompute_regions(bw, facts, plan)
         dump_path = None

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .distributed import GraphShare, piece_target
@@ -325,89 +325,6 @@ class StepAccount:
                            f"graphs and {format_bytes(grads)} of later graphs' gradients, over the step target "
                            f"{format_bytes(g.step_target_bytes)}")
         return out
-
-
-def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, GraphShare]]",
-                plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]") -> tuple[Any, GraphShare]:
-    """``fit(share)`` (``distributed_fit.fit_plan``), except while the step's graphs are unknown.
-    A graph a graph break follows (kind "break-smallest") takes ``leanest_plan`` outright, with
-    ``reserve_met`` False: the later graphs, what they hold and their gradients are unknown, so it
-    takes the least room it can. A graph of kind "break-partial" (no break follows in its frame)
-    that no plan fits next to what the earlier graphs hold takes its smallest-peak plan. Either is
-    re-planned once its step completes (``StepGraph.provisional``). Elsewhere the error stands (it
-    names the budget that fits)."""
-    if share.kind == "break-smallest":
-        plan = leanest_plan(plan_at, held_of, lambda p: copies_admitted(share, held_of(p), p.predicted_peak_bytes))
-        log.info("remat: graph %d of the first step takes its leanest plan until the step's graphs are known "
-                 "(a graph break follows it)", share.index + 1)
-        return plan, replace(share, target_bytes=plan.target_bytes or 0, reserve_met=False)
-    try:
-        return fit(share)
-    except BudgetInfeasibleError as error:
-        if share.kind != "break-partial":
-            raise
-        refused = error
-    for _ in range(3):   # the smallest peak an error names plans; a rounding can ask once more
-        try:
-            plan = plan_at(max(refused.min_feasible_bytes, 1))
-        except BudgetInfeasibleError as again:
-            refused = again
-            continue
-        log.info("remat: graph %d of the first step fits no plan next to the earlier graphs; smallest-peak plan "
-                 "taken until the step's graphs are re-planned", share.index + 1)
-        return plan, replace(share, target_bytes=plan.target_bytes or 0, reserve_met=False)
-    raise refused
-
-
-MAX_COPIES = 64   # copies_admitted stops counting here (a plan that holds nothing and has no gradients)
-
-
-def copies_admitted(share: GraphShare, held_bytes: int, peak_bytes: int) -> int:
-    """How many graphs like this one a step could run, this one first, with this one's plan
-    (holding ``held_bytes`` for its backward, peaking at ``peak_bytes``) after the earlier graphs
-    (``share``: what they hold, this graph's inputs, the step target): with ``n`` of them, this
-    graph's backward runs after the ``n - 1`` later ones produced their gradients (this graph's
-    ``own_grad_bytes`` each), and the last one peaks as this one does while this one and the
-    ``n - 2`` between hold ``held_bytes`` each (the condition of the module docstring, at its two
-    ends; the graphs between lie on the line joining them). 0 when this graph's own run alone
-    breaks the step target; at most ``MAX_COPIES``. With the later graphs unknown (step 1, a graph
-    break follows), this is the plan's margin: it grows as what the plan holds and its peak fall."""
-    base = share.held_before_bytes + share.input_activation_bytes + peak_bytes
-    n = 0
-    while n < MAX_COPIES and base + n * max(share.own_grad_bytes, held_bytes) <= share.step_target_bytes:
-        n += 1
-    return n
-
-
-def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
-                 copies: "Callable[[Any], int]" = lambda plan: 1) -> Any:
-    """The candidate plan that admits the most graphs like this one in the step (``copies``,
-    ``copies_admitted``), then the least ``held + peak``. The candidates: the plans near the
-    smallest simulated peak (``distributed_search.near_smallest``) and the plans saving least at the
-    first and the last of those targets (cap 0 saved: the slowest solves asked here, 7-9 s each on
-    GPT-2's body on the 2-core VM). Why both ends: at the smallest peak's target alone a lower
-    smallest peak can leave only plans holding much. Why copies: the later graphs are unknown, so
-    each is taken to be like this one (its plan, its gradients); the step then fits with as many of
-    them as the plan admits, and what this graph holds and its peak both count (a plan whose own run
-    breaks the step target admits none and is taken only where nothing else is: GPT-2's body at a
-    5.26 MB budget, whose least ``held + peak`` peaked 7% over the step target, measured 1.07x the
-    budget in step 1). The pair rule it replaces (least ``held + peak``, the next graph taken to
-    peak like this one, now the tie-break) ignored the third graph: the 2-break dropout MLP of
-    tests/test_graph_breaks.py took a plan holding 1.57 MB at a 2.62 MB peak in its first graph
-    (2 such graphs fit the 5.54 MB step target) over one holding 0.79 MB at 3.54 MB (3 fit), and its
-    first step measured 6.03 MB at a 5.83 MB budget (5.25 MB by copies). Raises ``BudgetInfeasibleError`` only when no
-    target plans at all."""
-    from .distributed_search import holding_least, near_smallest
-
-    try:
-        return plan_at(1)    # best_effort: the smallest-peak plan found, nothing to compare it with
-    except BudgetInfeasibleError as error:
-        near = near_smallest(error, plan_at)
-        if not near:
-            raise
-    ends = near[:1] + near[-1:] if len(near) > 1 else near[:1]
-    candidates = near + holding_least(ends, plan_at)[len(ends):]
-    return min(candidates, key=lambda tc: (-copies(tc[1]), held_of(tc[1]) + tc[1].predicted_peak_bytes, tc[0]))[1]
 
 
 def smallest_plan(plan_at: "Callable[[int], Any]", fallback: Any) -> Any:

@@ -115,7 +115,7 @@ def test_the_leanest_plan_is_the_least_held_plus_peak_near_the_smallest_peak():
     110 < 132 < 135 < 160, and capped plans are asked at the first and the last target only."""
     from types import SimpleNamespace
 
-    from remat.step_budget import leanest_plan
+    from remat.step_fit import leanest_plan
 
     capped_targets = []
 
@@ -148,7 +148,7 @@ COPIES_TABLE = [
 
 @pytest.mark.parametrize(("plan", "copies"), COPIES_TABLE)
 def test_copies_admitted_table(plan, copies):
-    from remat.step_budget import copies_admitted
+    from remat.step_fit import copies_admitted
 
     share = share_in_step((graph("g0", held=10, peak=60),), (), 100, 5, 8, 10, False, smallest=True)
     assert (share.kind, share.held_before_bytes, share.input_activation_bytes, share.own_grad_bytes) == \
@@ -162,7 +162,7 @@ def test_the_leanest_plan_admits_the_most_graphs_like_it_before_the_least_held_p
     second (135 + 4 * 40 <= 300): the second is taken. Equal copies fall back to the least held + peak."""
     from types import SimpleNamespace
 
-    from remat.step_budget import leanest_plan
+    from remat.step_fit import leanest_plan
 
     def plan_at(target, saved_cap_bytes=None):
         if target < 100:
