@@ -307,8 +307,8 @@ class RematBackend:
                 plan = error.named_plan       # the plan the named budget rests on
             else:
                 plan = plan_at(target_bytes, best_effort=True)
-            refusal = refusal_for(error, plan, share, held_of,
-                                  lambda b: self.options.planning_target_for(b, device_type, modeled), self.options.budget_bytes)
+            refusal = refusal_for(error, plan, share, held_of, lambda b: (self.options.check_target_for if share is None
+                                  else self.options.planning_target_for)(b, device_type, modeled), self.options.budget_bytes)
         cache = planner.source(plan)
         if not plan.fits_budget and refusal is None:
             warnings.warn(f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the smallest-"
@@ -330,7 +330,8 @@ class RematBackend:
             note_step_plan(self._step_hooks.account, graph_id, step_share, plan, plan_at, joint, facts,
                            num_fwd_outputs, static_indices, target_bytes, dump_path, key, asked_share)
         check_target = None if refusal is not None or base_target_bytes is None else share_check_target(
-            step_share, held_of(plan), base_target_bytes)
+            step_share, held_of(plan), base_target_bytes) if share is not None else self.options.check_target_for(
+            self.options.budget_bytes, device_type, modeled)   # alone in its step: the budget less the check's headroom
         record = CompiledGraph(graph_id, current_compile_id(), plan, regions, dump_path, distributed, key,
                                base_target_bytes, correction, step_share=step_share, check_target_bytes=check_target,
                                cache=cache, refusal=refusal, facts=facts)

@@ -34,7 +34,8 @@ class CompiledGraph:
     correction: Optional["Correction"] = None  # the feedback loop's correction the plan was made with
     judgement: Optional["Judgement"] = None    # Inductor's verdict on the plan (remat/inductor_verdict.py)
     step_share: Optional["GraphShare"] = None  # its share of a step split at graph breaks (remat/step_budget.py)
-    # the peak Inductor's check judges the plan against when it is not ``base_target_bytes``: under a
+    # the peak Inductor's check judges the plan against when it is not ``base_target_bytes``: for a graph
+    # alone in its step, the budget less the check's headroom (``RematOptions.check_target_for``); under a
     # known step's share, the largest peak the share admits next to what the plan holds
     check_target_bytes: Optional[int] = None
     # "" (solved in this compile), "plan cache: <entry>" (the plan re-used, the rest made now) or

@@ -39,9 +39,10 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
                    compile_candidate: Optional[Callable[["CompiledGraph"], tuple[Callable[..., Any], "CodeCapture"]]] = None,
                    ) -> Callable[..., Any]:
     """Inductor judges the plan just compiled (the last of ``compiled_graphs``, its code in ``capture``),
-    before any step runs: its peak is read from the generated forward and backward; over the planning
-    target (the budget less headroom; under a known step's share, ``record.check_target_bytes``, the
-    largest peak the share admits next to what the plan holds), the graph is planned again at
+    before any step runs: its peak is read from the generated forward and backward; over its target
+    (``record.check_target_bytes``: for a graph alone in its step the budget less the check's headroom,
+    ``RematOptions.check_target_for``; under a known step's share the largest peak the share admits
+    next to what the plan holds; else the planning target), the graph is planned again at
     ``target / (checked / simulated)`` (in the simulator's units; under a share, the step target less
     the same difference) and compiled again by ``recompile(correction, graph_key, None)`` (the
     feedback loop's re-plan path, which appends its record), up to ``MAX_JUDGED_REPLANS`` times. Returns the
@@ -82,8 +83,10 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         assert verdict.new_target_bytes is not None and verdict.checked_peak_bytes is not None
         assert record.base_target_bytes is not None and verdict.target_bytes is not None
         # the graph's room shrinks by what the check found over (for a graph alone: the target becomes
-        # new_target; under a share, the step target shrinks by as much, and with it the share)
-        corrected_bytes = record.base_target_bytes - (verdict.target_bytes - verdict.new_target_bytes)
+        # new_target, where a plan erring as this one did checks at its target; under a share, the step
+        # target shrinks by as much, and with it the share)
+        corrected_bytes = (verdict.new_target_bytes if record.step_share is None else
+                           record.base_target_bytes - (verdict.target_bytes - verdict.new_target_bytes))
         correction = Correction(record.base_target_bytes / max(corrected_bytes, 1), record.plan.budget_bytes,
                                 record.plan.predicted_peak_bytes, verdict.checked_peak_bytes, record.graph_id,
                                 f"Inductor-checked: {record.graph_id}'s generated code peaks at "

@@ -94,6 +94,18 @@ def test_default_headroom_depends_on_the_device():
     assert remat.backend(1).options.cache_key() != remat.backend(1, headroom_fraction=0.05).options.cache_key()
 
 
+def test_inductor_checks_a_graph_alone_against_its_own_headroom():
+    """1% on the CPU where the simulator models the code (what the check reads is the generated code
+    itself), the planning headroom elsewhere and for unmodelled code; an explicit headroom sets both."""
+    options = remat.backend(1).options
+    assert options.check_headroom_for("cpu") == 0.01 and options.check_target_for(10**9, "cpu") == 990_000_000
+    assert options.check_headroom_for("cpu", modeled=False) == 0.15 == options.check_headroom_for("cuda")
+    assert options.check_target_for(10**9, "cuda") == options.planning_target_for(10**9, "cuda") == 850_000_000
+    explicit = remat.backend(1, headroom_fraction=0.2).options
+    assert explicit.check_target_for(10**9, "cpu") == explicit.planning_target_for(10**9, "cpu") == 800_000_000
+    assert all(options.check_target_for(b, "cpu") >= options.planning_target_for(b, "cpu") for b in (0, 1, 99, 10**6))
+
+
 @pytest.mark.parametrize("spelling", ["auto", "AUTO", " Auto "])
 def test_auto_budget_is_the_free_memory(spelling):
     options = remat.backend(spelling).options
