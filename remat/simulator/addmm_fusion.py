@@ -108,19 +108,12 @@ def _fusible(facts: JointGraphFacts, product: str, other: str, add: str, node_of
     return add_node.device == "cpu" or not _all_pointwise(facts, add, node_of, readers, outputs)
 
 
-def fused_order(instances: Sequence[tuple[str, str]], fusions: Mapping[str, tuple[str, str]]) -> list[tuple[str, str]]:
-    """``instances`` with each fused mm moved to just before its add (where Inductor's ``addmm`` runs)."""
-    moved = {add: [] for add, _ in fusions.values()}
-    node_of = {inst: name for name, inst in instances}
-    for product, (add, _) in fusions.items():
-        moved[add].append((node_of[product], product))
-    order: list[tuple[str, str]] = []
-    for name, inst in instances:
-        if inst in fusions:
-            continue
-        order.extend(moved.get(inst, ()))
-        order.append((name, inst))
-    return order
+def without_fused_products(instances: Sequence[tuple[str, str]], addmm_of: Mapping[str, str]) -> list[tuple[str, str]]:
+    """``instances`` less the products fused into an add (``addmm_of``: add -> product): the add is
+    the one call that computes both (``addmm(other, a, b)``, where the add was), so the product has
+    no buffer and no place of its own, and its operands live until the add."""
+    fused = set(addmm_of.values())
+    return [(name, inst) for name, inst in instances if inst not in fused]
 
 
-__all__ = ["addmm_fusions", "fused_order"]
+__all__ = ["addmm_fusions", "without_fused_products"]

@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Sequence
 
 from ..passes.joint_graph import JointGraphFacts
 from ..passes.partition import Partition, Scheduled
-from .addmm_fusion import addmm_fusions, fused_order
+from .addmm_fusion import addmm_fusions, without_fused_products
 from .kernel_facts import CHANNELS_LAST_SUFFIX, COPY_SUFFIX, KernelFacts, kernel_facts_of, op_short_name
 from .kernel_lowering import EXTERN, SCATTER, GraphOp
 from .kernel_schedule import schedule_kernels
@@ -58,13 +58,14 @@ class _Graph:
         self.donated = donated
         self.inputs_of = {inst: tuple(self.input_instance(inst, i) for i in cache.static[name].inputs)
                           for name, inst in self.instances}
-        # Inductor's addmm fusion runs such a product where its add runs, once the add's other
-        # operand exists: it moves there, and waits for that operand (``addmm_fusion``)
-        fusions = addmm_fusions(facts, self.instances, self.inputs_of, outputs)
-        if fusions:
-            self.instances = fused_order(self.instances, fusions)
-            for product, (_, other) in fusions.items():
-                self.inputs_of[product] += (other,)
+        # Inductor's addmm fusion makes such a product and its add one library call, ``addmm(other, a,
+        # b)``, where the add runs: the add reads the product's operands and is that call (``addmm_fusion``)
+        self.addmm_of = {add: product for product, (add, _) in
+                         addmm_fusions(facts, self.instances, self.inputs_of, outputs).items()}
+        for add, product in self.addmm_of.items():
+            other = next(i for i in self.inputs_of[add] if i != product)
+            self.inputs_of[add] = (other, *self.inputs_of[product])
+        self.instances = without_fused_products(self.instances, self.addmm_of)
 
     def input_instance(self, inst: str, input_name: str) -> str:
         """The instance (or graph input) that instance ``inst`` reads for its input node ``input_name``."""
@@ -80,12 +81,13 @@ class _Graph:
         ops = []
         for name, inst in self.instances:
             info = static[name]
+            call = static[node_of[self.addmm_of[inst]]] if inst in self.addmm_of else info   # an addmm: the mm's kind
             mine = readers.get(inst, ())
             output = inst in outputs
             ops.append(GraphOp(
-                inst, info.kind, self.inputs_of[inst], info.nbytes, info.numel,
-                info.loop_numel, info.heavy, len(mine) + output, info.mutation or output,
-                any(static[u].kind in _CALLS for u in mine), info.inner_reduction, info.layout, info.concat,
+                inst, call.kind, self.inputs_of[inst], info.nbytes, info.numel,
+                call.loop_numel, call.heavy, len(mine) + output, info.mutation or output,
+                any(static[u].kind in _CALLS for u in mine), call.inner_reduction, info.layout, info.concat,
                 info.seeded,
             ))
         return ops
