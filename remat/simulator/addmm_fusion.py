@@ -11,8 +11,11 @@ fx_passes/post_grad.py``: ``addmm`` in ``pass_patterns[2]``) rewrites ``add(c, m
 - on a GPU, some reader of the sum is not pointwise (``should_prefer_unfused_addmm`` keeps the
   add apart when every reader is: it fuses into them instead). On a CPU it always applies.
 
-The product then runs at the add's place, so its operands stay live until the add's other
-operand exists. This moves memory when the two are far apart: a weight read twice gets its
+The product then runs at the add's place, as the add: one library call that reads the product's
+operands and the add's other operand and writes the sum, with no buffer for the product (the
+simulator drops the product and runs the add as that call: ``without_fused_products``; until
+session 19 it moved the product next to the add and counted its buffer too, 7.8% over on a tied-head
+corpus net). Its operands stay live until the add's other operand exists. This moves memory when the two are far apart: a weight read twice gets its
 gradient as the sum of two products, and a tied LM head's weight (also the token embedding's)
 gets ``add(mm(grad_logits^T, h), embedding_grad)``: the logits' gradient (batch x tokens x
 vocab), dead after the head's products at the start of the backward, stays live until the
