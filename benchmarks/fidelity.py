@@ -7,7 +7,8 @@
 
 The corpus is ``remat.testing.corpus``: random nets for ``--seeds`` (default
 ``BENCHMARK_SEEDS``), CNNs with BatchNorm and pooling, tiny Hugging Face models (when
-``transformers`` is importable). Each model runs in its own worker process (``PYTHONHASHSEED``
+``transformers`` is importable), and CNNs and Hugging Face configurations drawn from
+``--cnn-seeds`` and ``--hf-seeds`` (``cnn-<seed>``, ``hf-<seed>``; none by default). Each model runs in its own worker process (``PYTHONHASHSEED``
 inherited, a fresh ``torch._dynamo.reset()`` before every compile), and every variant below is
 built fresh from the entry's seed (same parameters and inputs) and run for three steps, each
 ``torch.manual_seed(STEP_SEED)``, gradients set to None before it, the loss and backward inside:
@@ -318,6 +319,8 @@ def drop_unfinished(out: Path, finished: set[str]) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=parse_seeds, default=corpus_mod.BENCHMARK_SEEDS, help="random-net seeds, e.g. 1000-1031")
+    parser.add_argument("--cnn-seeds", type=parse_seeds, default=(), help="CNNs drawn from these seeds (cnn-<seed>)")
+    parser.add_argument("--hf-seeds", type=parse_seeds, default=(), help="Hugging Face configurations drawn from these seeds (hf-<seed>)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these corpus names")
     parser.add_argument("--limit", type=int, default=None, help="run at most this many models")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -328,7 +331,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    entries = corpus_mod.entries(args.seeds)
+    entries = corpus_mod.entries(args.seeds, cnn_seeds=args.cnn_seeds, hf_seeds=args.hf_seeds)
     md = args.md or args.out.with_suffix(".md")
     if args.worker is not None:
         entry = next(e for e in entries if e.name == args.worker)
@@ -338,7 +341,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         run_all(args, entries)
     from fidelity_report import write_report
 
-    write_report(args.out, md, {"seeds": list(args.seeds), "hf_skip_reason": corpus_mod.hf_skip_reason(),
+    write_report(args.out, md, {"seeds": list(args.seeds), "cnn_seeds": list(args.cnn_seeds),
+                                "hf_seeds": list(args.hf_seeds), "hf_skip_reason": corpus_mod.hf_skip_reason(),
                                 "environment": RUN_ENVIRONMENT_BEFORE_IT_WAS_RECORDED})
     print(f"wrote {md}")
     return 0
@@ -386,7 +390,8 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
     where it crashed to this process's stderr."""
     print(f"[{time.strftime('%H:%M:%S')}] {entry.name}: {entry.description}", flush=True)
     command = [sys.executable, "-X", "faulthandler", __file__, "--worker", entry.name, "--out", str(args.out),
-               "--seeds", ",".join(map(str, args.seeds))] + (["--floor-point"] if args.floor_point else [])
+               "--seeds", ",".join(map(str, args.seeds)), "--cnn-seeds", ",".join(map(str, args.cnn_seeds)),
+               "--hf-seeds", ",".join(map(str, args.hf_seeds))] + (["--floor-point"] if args.floor_point else [])
     try:
         status: Any = subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False).returncode
     except subprocess.TimeoutExpired:

@@ -84,6 +84,41 @@ def test_hf_model_is_fixed_by_its_seed() -> None:
     assert all(_same(first.kwargs[k], second.kwargs[k]) for k in first.kwargs)
 
 
+DRAWN_SEEDS = tuple(range(40))
+
+
+def test_drawn_cnns_are_fixed_by_their_seed_and_cover_their_choices() -> None:
+    """``cnn_shape(seed)`` is pure, every architecture, activation and normalization occurs over 40
+    seeds, and a drawn CNN (a MobileNet-style one among them) trains: same parameters twice, a loss
+    with a gradient for every parameter. The fixed shapes keep their names."""
+    from remat.testing import cnns
+
+    shapes = [cnns.cnn_shape(s) for s in DRAWN_SEEDS]
+    assert shapes == [cnns.cnn_shape(s) for s in DRAWN_SEEDS]
+    assert {s.arch for s in shapes} == {"vgg", "resnet", "mobile"}
+    assert {s.activation for s in shapes} == {"relu", "silu", "gelu"} and {s.norm for s in shapes} == {"batch", "group"}
+    assert [s.name for s in cnns.SHAPES[:2]] == ["cnn-vgg-b8-s32-w16", "cnn-vgg-b16-s32-w24"]
+    seed = next(s for s in DRAWN_SEEDS if cnns.cnn_shape(s).arch == "mobile")
+    entry = next(e for e in corpus.entries((), include_hf=False, cnn_seeds=(seed,)) if e.name == f"cnn-{seed}")
+    first, second = entry.build(), entry.build()
+    assert all(_same(a, b) for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True))
+    first.loss(first.model).backward()
+    assert all(p.grad is not None for p in first.model.parameters())
+
+
+def test_drawn_hf_configs_are_fixed_by_their_seed_and_cover_every_family() -> None:
+    from remat.testing import hf_models
+
+    descriptions = [hf_models.hf_spec(s).description for s in DRAWN_SEEDS]
+    assert descriptions == [hf_models.hf_spec(s).description for s in DRAWN_SEEDS]
+    classes = {d.split()[0].removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration") for d in descriptions}
+    assert classes == {"GPT2LMHeadModel", "Llama", "Mistral", "Qwen2", "BertForMaskedLM", "T5", "ViTForImageClassification"}
+    if hf_skip_reason() is not None:
+        return
+    names = [e.name for e in corpus.entries((), include_cnns=False, hf_seeds=(3, 4))]
+    assert names[-2:] == ["hf-3", "hf-4"] and len(set(names)) == len(names)
+
+
 def _step(built: corpus.Built, module: object) -> None:
     built.model.zero_grad(set_to_none=True)
     torch.manual_seed(STEP_SEED)
