@@ -13,7 +13,9 @@ overwritten data, and a gradient is silently wrong (issue 15: a weight's gradien
 
 The rule: when several saved values share a storage, the plan saves the value that owns the
 storage (the node that allocates it) and rebuilds the others in the backward as views of it,
-which costs no memory and no compute. Views of a primal (a transposed weight) share the input's
+which costs no memory and no compute; unless one of them is a view that may not be rebuilt (a view
+by explicit strides, ``joint_graph.LAYOUT_READING_VIEWS``): then that view is the one saved, and
+the owner, where the backward needs it, is recomputed. Views of a primal (a transposed weight) share the input's
 storage, which AOTAutograd never donates, so they are left as the plan chose them. One saved value
 per storage cannot race with itself.
 """
@@ -61,12 +63,15 @@ def shared_storage_groups(facts: JointGraphFacts, saved: AbstractSet[str]) -> di
 def one_value_per_storage(facts: JointGraphFacts, saved: AbstractSet[str]) -> Optional[set[str]]:
     """``saved`` with every group of ``shared_storage_groups`` replaced by the storage's owner, or
     None when there is none. The dropped values are views of the owner, so the caller's closure
-    rebuilds them in the backward from it."""
+    rebuilds them in the backward from it. A view of the group that may not be recomputed is kept
+    instead of the owner (the closure then recomputes the owner where the backward reads it)."""
     groups = shared_storage_groups(facts, saved)
     if not groups:
         return None
     result = set(saved)
     for owner, names in groups.values():
         result.difference_update(names)
-        result.add(owner)
+        unrebuildable = [name for name in names if name != owner and facts.nodes[name].is_view
+                         and facts.nodes[name].recompute_ban is not None]
+        result.update(unrebuildable or [owner])
     return result
