@@ -2,6 +2,7 @@
 
     PYTHONHASHSEED=0 python benchmarks/fidelity_diagnose.py rand-1001 none
     PYTHONHASHSEED=0 python benchmarks/fidelity_diagnose.py cnn-vgg-b8-s32-w16 0.9 --dump /tmp/dump
+    PYTHONHASHSEED=0 python benchmarks/fidelity_diagnose.py cnn-1294 none --seeds 1294   # a drawn CNN
 
 BUDGET: "none", "plain" (plain Inductor, no remat), a fraction of plain Inductor's measured peak
 (< 1, e.g. 0.9), or bytes (>= 1). Prints plain Inductor's and the remat step's measured peak
@@ -43,9 +44,10 @@ def labelled_allocations(prof: Any) -> list[tuple[int, int, int, str]]:
     return sorted(out)
 
 
-def live_at_peak(events: list[tuple[int, int, int, str]]) -> tuple[int, dict[int, tuple[int, str]]]:
-    """The peak of allocations made in the window and what is live there (address -> (size, op))."""
-    live, peak, mine, at_peak = 0, 0, {}, {}
+def live_at_peak(events: list[tuple[int, int, int, str]]) -> tuple[int, dict[int, tuple[int, str]], tuple[int, str]]:
+    """The peak of allocations made in the window, what is live there (address -> (size, op)) and
+    the allocation that reached it (size, op): inside a library call, the call's own working memory."""
+    live, peak, mine, at_peak, reached_by = 0, 0, {}, {}, (0, "")
     for _, size, address, op in events:
         if size > 0:
             live -= mine.pop(address, (0, ""))[0]
@@ -54,11 +56,11 @@ def live_at_peak(events: list[tuple[int, int, int, str]]) -> tuple[int, dict[int
         elif address in mine:
             live -= mine.pop(address)[0]
         if live > peak:
-            peak, at_peak = live, dict(mine)
-    return peak, at_peak
+            peak, at_peak, reached_by = live, dict(mine), (size, op)
+    return peak, at_peak, reached_by
 
 
-def profile_step(entry: corpus_mod.CorpusEntry, backend: Any) -> tuple[int, dict[int, tuple[int, str]]]:
+def profile_step(entry: corpus_mod.CorpusEntry, backend: Any) -> tuple[int, dict[int, tuple[int, str]], tuple[int, str]]:
     from torch.profiler import ProfilerActivity, profile
 
     torch._dynamo.reset()
@@ -76,13 +78,14 @@ def profile_step(entry: corpus_mod.CorpusEntry, backend: Any) -> tuple[int, dict
     return live_at_peak(labelled_allocations(prof))
 
 
-def show(title: str, peak: int, at_peak: dict[int, tuple[int, str]]) -> None:
+def show(title: str, peak: int, at_peak: dict[int, tuple[int, str]], reached_by: tuple[int, str]) -> None:
     by_op: Counter[str] = Counter()
     counts: Counter[str] = Counter()
     for size, op in at_peak.values():
         by_op[op] += size
         counts[op] += 1
-    print(f"{title}: measured peak {peak:,} bytes; live there, by the op that allocated it:")
+    print(f"{title}: measured peak {peak:,} bytes, reached by an allocation of {reached_by[0]:,} bytes in {reached_by[1]}; "
+          "live there, by the op that allocated it:")
     for op, size in by_op.most_common(14):
         print(f"  {size:>12,}  {counts[op]:>3} x {op}")
 
@@ -92,22 +95,23 @@ def main() -> int:
     parser.add_argument("model")
     parser.add_argument("budget")
     parser.add_argument("--dump", default=None, help="remat's dump directory (report.md per graph)")
-    parser.add_argument("--seeds", default=None, help="random-net seed range, e.g. 1000-1027 (default: the benchmark's)")
+    parser.add_argument("--seeds", default=None, help="seed range of the random nets and of the drawn CNNs and Hugging Face configurations "
+                                                          "(cnn-<seed>, hf-<seed>), e.g. 1000-1027 (default: the benchmark's)")
     args = parser.parse_args()
     from fidelity import parse_seeds
 
     seeds = parse_seeds(args.seeds) if args.seeds else corpus_mod.BENCHMARK_SEEDS
-    entry = next(e for e in corpus_mod.entries(seeds) if e.name == args.model)
+    entry = next(e for e in corpus_mod.entries(seeds, cnn_seeds=seeds, hf_seeds=seeds) if e.name == args.model)
     print(f"{entry.name}: {entry.description}")
-    plain_peak, plain_live = profile_step(entry, "inductor")
-    show("plain Inductor", plain_peak, plain_live)
+    plain_peak, plain_live, plain_reached_by = profile_step(entry, "inductor")
+    show("plain Inductor", plain_peak, plain_live, plain_reached_by)
     if args.budget == "plain":
         return 0
     value = None if args.budget == "none" else float(args.budget)
     budget = None if value is None else int(value * plain_peak if value < 1 else value)
     backend = remat.backend(None if budget is None else budget / 1e9, dump_dir=args.dump)
-    peak, live = profile_step(entry, backend)
-    show(f"remat at budget {budget}", peak, live)
+    peak, live, reached_by = profile_step(entry, backend)
+    show(f"remat at budget {budget}", peak, live, reached_by)
     for record in backend.compiled_graphs:
         plan = record.plan
         checked = getattr(getattr(record, "judgement", None), "checked_peak_bytes", None)
