@@ -40,6 +40,7 @@ import torch
 from torch import fx
 
 from .inductor_check import GraphCode, activation_itemsize, graph_code
+from .wrapper_call_scratch import call_inputs, with_scratch_at_generated_layouts
 
 
 class CodeCapture:
@@ -52,12 +53,13 @@ class CodeCapture:
     def inner_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx_inner
 
-        names, itemsize = graph_code(gm, ""), activation_itemsize(gm)   # before Inductor's post-grad passes
+        # before Inductor's post-grad passes change gm:
+        names, itemsize, inputs = graph_code(gm, ""), activation_itemsize(gm), call_inputs(gm)
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
         source = getattr(compiled, "source_code", None)
         if isinstance(source, str):
-            self.graphs.append((bool(kwargs.get("is_backward", False)),
-                                dataclasses.replace(names, source_code=source), itemsize))
+            code = with_scratch_at_generated_layouts(dataclasses.replace(names, source_code=source), inputs)
+            self.graphs.append((bool(kwargs.get("is_backward", False)), code, itemsize))
         return compiled
 
 

@@ -100,6 +100,9 @@ class GraphCode:
     # a library call's measured working memory (``simulator/library_scratch.py``), by (op as ``aten.x.default``,
     # index in its tuple or -1, the output's sizes): added on top of what is live once that output exists
     library_scratch: Mapping[tuple[str, int, tuple[int, ...]], int] = field(default_factory=dict)
+    # a library call's working memory measured in the layouts this code hands it, by the name the call's
+    # result is bound to (``wrapper_call_scratch``); the larger of the two applies
+    call_scratch: Mapping[str, int] = field(default_factory=dict)
     # ops (by short name, as ``library_calls`` names them) every node of which in the FX graph had its
     # working memory measured, and ops some node of which did not (``measured_calls``)
     measured_calls: frozenset[str] = frozenset()
@@ -204,7 +207,8 @@ class _Live:
 def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_type: str,
                    fallback_itemsize: int = 4, tag: str = "graph",
                    library_itemsizes: Mapping[tuple[str, int], int] = {},
-                   library_scratch: Mapping[tuple[str, int, tuple[int, ...]], int] = {}) -> Optional[WrapperReplay]:
+                   library_scratch: Mapping[tuple[str, int, tuple[int, ...]], int] = {},
+                   call_scratch: Mapping[str, int] = {}) -> Optional[WrapperReplay]:
     """Replay the allocations and frees of a generated wrapper's ``call``.
 
     ``inputs`` maps the input names that hold memory above the baseline to their storages;
@@ -214,7 +218,8 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
     the op's tuple, or -1), else ``fallback_itemsize`` bytes (the graph's activation dtype), and
     an element of a tuple whose item size is not known that way is ``unsized``. A call whose output
     ``library_scratch`` names (op, index, sizes) peaks that many bytes above what is live once the
-    output is allocated (its working memory, measured). The storages it
+    output is allocated (its working memory, measured); ``call_scratch`` names the same by the call's
+    result (``bufN = torch.ops...``), and the larger applies. The storages it
     allocates are named ``<tag>:<buffer>:<n>``. Returns None when the code cannot be read exactly
     (no ``call``, graph partitions, a symbolic size)."""
     body = call_body(source_code)
@@ -223,6 +228,7 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
     state, pending, outputs = _Live(inputs, tag), set(), ()
     tuple_elements: set[str] = set()
     element_index: dict[str, int] = {}           # a tuple element's index in its library call's tuple
+    call_of: dict[str, str] = {}                  # a pending name -> the name the library call's result was bound to
     start_bytes = state.live
     for statement in library_outputs_before_frees(body):
         if (match := ALLOC.match(statement)):
@@ -240,7 +246,8 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
             if itemsize is not None:
                 tuple_elements.discard(name)     # its dtype is known after all
             state.allocate(name, storage_nbytes(sizes, steps, itemsize or fallback_itemsize, device_type))
-            scratch = library_scratch.get((match.group(4) or "", element_index.get(name, -1), tuple(sizes)), 0)
+            scratch = max(library_scratch.get((match.group(4) or "", element_index.get(name, -1), tuple(sizes)), 0),
+                          call_scratch.get(call_of.get(name, name), 0))
             state.peak = max(state.peak, state.live + scratch)
         elif (match := DEL.match(statement)):
             for name in match.group(1).split(","):
@@ -260,6 +267,7 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
                 tuple_elements.add(match.group(1))
             if match.group(2) in element_index:
                 element_index[match.group(1)] = element_index.pop(match.group(2))
+            call_of[match.group(1)] = call_of.pop(match.group(2), match.group(2))
         elif (match := ASSIGN.match(statement)) and not match.group(2).startswith(("reinterpret_tensor(", "empty_strided")):
             # a library call's result: sized by the assert_size_stride that follows it, if any
             state.unbind(match.group(1))
@@ -267,6 +275,7 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
             if (element := ELEMENT.match(match.group(2))) and element.group(1) in pending:
                 tuple_elements.add(match.group(1))
                 element_index[match.group(1)] = int(match.group(2)[len(element.group(1)) + 1:-1])
+                call_of[match.group(1)] = call_of.get(element.group(1), element.group(1))
     # a pending name that is only indexed (``buf3[0]``) is a library call's tuple, not a tensor; an
     # element of such a tuple has a dtype the code never states (native_dropout's mask is bool, a
     # max-pool's indices int64): counted at the activation's itemsize it could be 4x off, so it is unsized
@@ -291,7 +300,7 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
     the caller keeps the forward's user outputs through the backward (else they die when the
     forward returns, unless the backward reads them; ``JointGraphFacts.outputs_held``)."""
     fw = replay_wrapper(forward.source_code, {}, device_type, fallback_itemsize, "forward", forward.library_itemsizes,
-                        forward.library_scratch)
+                        forward.library_scratch, forward.call_scratch)
     if fw is None or len(fw.outputs) != len(forward.output_names):
         return None
     saved_names = [n for n in backward.input_names if not n.startswith("tangents_")]
@@ -319,7 +328,7 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
     for storage in held:
         inputs[f"held:{storage}"] = InputStorage(storage, fw.storage_bytes[storage], False)
     bw = replay_wrapper(backward.source_code, inputs, device_type, fallback_itemsize, "backward", backward.library_itemsizes,
-                        backward.library_scratch)
+                        backward.library_scratch, backward.call_scratch)
     if bw is None:
         return None
     handed_bytes = sum(fw.storage_bytes[s] for s in handed)
@@ -339,14 +348,19 @@ def _symbolic(value: torch.Tensor) -> bool:
     return any(not isinstance(d, int) for d in value.shape)
 
 
-def activation_itemsize(gm: torch.fx.GraphModule) -> int:
-    """The item size of the graph's most common floating-point dtype among its values (4 if none)."""
-    counts: dict[int, int] = {}
+def activation_dtype(gm: torch.fx.GraphModule) -> torch.dtype:
+    """The graph's most common floating-point dtype among its values (float32 if none)."""
+    counts: dict[torch.dtype, int] = {}
     for node in gm.graph.nodes:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
-            counts[value.element_size()] = counts.get(value.element_size(), 0) + 1
-    return max(counts, key=counts.__getitem__) if counts else 4
+            counts[value.dtype] = counts.get(value.dtype, 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else torch.float32
+
+
+def activation_itemsize(gm: torch.fx.GraphModule) -> int:
+    """The item size of ``activation_dtype(gm)``."""
+    return activation_dtype(gm).itemsize
 
 
 def _tensor_outputs(node: torch.fx.Node) -> list[tuple[int, torch.Tensor]]:

@@ -94,8 +94,9 @@ def _prepared(node: fx.Node, device: torch.device) -> tuple[Optional[Callable[[]
         return None, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
 
-def _measured(calls: list[Callable[[], Any]], device: torch.device) -> Optional[list[int]]:
-    """Each call's scratch: the largest over ``PROBE_RUNS`` runs of its peak beyond the outputs it returns."""
+def scratch_of_calls(calls: list[Callable[[], Any]], device: torch.device) -> Optional[list[int]]:
+    """Each call's scratch: the largest over ``PROBE_RUNS`` runs of its peak beyond the outputs it
+    returns (warm the calls first); None when no measurement can be made here now (``calls_peak_bytes``)."""
     kept: list[Any] = []
     runs = [functools.partial(lambda c: kept.append(c()), call) for call in calls for _ in range(PROBE_RUNS)]
     peaks = calls_peak_bytes(runs, device)
@@ -120,7 +121,7 @@ def _probe_all(nodes: list[fx.Node], device: torch.device) -> list[tuple[Optiona
     live = 0
 
     def flush() -> None:
-        scratch = _measured(chunk, device)
+        scratch = scratch_of_calls(chunk, device)
         for k, index in enumerate(pending):
             results[index] = (None, "another measurement is open on this thread") if scratch is None else (scratch[k], "")
         chunk.clear()
@@ -198,4 +199,5 @@ def scratch_key(facts: JointGraphFacts) -> str:
     return repr(sorted((name, node.scratch_bytes) for name, node in facts.nodes.items() if node.scratch_bytes))
 
 
-__all__ = ["SCRATCH_META", "scratch_key", "measure_library_scratch", "probed_calls", "probes_apply", "with_library_scratch"]
+__all__ = ["SCRATCH_META", "scratch_key", "measure_library_scratch", "probed_calls", "probes_apply", "scratch_of_calls",
+           "with_library_scratch"]
