@@ -101,7 +101,7 @@ class GraphCode:
     # index in its tuple or -1, the output's sizes): added on top of what is live once that output exists
     library_scratch: Mapping[tuple[str, int, tuple[int, ...]], int] = field(default_factory=dict)
     # a library call's working memory measured in the layouts this code hands it, by the name the call's
-    # result is bound to (``wrapper_call_scratch``); the larger of the two applies
+    # result is bound to (``wrapper_call_scratch``); where a call has one, it replaces ``library_scratch``'s
     call_scratch: Mapping[str, int] = field(default_factory=dict)
     # ops (by short name, as ``library_calls`` names them) every node of which in the FX graph had its
     # working memory measured, and ops some node of which did not (``measured_calls``)
@@ -219,7 +219,9 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
     an element of a tuple whose item size is not known that way is ``unsized``. A call whose output
     ``library_scratch`` names (op, index, sizes) peaks that many bytes above what is live once the
     output is allocated (its working memory, measured); ``call_scratch`` names the same by the call's
-    result (``bufN = torch.ops...``), and the larger applies. The storages it
+    result (``bufN = torch.ops...``) and, where it names the call, replaces the table's entry (that
+    table is keyed by the output's sizes only, so two calls with the same output can share an entry
+    measured for the other: an 8-channel convolution's backward and a 16-channel one's). The storages it
     allocates are named ``<tag>:<buffer>:<n>``. Returns None when the code cannot be read exactly
     (no ``call``, graph partitions, a symbolic size)."""
     body = call_body(source_code)
@@ -246,8 +248,9 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
             if itemsize is not None:
                 tuple_elements.discard(name)     # its dtype is known after all
             state.allocate(name, storage_nbytes(sizes, steps, itemsize or fallback_itemsize, device_type))
-            scratch = max(library_scratch.get((match.group(4) or "", element_index.get(name, -1), tuple(sizes)), 0),
-                          call_scratch.get(call_of.get(name, name), 0))
+            bound_to = call_of.get(name, name)
+            scratch = (call_scratch[bound_to] if bound_to in call_scratch else
+                       library_scratch.get((match.group(4) or "", element_index.get(name, -1), tuple(sizes)), 0))
             state.peak = max(state.peak, state.live + scratch)
         elif (match := DEL.match(statement)):
             for name in match.group(1).split(","):

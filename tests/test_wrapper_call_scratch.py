@@ -69,3 +69,19 @@ def test_the_check_adds_a_calls_scratch_by_its_result_through_its_tuple():
     assert plain is not None and scratched is not None and other_call is not None
     assert scratched.peak_bytes == plain.peak_bytes + 2_000_000
     assert other_call.peak_bytes == plain.peak_bytes
+
+
+def test_a_calls_own_measurement_replaces_the_joint_graphs_table_entry():
+    # The joint graph's table is keyed by (op, index, output sizes), which another call with the same
+    # output can share; a call measured in its own layouts is charged what it measured, less or more.
+    code = _code(CONTIGUOUS, HCW)
+    table = {("aten.convolution_backward.default", 0, (2, 48, 48, 48)): 3_000_000}
+    plain = replay_wrapper(code, {}, "cpu")
+    by_table = replay_wrapper(code, {}, "cpu", library_scratch=table)
+    own_smaller = replay_wrapper(code, {}, "cpu", library_scratch=table, call_scratch={"buf1": 1_000_000})
+    own_none = replay_wrapper(code, {}, "cpu", library_scratch=table, call_scratch={"buf1": 0})
+    unmeasured = replay_wrapper(code, {}, "cpu", library_scratch=table, call_scratch={"buf7": 1_000_000})
+    assert None not in (plain, by_table, own_smaller, own_none, unmeasured)
+    assert by_table.peak_bytes == unmeasured.peak_bytes > plain.peak_bytes + 2_900_000
+    assert own_smaller.peak_bytes == plain.peak_bytes + 1_000_000
+    assert own_none.peak_bytes == plain.peak_bytes
