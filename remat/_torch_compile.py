@@ -34,6 +34,7 @@ through, in one place (verified on torch 2.13.0; see README "Torch versions").
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -41,6 +42,8 @@ from torch import fx
 
 from .inductor_check import GraphCode, activation_itemsize, graph_code
 from .wrapper_call_scratch import call_inputs, with_scratch_at_generated_layouts
+
+log = logging.getLogger(__name__)
 
 
 class CodeCapture:
@@ -190,20 +193,33 @@ def default_partition_saved(joint: fx.GraphModule, joint_inputs: Sequence[object
     ``static_lifetime_input_indices`` (what AOTAutograd hands a partitioner: the parameters'
     indices), the inputs the backward returns a gradient for are taken as the parameters: the
     partitioner saves a parameter rather than a view of it only when it knows it outlives the step."""
-    import copy
-
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     if static_lifetime_input_indices is None:
         static_lifetime_input_indices = _inputs_with_gradients(joint, num_fwd_outputs)
     try:
         fw, _ = min_cut_rematerialization_partition(
-            copy.deepcopy(joint), joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
+            _graph_copy(joint), joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=static_lifetime_input_indices)
-    except Exception:  # noqa: BLE001 - a candidate plan only: without it the planner plans as before
+    except Exception as error:  # noqa: BLE001 - a candidate plan only: without it the planner plans as before
+        log.warning("remat: PyTorch's default partition failed on this graph (%s: %s); planning without its "
+                    "saved set as a start", type(error).__name__, str(error)[:200])
         return None
     output = next(n for n in fw.graph.nodes if n.op == "output")
     return frozenset(a.name for a in output.args[0][num_fwd_outputs:] if isinstance(a, fx.Node))
+
+
+def _graph_copy(joint: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``joint`` whose graph (nodes, their meta shallowly) is its own and whose attributes
+    (tensor constants a ``get_attr`` reads) are ``joint``'s own objects. ``copy.deepcopy`` would clone
+    those tensors, and under the fake mode AOTAutograd has active it cannot: a real constant's storage
+    cloned as a meta tensor raises (a T5's lifted constants), which left graphs with a tensor constant
+    without the default partition's saved set."""
+    import copy
+
+    copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+    copied.meta = dict(getattr(joint, "meta", {}))
+    return copied
 
 
 def _inputs_with_gradients(joint: fx.GraphModule, num_fwd_outputs: int) -> list[int]:
