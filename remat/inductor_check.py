@@ -101,8 +101,11 @@ class GraphCode:
     # index in its tuple or -1, the output's sizes): added on top of what is live once that output exists
     library_scratch: Mapping[tuple[str, int, tuple[int, ...]], int] = field(default_factory=dict)
     # a library call's working memory measured in the layouts this code hands it, by the name the call's
-    # result is bound to (``wrapper_call_scratch``); where a call has one, it replaces ``library_scratch``'s
+    # result is bound to or, for a call in place, its statement (``wrapper_call_scratch``); where a call
+    # has one, it replaces ``library_scratch``'s
     call_scratch: Mapping[str, int] = field(default_factory=dict)
+    # ops (short names) every call of which in this code was measured so (``call_scratch``)
+    remeasured_calls: frozenset[str] = frozenset()
     # ops (by short name, as ``library_calls`` names them) every node of which in the FX graph had its
     # working memory measured, and ops some node of which did not (``measured_calls``)
     measured_calls: frozenset[str] = frozenset()
@@ -219,7 +222,9 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
     an element of a tuple whose item size is not known that way is ``unsized``. A call whose output
     ``library_scratch`` names (op, index, sizes) peaks that many bytes above what is live once the
     output is allocated (its working memory, measured); ``call_scratch`` names the same by the call's
-    result (``bufN = torch.ops...``) and, where it names the call, replaces the table's entry (that
+    result (``bufN = torch.ops...``), or by the statement of a call in place whose result is not bound
+    (``aten.scatter_reduce_.two(buf12, ...)``, counted on top of what is live there), and, where it
+    names the call, replaces the table's entry (that
     table is keyed by the output's sizes only, so two calls with the same output can share an entry
     measured for the other: an 8-channel convolution's backward and a 16-channel one's). The storages it
     allocates are named ``<tag>:<buffer>:<n>``. Returns None when the code cannot be read exactly
@@ -239,6 +244,8 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
             if sizes is None or steps is None or not hasattr(torch, dtype):
                 return None
             state.allocate(name, storage_nbytes(sizes, steps, getattr(torch, dtype).itemsize, device_type))
+        elif statement in call_scratch:         # a call in place (its result unbound): its working memory only
+            state.peak = max(state.peak, state.live + call_scratch[statement])
         elif (match := ASSERT_SIZE.match(statement)) and match.group(1) in pending:
             name, sizes, steps = match.group(1), ints_or_none(match.group(2)), ints_or_none(match.group(3))
             if sizes is None or steps is None:
@@ -335,10 +342,16 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
     if bw is None:
         return None
     handed_bytes = sum(fw.storage_bytes[s] for s in handed)
+    # an op's working memory is known where the joint graph's probe measured every node of it, or where
+    # each graph that calls it had every call of it measured again in its own layouts
+    remeasured = {op for op in fw.library_calls | bw.library_calls
+                  if all(op not in replay.library_calls or op in code.remeasured_calls
+                         for replay, code in ((fw, forward), (bw, backward)))}
     return CheckedPeak(max(fw.peak_bytes, bw.peak_bytes), fw.peak_bytes, bw.peak_bytes, handed_bytes, tangent_bytes,
                        len(fw.unsized) + len(bw.unsized), sum(fw.storage_bytes[s] for s in held & user_storages),
                        fw.library_calls | bw.library_calls,
-                       (forward.measured_calls | backward.measured_calls) - (forward.unmeasured_calls | backward.unmeasured_calls))
+                       ((forward.measured_calls | backward.measured_calls) - (forward.unmeasured_calls | backward.unmeasured_calls))
+                       | remeasured)
 
 
 def _nbytes(value: object) -> int:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from remat.inductor_check import replay_wrapper
-from remat.wrapper_call_scratch import Layout, scratch_at_wrapper_layouts, wrapper_calls
+from remat.inductor_check import GraphCode, replay_wrapper
+from remat.wrapper_call_scratch import (CallInputs, Layout, scratch_at_wrapper_layouts, with_scratch_at_generated_layouts,
+                                        wrapper_calls)
 from remat.wrapper_text import call_body
 
 DEPTHWISE_BACKWARD = '''
@@ -85,3 +86,40 @@ def test_a_calls_own_measurement_replaces_the_joint_graphs_table_entry():
     assert by_table.peak_bytes == unmeasured.peak_bytes > plain.peak_bytes + 2_900_000
     assert own_smaller.peak_bytes == plain.peak_bytes + 1_000_000
     assert own_none.peak_bytes == plain.peak_bytes
+
+
+# Inductor falls back to ``aten.scatter_reduce_`` for a max-pool's backward in code it generates (the joint
+# graph has no such node, so the joint graph's probe never measured it): in place, its result unbound.
+SCATTER_IN_PLACE = '''
+def call(args):
+    grad, index = args
+    args.clear()
+    assert_size_stride(grad, (768, 16), (16, 1), 'input')
+    assert_size_stride(index, (768, 16), (1, 768), 'input')
+    buf12 = empty_strided_cpu((768, 64), (64, 1), torch.float32)
+    cpp_fused_zeros_0(buf12)
+    aten.scatter_reduce_.two(buf12,1,index,reinterpret_tensor(grad, (768, 16), (16, 1), 0), reduce='{reduce}', include_self={include_self})
+    del grad
+    return (buf12, )
+'''
+SCATTER_DTYPES = {"grad": torch.float32, "index": torch.int64}
+
+
+def _scatter_code(reduce: str, include_self: bool) -> GraphCode:
+    return GraphCode(SCATTER_IN_PLACE.format(reduce=reduce, include_self=include_self), ("grad", "index"), ("buf12",),
+                     (768 * 16 * 4, 768 * 16 * 8))
+
+
+def test_a_call_in_place_that_only_generated_code_makes_is_measured_and_counted_at_its_statement():
+    inputs = CallInputs(SCATTER_DTYPES, torch.device("cpu"), torch.float32)
+    summed = with_scratch_at_generated_layouts(_scatter_code("sum", True), inputs)
+    averaged = with_scratch_at_generated_layouts(_scatter_code("mean", False), inputs)
+    assert summed.remeasured_calls == averaged.remeasured_calls == frozenset({"scatter_reduce_"})
+    (statement,) = averaged.call_scratch
+    assert statement.startswith("aten.scatter_reduce_.two(buf12,1,index,")
+    assert summed.call_scratch[next(iter(summed.call_scratch))] == 0      # a sum into the buffer allocates nothing
+    assert averaged.call_scratch[statement] > 50_000                        # a mean counts into a buffer of its own
+    plain = replay_wrapper(averaged.source_code, {}, "cpu")
+    counted = replay_wrapper(averaged.source_code, {}, "cpu", call_scratch=averaged.call_scratch)
+    assert plain is not None and counted is not None and "scatter_reduce_" in counted.library_calls
+    assert counted.peak_bytes == plain.peak_bytes + averaged.call_scratch[statement]
