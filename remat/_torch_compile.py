@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
-from .inductor_check import GraphCode, activation_itemsize, graph_code
+from .graph_code import GraphCode, activation_itemsize, graph_code
 from .wrapper_call_scratch import call_inputs, with_scratch_at_generated_layouts
 
 log = logging.getLogger(__name__)

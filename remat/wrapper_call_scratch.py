@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from .cost_model.hardware import real_tensors
-from .inductor_check import GraphCode, activation_dtype
+from .graph_code import GraphCode, activation_dtype
 from .simulator.library_scratch import scratch_of_calls
 from .cost_model.inductor_rules import COLLECTIVE_NAMESPACES, EXACT_LIBRARY_CALLS
 from .wrapper_text import ALLOC, ASSERT_SIZE, LIBRARY_CALL, call_body, ints_or_none

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from remat.inductor_check import GraphCode, replay_wrapper
+from remat.graph_code import GraphCode
+from remat.inductor_check import replay_wrapper
 from remat.wrapper_call_scratch import (CallInputs, Layout, scratch_at_wrapper_layouts, with_scratch_at_generated_layouts,
                                         wrapper_calls)
 from remat.wrapper_text import call_body

@@ -181,7 +181,7 @@ def measure_library_scratch(graph: fx.Graph, facts: JointGraphFacts, device: tor
 def with_library_scratch(facts: JointGraphFacts, graph: fx.Graph, scratch: Mapping[str, int]) -> JointGraphFacts:
     """``facts`` with each node's ``scratch_bytes`` set from ``scratch`` (node -> bytes); the nodes of
     ``graph`` (the joint graph the facts were read from) carry it too, in ``meta[SCRATCH_META]``, which
-    the partition's copies keep for Inductor's check (``inductor_check.library_scratch``)."""
+    the partition's copies keep for Inductor's check (``graph_code.library_scratch``)."""
     if not scratch:
         return facts
     for node in graph.nodes:
