@@ -33,6 +33,7 @@ through, in one place (verified on torch 2.13.0; see README "Torch versions").
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from typing import Any, Callable, Optional, Sequence
@@ -215,8 +216,6 @@ def _graph_copy(joint: fx.GraphModule) -> fx.GraphModule:
     those tensors, and under the fake mode AOTAutograd has active it cannot: a real constant's storage
     cloned as a meta tensor raises (a T5's lifted constants), which left graphs with a tensor constant
     without the default partition's saved set."""
-    import copy
-
     copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
     copied.meta = dict(getattr(joint, "meta", {}))
     return copied

@@ -44,7 +44,6 @@ class GraphCode:
     unmeasured_calls: frozenset[str] = frozenset()
 
 
-
 def _nbytes(value: object) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size() if not _symbolic(value) else 0

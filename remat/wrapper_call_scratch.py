@@ -38,6 +38,7 @@ import ast
 import dataclasses
 import logging
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -50,7 +51,6 @@ from .cost_model.inductor_rules import COLLECTIVE_NAMESPACES, EXACT_LIBRARY_CALL
 from .wrapper_text import ALLOC, ASSERT_SIZE, LIBRARY_CALL, call_body, ints_or_none
 
 ATEN_CALL = re.compile(r"\b(?:torch\.ops\.)?aten\.(\w+)\.\w+\(")     # ``aten.op.overload(`` -> op
-ASSIGNED = re.compile(r"^\w+ = ")
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,9 @@ def _library_op(func: ast.AST) -> Optional[str]:
 
 def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], ops: frozenset[str],
                   fallback_dtype: torch.dtype) -> list[WrapperCall]:
-    """The calls of ``body`` (a wrapper's ``call`` statements) to ``torch.ops`` overloads whose short
-    names are in ``ops``, with their tensor arguments' layouts, in order. A layout comes from the
+    """The calls of ``body`` (a wrapper's ``call`` statements) to ``torch.ops`` overloads (or ``aten.``,
+    the wrapper's alias), bound to a name or in place, whose short names are in ``ops`` (collectives
+    never), with their tensor arguments' layouts, in order. A layout comes from the
     buffer's ``empty_strided``, a view's ``reinterpret_tensor``, or the ``assert_size_stride`` of an
     input (dtype: ``input_dtypes``) or of a library call's output (dtype not stated: ``fallback_dtype``,
     the graph's activation dtype). A call with an argument the text does not state is left out."""
@@ -215,22 +216,29 @@ def scratch_at_wrapper_layouts(source_code: str, input_dtypes: Mapping[str, torc
                                device: torch.device, fallback_dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """Each library call of the wrapper ``source_code`` (of ops in ``ops``, by short name), run on
     random tensors of the layouts the wrapper hands it: its measured scratch, by the name its result
-    is bound to. Random number generators are restored afterwards; empty when the code has no
-    readable ``call`` or no measurement can be made here now."""
+    is bound to (for a call in place, its statement). Random number generators are restored
+    afterwards; empty when the code has no readable ``call`` or no measurement can be made here now."""
     body = call_body(source_code)
-    if body is None or not ops:
+    if body is None:
         return {}
-    calls = wrapper_calls(body, input_dtypes, ops, fallback_dtype)
+    return {call.result: nbytes for call, nbytes in _measured_calls(body, input_dtypes, ops, device, fallback_dtype)}
+
+
+def _measured_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], ops: frozenset[str],
+                    device: torch.device, fallback_dtype: torch.dtype) -> list[tuple[WrapperCall, int]]:
+    """The library calls of ``body`` (of ops in ``ops``) that could run on random tensors of their
+    layouts, each with its measured scratch; empty when no measurement can be made here now."""
+    calls = wrapper_calls(body, input_dtypes, ops, fallback_dtype) if ops else []
     if not calls:
-        return {}
+        return []
     devices = [device] if device.type == "cuda" else []
     with real_tensors(), torch.random.fork_rng(devices=devices):
         prepared = [(call, _prepared(call, device)) for call in calls]
         runnable = [(call, run) for call, run in prepared if run is not None]
         scratch = scratch_of_calls([run for _, run in runnable], device)
     if scratch is None:
-        return {}
-    return {call.result: int(nbytes) for (call, _), nbytes in zip(runnable, scratch)}
+        return []
+    return [(call, int(nbytes)) for (call, _), nbytes in zip(runnable, scratch)]
 
 
 @dataclass(frozen=True)
@@ -262,26 +270,14 @@ def with_scratch_at_generated_layouts(code: GraphCode, inputs: CallInputs) -> Gr
     if body is None:
         return code
     ops = code.measured_calls | (frozenset(ATEN_CALL.findall(" ".join(body))) - EXACT_LIBRARY_CALLS)
-    if not ops:
-        return code
-    measured = scratch_at_wrapper_layouts(code.source_code, inputs.dtypes, ops, inputs.device, inputs.activation_dtype)
+    measured = _measured_calls(body, inputs.dtypes, ops, inputs.device, inputs.activation_dtype)
     if not measured:
         return code
-    return dataclasses.replace(code, call_scratch=measured, remeasured_calls=_every_call_measured(body, ops, measured))
-
-
-def _every_call_measured(body: Sequence[str], ops: frozenset[str], measured: Mapping[str, int]) -> frozenset[str]:
-    """The ops of ``ops`` (short names) whose every call in ``body`` has a measurement in ``measured``
-    (by its result's name, or its statement for a call in place)."""
-    calls = {op: 0 for op in ops}
-    covered = dict(calls)
-    for statement in body:
-        called = {a or b for a, b in LIBRARY_CALL.findall(statement)} & ops
-        result = statement.split("=", 1)[0].strip() if ASSIGNED.match(statement) else statement
-        for op in called:
-            calls[op] += 1
-            covered[op] += result in measured or statement in measured
-    return frozenset(op for op in ops if calls[op] and calls[op] == covered[op])
+    # an op is measured throughout when every statement calling it is among the calls measured
+    calls = Counter(op for statement in body for op in {a or b for a, b in LIBRARY_CALL.findall(statement)} & ops)
+    measured_per_op = Counter(call.op.split(".")[1] for call, _ in measured)
+    return dataclasses.replace(code, call_scratch={call.result: nbytes for call, nbytes in measured},
+                               remeasured_calls=frozenset(op for op, n in calls.items() if measured_per_op[op] == n))
 
 
 __all__ = ["CallInputs", "Layout", "WrapperCall", "call_inputs", "scratch_at_wrapper_layouts", "with_scratch_at_generated_layouts",
