@@ -12,6 +12,9 @@
   ``torch._inductor.config.custom_partitioner_fn``), ``torch._functorch.partitioners.default_partition``,
   ``torch._inductor.decomposition.select_decomp_table``, ``make_boxed_func``,
   ``torch._inductor.virtualized.V.set_fake_mode``, ``torch._guards.detect_fake_mode``.
+- ``node.meta["nn_module_stack"]`` on the nodes of a joint graph traced from Dynamo's: an ordered
+  mapping, outermost module first, of ``key -> (qualified path, module class)``; the key ends in
+  ``@k`` on the k-th repeated call of one module (``module_calls``).
 """
 
 from __future__ import annotations
@@ -81,6 +84,22 @@ def copy_dynamo_graph_or_none(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
         return None
 
 
+def module_calls(node: fx.Node) -> tuple[tuple[str, str], ...]:
+    """The module calls ``node`` was traced in, outermost first, as (call, class) pairs: ``call`` is
+    the module's qualified path, with ``@k`` appended on the k-th repeated call of the same module
+    (weights shared between two applications are two calls), ``class`` the module class's qualified
+    name. Empty when Dynamo recorded no module stack (nodes it created outside any module, graphs
+    not traced by Dynamo). Process-independent: the mapping's keys embed ``id(module)``, which is dropped."""
+    stack = node.meta.get("nn_module_stack") or {}
+    calls = []
+    for key, entry in stack.items():
+        path, cls = entry[0], entry[1]
+        repeat = str(key).rpartition("@")[2] if "@" in str(key) else ""
+        name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+        calls.append((f"{path}@{repeat}" if repeat else str(path), name))
+    return tuple(calls)
+
+
 def current_compile_id() -> str:
     """The id of the compile running now ("0/0", ...), or "?" outside one."""
     from torch._guards import CompileContext
@@ -142,4 +161,4 @@ def trace_joint_graphs(model: Callable[..., Any], example_inputs: Sequence[Any],
     return captured
 
 
-__all__ = ["current_compile_id", "passthrough_error_class", "trace_joint_graphs"]
+__all__ = ["current_compile_id", "module_calls", "passthrough_error_class", "trace_joint_graphs"]

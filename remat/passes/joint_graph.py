@@ -23,6 +23,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .._torch_dynamo import module_calls
 from ..cost_model.costs import NodeCost
 from ..cost_model.inductor_rules import CHEAP_TO_RECOMPUTE_OPS, COLLECTIVE_NAMESPACES, INLINABLE_OPS, REDUCTION_OPS
 from .graph_analysis import GraphAnalysis
@@ -65,6 +66,9 @@ class NodeFacts:
     itemsize: int = 0              # bytes per element of its (first) tensor output
     strides: tuple[int, ...] = ()  # strides of its (first) tensor output as traced (eager's), at the size hint
     scratch_bytes: int = 0         # a library call's working memory beyond its outputs, measured (library_scratch.py)
+    # forward nodes: the module calls it was traced in, outermost first, as (call, class) pairs
+    # (``_torch_dynamo.module_calls``); empty for other roles and where Dynamo recorded none
+    module_calls: tuple[tuple[str, str], ...] = ()
 
     @property
     def alloc_bytes(self) -> int:
@@ -308,6 +312,7 @@ def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_out
             shape=next((tuple(concrete_int(d) for d in t.shape) for t in iter_tensors(node_val(node))), ()),
             itemsize=next((t.element_size() for t in iter_tensors(node_val(node))), 0),
             strides=next((tuple(concrete_int(d) for d in t.stride()) for t in iter_tensors(node_val(node))), ()),
+            module_calls=module_calls(node) if role == "forward" else (),
         )
         users[node.name] = tuple(u.name for u in node.users if u.op != "output")
         order.append(node.name)

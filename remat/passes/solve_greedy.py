@@ -61,6 +61,7 @@ from typing import Optional
 from ..simulator import Evaluated
 from .joint_graph import JointGraphFacts
 from ..simulator.kernel_facts import RECOMPUTE_SUFFIX
+from .block_start import block_checkpoint_saved
 from .solve_context import SearchContext
 from .solve_drops import drop_options
 from .solve_local import LOCAL_SEARCH_MAX_STEPS, local_search
@@ -321,7 +322,12 @@ def _lowest_from(g: SearchContext, start: Evaluated) -> Evaluated:
 def smallest_peak(g: SearchContext, starts: tuple[Evaluated, ...]) -> Evaluated:
     """The lowest-peak plan of ``_lowest_from`` over ``starts`` (saving everything, then the
     caller's: the min-cut has the free savings made, and its peak bounds the answer), ties to the
-    earlier start, refined by the local search on small graphs; does not depend on any target."""
+    earlier start, refined by the local search on small graphs; does not depend on any target.
+    Where the graph has repeated blocks, checkpointing each of them is one more start, the last
+    (``block_start.block_checkpoint_saved``)."""
+    blocks = block_checkpoint_saved(g.facts)
+    if blocks is not None:
+        starts = (*starts, g.evaluate(blocks))
     lowest = [_lowest_from(g, start) for start in starts]
     index = min(range(len(lowest)), key=lambda i: (lowest[i].peak_bytes, lowest[i].extra_time_s, i))
     best = lowest[index]

@@ -1,0 +1,105 @@
+"""The smallest-peak search starts from checkpointing every repeated block (``passes/block_start.py``).
+
+Issue 11's floor is held against full per-block checkpointing's measured peak. On two drawn ResNets
+(cnn-1295, cnn-1305) the search's smallest-peak plan simulated at checkpointing's peak and checked
+8-9% above it (Inductor ordered its backward differently); the plan that saves exactly the blocks'
+inputs simulates the same and checks at checkpointing's measured peak. These tests pin what the
+start is (which nodes form blocks, what it saves) and that the search's answer is never above it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from remat.passes import solve_greedy
+from remat.passes.block_start import block_checkpoint_saved, blocks_of
+from remat.passes.mincut import min_cut_saved
+from remat.passes.plan import solver_starts
+from remat.pipeline import trace_joint_facts
+from remat.simulator import evaluate
+from remat.testing.zoo import ZOO
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x)))) * gate
+
+
+class _SharedGateStack(nn.Module):
+    """Three blocks, the first applied twice (one module, two calls), all reading a gate computed
+    once outside them, between a stem and a head outside every block."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.stem, self.head, self.gate = nn.Linear(width, width), nn.Linear(width, 8), nn.Linear(width, width)
+        self.blocks = nn.ModuleList([_Block(width) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        gate = torch.sigmoid(self.gate(x))
+        for block in (self.blocks[0], self.blocks[1], self.blocks[2], self.blocks[0]):
+            h = block(h, gate)
+        return self.head(h).square().sum()
+
+
+def _facts():
+    (facts,) = trace_joint_facts(_SharedGateStack(), (torch.randn(16, 32),))
+    return facts
+
+
+def test_each_call_of_a_repeated_block_is_one_block_and_a_node_without_a_module_joins_its_inputs_block():
+    facts = _facts()
+    block = blocks_of(facts)
+    calls = sorted(set(block.values()))
+    assert len(calls) == 4, calls                          # blocks 0, 1, 2 and the second call of block 0
+    assert sum(c.endswith("@1") for c in calls) == 1
+    relus = [n for n in facts.order if facts.nodes[n].op == "aten.relu.default"]
+    assert len(relus) == 4 and len({block[r] for r in relus}) == 4
+    # the stem's, the gate's and the head's Linear and the sigmoid are outside every block
+    outside = [n for n in facts.order if facts.nodes[n].role == "forward" and n not in block
+               and facts.nodes[n].op in ("aten.addmm.default", "aten.sigmoid.default")]
+    assert len(outside) == 4, outside
+    # forward nodes Dynamo recorded no module for (made while tracing the backward) inherit a block
+    made_outside_dynamo = [n for n in facts.order if facts.nodes[n].role == "forward"
+                           and not facts.nodes[n].module_calls and any(i in block for i in facts.nodes[n].inputs)]
+    assert made_outside_dynamo and all(n in block for n in made_outside_dynamo
+                                       if len({block[i] for i in facts.nodes[n].inputs if i in block}) == 1)
+
+
+def test_the_start_saves_what_enters_each_block_and_nothing_else_of_its_inside():
+    facts = _facts()
+    block, saved = blocks_of(facts), block_checkpoint_saved(facts)
+    assert saved is not None
+    gate = next(n for n in facts.order if facts.nodes[n].op == "aten.sigmoid.default")
+    assert gate in saved                                   # read by every block: checkpointing keeps it
+    for name in saved:
+        if name in block:                                   # inside a block: saved only as a block's output
+            readers = [block.get(u) for u in facts.users[name] if facts.nodes[u].role == "forward"]
+            assert any(r != block[name] for r in readers), name
+    relus = [n for n in facts.order if facts.nodes[n].op == "aten.relu.default"]
+    assert not saved & set(relus)
+
+
+def test_a_graph_whose_only_repeated_modules_are_leaves_has_no_block_start():
+    (facts,) = trace_joint_facts(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+                                 (torch.randn(4, 8),))
+    assert block_checkpoint_saved(facts) is None
+
+
+def test_the_smallest_peak_is_at_most_checkpointing_every_block():
+    """On the zoo Llama the search without this start stopped above the block-checkpoint plan
+    (8,031,232 vs 7,972,864 B simulated, h100 profile); with it the zoo CNN's floor went from
+    6,313,448 to 5,536,104 B, a descent from the start (tests/data/plan_hashes.json, re-recorded)."""
+    model, inputs = ZOO["llama"]()
+    (facts,) = trace_joint_facts(model.train(), inputs, hardware="h100")
+    blocks = block_checkpoint_saved(facts)
+    assert blocks is not None
+    checkpointed = evaluate(facts, blocks)
+    smallest, _ = solve_greedy.smallest_peak_plan(facts, solver_starts(facts, evaluate(facts, min_cut_saved(facts))))
+    assert smallest.peak_bytes <= checkpointed.peak_bytes
