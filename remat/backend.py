@@ -41,7 +41,7 @@ from .judge_loop import judge_compiled, refused_at
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
-from .pipeline import FREE_MINCUT_CANDIDATE, free_mincut_candidate, plan_graph, prepare_graph, request_for
+from .pipeline import REFUSAL_CANDIDATE_KINDS, candidate_plan, plan_graph, prepare_graph, request_for
 from .simulator.library_scratch import scratch_key
 from .step_budget import StepAccount, need_of, note_step_plan, slot_of
 from .step_fit import fit_in_step
@@ -179,13 +179,13 @@ class RematBackend:
             replanned = CodeCapture()
             return self._recompile(gm, args, correction, key, replanned, candidate)[0], replanned
 
-        def compile_candidate(refused: CompiledGraph) -> tuple[Callable[..., Any], CodeCapture]:
-            # the refused graph again, planned as the free min-cut (``partition``'s candidate; its id is a re-plan's),
+        def compile_candidate(refused: CompiledGraph, kind: str) -> tuple[Callable[..., Any], CodeCapture]:
+            # the refused graph again, planned as candidate ``kind`` (``partition``; its id is a re-plan's),
             # with the refusal handed on (``judge_loop.refused_at``; ``_recompile`` clears it): no second search
             same = Correction(1.0, self.options.budget_bytes, 0, 0, refused.graph_id, "a candidate plan for Inductor's check")
             assert refused.refusal is not None
             self._replan.refused = (refused.plan.target_bytes, refused.refusal.error)
-            return recompile(same, refused.graph_key, FREE_MINCUT_CANDIDATE)
+            return recompile(same, refused.graph_key, kind)
 
         return judge_compiled(fn, capture, device_of(args).type, self.options.outputs_held, self.compiled_graphs,
                               recompile, compile_candidate)
@@ -286,7 +286,7 @@ class RematBackend:
         refusal, asked_share = None, share
         candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
         try:
-            if share is None and candidate == FREE_MINCUT_CANDIDATE and refused_at(self._replan, target_bytes):
+            if share is None and candidate in REFUSAL_CANDIDATE_KINDS and refused_at(self._replan, target_bytes):
                 raise self._replan.refused[1]   # the refusal the candidate is for: known, not searched again
             if share is None:   # alone in its step
                 plan = plan_at(target_bytes)
@@ -294,15 +294,15 @@ class RematBackend:
                 plan, share = fit_in_step(share, lambda share: fit_plan(share, held_of, plan_at, self.options.budget_bytes,
                     request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at, held_of)
         except BudgetInfeasibleError as error:
-            if correction is not None and correction.factor != 1.0 and candidate != FREE_MINCUT_CANDIDATE:
+            if correction is not None and correction.factor != 1.0 and candidate not in REFUSAL_CANDIDATE_KINDS:
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
                               f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "
                               f"{correction.factor:.3f}x ({correction.source}).",) + error.args[1:]
             if candidate is None and not self._check_may_overrule(share, joint, joint_inputs, error):
                 raise passthrough_error_class(BudgetInfeasibleError)(error) from None
-            if candidate == FREE_MINCUT_CANDIDATE:
-                plan = free_mincut_candidate(facts, request)
+            if candidate in REFUSAL_CANDIDATE_KINDS:
+                plan = candidate_plan(candidate, facts, request)
             elif isinstance(error, ShareInfeasibleError):
                 plan = error.named_plan       # the plan the named budget rests on
             else:

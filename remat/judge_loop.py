@@ -12,14 +12,15 @@ judged); compiling again is the caller's ``recompile``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ._torch_dynamo import passthrough_error_class
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
-from .pipeline import SMALLEST_PEAK_CANDIDATE
+from .pipeline import SMALLEST_PEAK_CANDIDATE, refusal_candidates
 from .inductor_check import CheckedPeak, checked_peak_of, trusted_peak_bytes
 from .inductor_verdict import Judgement, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
 from .units import format_bytes, format_gb_up
@@ -36,7 +37,7 @@ MAX_JUDGED_REPLANS = 3   # re-plans Inductor's verdict may ask for per compile (
 def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: str, outputs_held: bool,
                    compiled_graphs: list["CompiledGraph"],
                    recompile: Callable[[Correction, str, Optional[str]], tuple[Callable[..., Any], "CodeCapture"]],
-                   compile_candidate: Optional[Callable[["CompiledGraph"], tuple[Callable[..., Any], "CodeCapture"]]] = None,
+                   compile_candidate: Optional[Callable[["CompiledGraph", str], tuple[Callable[..., Any], "CodeCapture"]]] = None,
                    ) -> Callable[..., Any]:
     """Inductor judges the plan just compiled (the last of ``compiled_graphs``, its code in ``capture``),
     before any step runs: its peak is read from the generated forward and backward; over its target
@@ -53,9 +54,10 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     target is compiled (``recompile(correction, graph_key, SMALLEST_PEAK_CANDIDATE)``, a record with
     a refusal) and judged as a refused budget is, which accepts it or a candidate that checks under
     the target, or raises ``BudgetInfeasibleError`` naming the budget the lowest-checked plan fits.
-    A budget the simulator refused is judged by ``overrule_or_refuse`` (with ``compile_candidate``, except
-    for a graph sharing a step at graph breaks: its refusal's plan is the one the share's named budget
-    rests on, judged against the largest peak the share admits, ``inductor_verdict.refusal_for``)."""
+    A budget the simulator refused is judged by ``overrule_or_refuse`` (with ``compile_candidate(record, kind)``
+    for each of the graph's ``pipeline.refusal_candidates``, except for a graph sharing a step at graph
+    breaks: its refusal's plan is the one the share's named budget rests on, judged against the largest
+    peak the share admits, ``inductor_verdict.refusal_for``)."""
     rejected: tuple[Judgement, ...] = ()
     for round_ in itertools.count():
         record = compiled_graphs.pop()
@@ -64,12 +66,13 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         compiled_graphs.append(record)
         checked = checked_peak_of(capture.graphs, device_type, outputs_held)
         if record.refusal is not None:
-            # A graph sharing a step has no free min-cut candidate: compiling it repeats the share's search
-            # (minutes on GPT-2's body under load), and what min-cut saves is what a share rarely admits.
+            # A graph sharing a step has no candidates: compiling one repeats the share's search (minutes on
+            # GPT-2's body under load), and what they save is what a share rarely admits.
+            candidates = () if compile_candidate is None or record.step_share is not None or record.facts is None else tuple(
+                (kind, functools.partial(_checked_candidate, compile_candidate, record, kind, device_type, outputs_held))
+                for kind in refusal_candidates(record.facts))
             return overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
-                                      None if compile_candidate is None or record.step_share is not None else
-                                      lambda: _checked_candidate(compile_candidate, record, device_type, outputs_held),
-                                      rejected)
+                                      candidates, rejected)
         target = record.base_target_bytes if record.check_target_bytes is None else record.check_target_bytes
         verdict = judge_plan(record.plan.predicted_peak_bytes, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                              target, record.plan.budget_bytes,
@@ -109,18 +112,18 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     raise AssertionError("unreachable")
 
 
-def _checked_candidate(compile_candidate: Callable[["CompiledGraph"], tuple[Callable[..., Any], "CodeCapture"]],
-                       refused: "CompiledGraph", device_type: str,
+def _checked_candidate(compile_candidate: Callable[["CompiledGraph", str], tuple[Callable[..., Any], "CodeCapture"]],
+                       refused: "CompiledGraph", kind: str, device_type: str,
                        outputs_held: bool) -> tuple[Callable[..., Any], Optional[CheckedPeak]]:
-    """Compile the candidate plan of the graph whose record ``refused`` is (its record is appended) and read
-    its checked peak."""
-    fn, capture = compile_candidate(refused)
+    """Compile candidate ``kind``'s plan of the graph whose record ``refused`` is (its record is appended) and
+    read its checked peak."""
+    fn, capture = compile_candidate(refused, kind)
     return fn, checked_peak_of(capture.graphs, device_type, outputs_held)
 
 
 def refused_at(replan: Any, target_bytes: Optional[int]) -> bool:
-    """Whether the compile ``replan`` (the backend's per-thread re-plan state) describes is the free min-cut
-    candidate of a refusal at ``target_bytes`` (``_checked_candidate``: its ``refused`` is (target, error)):
+    """Whether the compile ``replan`` (the backend's per-thread re-plan state) describes is a candidate
+    plan of a refusal at ``target_bytes`` (``_checked_candidate``: its ``refused`` is (target, error)):
     the planner refused that target moments ago, and planning the candidate need not search for it again."""
     refused = getattr(replan, "refused", None)
     return refused is not None and refused[0] == target_bytes
@@ -128,17 +131,18 @@ def refused_at(replan: Any, target_bytes: Optional[int]) -> bool:
 
 def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
                        checked_peak_bytes: Optional[int],
-                       candidate: Optional[Callable[[], tuple[Callable[..., Any], Optional[CheckedPeak]]]] = None,
+                       candidates: Sequence[tuple[str, Callable[[], tuple[Callable[..., Any], Optional[CheckedPeak]]]]] = (),
                        rejected: tuple[Judgement, ...] = ()) -> Callable[..., Any]:
     """Inductor's verdict on the smallest-peak plan of a budget the simulator refused (the last record of
     ``compiled_graphs``; ``checked_peak_bytes``: its trusted checked peak, ``trusted_peak_bytes``): at or
     under the planning target, the plan runs (the simulator over-predicted it) and the record carries
-    the verdict. Otherwise, when ``candidate`` is given, the free min-cut plan is compiled and checked
-    too (``candidate()`` appends its record and returns its callable and checked peak): the simulator
-    can rank two plans the wrong way round (its smallest-peak plan may check above the plan it thinks
-    larger), and Inductor's number decides, so the candidate runs if it checks at or under the target.
+    the verdict. Otherwise each of ``candidates`` is compiled and checked in turn (``(kind, compile)``:
+    ``compile()`` appends its record and returns its callable and checked peak; the backend's are the free
+    min-cut plan, then checkpointing every repeated block, ``pipeline.refusal_candidates``): the simulator
+    can rank plans the wrong way round (its smallest-peak plan may check above a plan it thinks larger),
+    and Inductor's number decides, so the first candidate that checks at or under the target runs.
     Otherwise the records leave ``compiled_graphs`` and the refusal is raised, naming the budget whose
-    target holds the lower checked peak, above or below the simulator's figure
+    target holds the lowest checked peak, above or below the simulator's figure
     (``inductor_verdict.named_budget_after_check``). ``rejected``: the verdicts on
     plans judged before this refusal (a corrected re-plan the simulator refused), kept in the verdict."""
     record = compiled_graphs[-1]
@@ -158,8 +162,13 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     log.info("remat %s: the simulator's refusal stands on Inductor's check (simulated %d bytes, checked %s, "
              "target %d)", record.graph_id, record.plan.predicted_peak_bytes, checked_peak_bytes, target_bytes)
     smallest = record
-    if candidate is not None:
-        candidate_fn, other_checked = candidate()
+    # the smallest-peak plan stands on its trusted checked peak, else on its simulated one (a check lower
+    # than the simulation that cannot see every allocation is not trusted): a candidate's checked peak
+    # replaces it only when lower than that
+    standing_bytes = checked_peak_bytes if checked_peak_bytes is not None else record.plan.predicted_peak_bytes
+    judged = rejected + (verdict,)
+    for kind, compile_candidate in candidates:
+        candidate_fn, other_checked = compile_candidate()
         other = compiled_graphs[-1]
         candidate_checked = trusted_peak_bytes(other_checked, other.plan.predicted_peak_bytes)
         assert other.refusal is not None   # the candidate's own admission: what it holds may differ
@@ -167,21 +176,18 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
                                          error.budget_bytes, other.graph_id)
         if other_verdict.action != "refused":
             other_verdict = dataclasses.replace(
-                other_verdict, action="accepted: Inductor's check of the free min-cut plan overrules the simulator "
-                f"(its smallest-peak plan checked {checked_peak_bytes} bytes, over the target)", rejected=rejected + (verdict,))
+                other_verdict, action=f"accepted: Inductor's check of the {kind} plan overrules the simulator "
+                f"(its smallest-peak plan checked {checked_peak_bytes} bytes, over the target)", rejected=judged)
         compiled_graphs[-1] = dataclasses.replace(other, judgement=other_verdict)
         annotate_dump(other.dump_path, other_verdict)
-        log.info("remat %s: the free min-cut plan: %s (simulated %d bytes, checked %s)", other.graph_id,
+        log.info("remat %s: the %s plan: %s (simulated %d bytes, checked %s)", other.graph_id, kind,
                  other_verdict.action, other.plan.predicted_peak_bytes, candidate_checked)
         if other_verdict.action != "refused":
             return candidate_fn
         compiled_graphs.pop()
-        # the smallest-peak plan stands on its trusted checked peak, else on its simulated one (a check
-        # lower than the simulation that cannot see every allocation is not trusted): the candidate's
-        # checked peak replaces it only when lower than that
-        standing_bytes = checked_peak_bytes if checked_peak_bytes is not None else record.plan.predicted_peak_bytes
+        judged += (other_verdict,)
         if candidate_checked is not None and candidate_checked < standing_bytes:
-            record, checked_peak_bytes = other, candidate_checked
+            record, checked_peak_bytes, standing_bytes = other, candidate_checked, candidate_checked
     named = named_budget_after_check(record.refusal, checked_peak_bytes)
     if named is not None and named != error.min_budget_bytes:
         error = BudgetInfeasibleError(

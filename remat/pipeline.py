@@ -35,8 +35,9 @@ from .cost_model.tensors import sizes_evaluated_at
 from .devices import device_of
 from .feedback_store import Correction
 from .options import DEFAULT_MILP_TIME_LIMIT_S, RematOptions, target_for_budget
+from .passes.block_start import block_checkpoint_saved
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
-from .passes.plan import Plan, make_plan
+from .passes.plan import Plan, block_checkpoint_plan, make_plan
 from .passes.random_ops import split_dropout_outputs
 from .simulator.library_scratch import measure_library_scratch, probes_apply, with_library_scratch
 
@@ -169,6 +170,28 @@ FREE_MINCUT_CANDIDATE = "free min-cut"
 SMALLEST_PEAK_CANDIDATE = "smallest peak"
 
 
+BLOCK_CHECKPOINT_CANDIDATE = "per-block checkpointing"
+REFUSAL_CANDIDATE_KINDS = (FREE_MINCUT_CANDIDATE, BLOCK_CHECKPOINT_CANDIDATE)
+
+
+def refusal_candidates(facts: JointGraphFacts) -> tuple[str, ...]:
+    """The plans Inductor's check judges, in this order, after a refused budget's smallest-peak plan
+    checks over its target (``judge_loop.overrule_or_refuse``): the free min-cut, then checkpointing
+    every repeated block where the graph has two or more (``passes/block_start.py``)."""
+    has_blocks = block_checkpoint_saved(facts) is not None
+    return REFUSAL_CANDIDATE_KINDS if has_blocks else (FREE_MINCUT_CANDIDATE,)
+
+
+def candidate_plan(kind: str, facts: JointGraphFacts, request: PlanningRequest) -> Plan:
+    """The plan of candidate ``kind`` (one of ``refusal_candidates``) for ``request``'s refused budget."""
+    if kind == FREE_MINCUT_CANDIDATE:
+        return free_mincut_candidate(facts, request)
+    plan = block_checkpoint_plan(facts, request.budget_bytes, request.target_bytes)
+    if kind != BLOCK_CHECKPOINT_CANDIDATE or plan is None:
+        raise ValueError(f"no {kind!r} candidate plan for this graph (its candidates: {refusal_candidates(facts)})")
+    return plan
+
+
 def free_mincut_candidate(facts: JointGraphFacts, request: PlanningRequest) -> Plan:
     """The free min-cut plan (what the graph saves with no budget) as a candidate for ``request``'s
     budget, which the simulator refused: Inductor's check judges it when the smallest-peak plan checks
@@ -191,5 +214,7 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
     return trace_joint_graphs(model, example_inputs, read)
 
 
-__all__ = ["FREE_MINCUT_CANDIDATE", "SMALLEST_PEAK_CANDIDATE", "PlanningRequest", "free_mincut_candidate", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
+__all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "FREE_MINCUT_CANDIDATE", "SMALLEST_PEAK_CANDIDATE", "PlanningRequest", "REFUSAL_CANDIDATE_KINDS",
+           "candidate_plan",
+           "free_mincut_candidate", "refusal_candidates", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
            "request_for", "simulator_models", "trace_joint_facts"]

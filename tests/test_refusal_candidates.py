@@ -1,5 +1,6 @@
 """A budget the simulator refuses: Inductor's check judges the smallest-peak plan and, when that plan
-checks over its target, the free min-cut plan too (``judge_loop.overrule_or_refuse``). The simulator
+checks over its target, the candidates in turn: the free min-cut plan, then checkpointing every
+repeated block (``judge_loop.overrule_or_refuse``). The simulator
 can rank two plans the wrong way round; the checked numbers decide which runs and which budget an
 error names. Pure bookkeeping on records, no compile."""
 
@@ -39,7 +40,7 @@ def _candidate(graphs: list, checked: int):
 
 def test_the_free_mincut_plan_runs_when_it_checks_under_the_target_and_the_smallest_does_not():
     graphs = [_record("graph_000", 1200)]
-    fn = overrule_or_refuse("smallest plan's callable", graphs, 1300, _candidate(graphs, 990))
+    fn = overrule_or_refuse("smallest plan's callable", graphs, 1300, (("free min-cut", _candidate(graphs, 990)),))
     assert fn == "free plan's callable"
     assert [g.graph_id for g in graphs] == ["graph_000_r1"]
     verdict = graphs[-1].judgement
@@ -50,7 +51,7 @@ def test_the_free_mincut_plan_runs_when_it_checks_under_the_target_and_the_small
 def test_the_smallest_plan_that_checks_under_its_target_runs_without_compiling_the_candidate():
     graphs = [_record("graph_000", 1200)]
     never = lambda: pytest.fail("the candidate is compiled only when the smallest-peak plan checks over")  # noqa: E731
-    assert overrule_or_refuse("smallest plan's callable", graphs, 999, never) == "smallest plan's callable"
+    assert overrule_or_refuse("smallest plan's callable", graphs, 999, (("free min-cut", never),)) == "smallest plan's callable"
     assert graphs[-1].judgement.action == "accepted: Inductor's check overrules the simulator"
 
 
@@ -63,11 +64,53 @@ def test_the_smallest_plan_that_checks_under_its_target_runs_without_compiling_t
 def test_when_both_check_over_the_budget_named_is_the_lower_checked_plans(smallest_checked, free_checked, named_from):
     graphs = [_record("graph_000", 1200)]
     with pytest.raises(BudgetInfeasibleError) as raised:
-        overrule_or_refuse("smallest", graphs, smallest_checked, _candidate(graphs, free_checked))
+        overrule_or_refuse("smallest", graphs, smallest_checked, (("free min-cut", _candidate(graphs, free_checked)),))
     assert graphs == []
     error = raised.value
     assert error.min_feasible_bytes == named_from
     assert _target_for(error.min_budget_bytes) >= named_from > _target_for(error.min_budget_bytes - 1)
+
+
+def _candidate_named(graphs: list, graph_id: str, checked: int, compiled: list):
+    def compile_and_check():
+        compiled.append(graph_id)
+        graphs.append(_record(graph_id, 1500))
+        return f"{graph_id}'s callable", CheckedPeak(checked, checked, checked, 0, 0, 0, library_calls=frozenset({"mm"}))
+    return compile_and_check
+
+
+def test_the_per_block_checkpointing_plan_runs_when_it_checks_under_the_target_and_the_others_do_not():
+    """The smallest-peak plan and the free min-cut plan check over the target; the second candidate,
+    checkpointing every block, checks under it and runs; both rejections stay in its verdict."""
+    graphs, compiled = [_record("graph_000", 1200)], []
+    fn = overrule_or_refuse("smallest", graphs, 1300, (
+        ("free min-cut", _candidate_named(graphs, "graph_000_r1", 1100, compiled)),
+        ("per-block checkpointing", _candidate_named(graphs, "graph_000_r2", 995, compiled))))
+    assert fn == "graph_000_r2's callable" and compiled == ["graph_000_r1", "graph_000_r2"]
+    assert [g.graph_id for g in graphs] == ["graph_000_r2"]
+    verdict = graphs[-1].judgement
+    assert verdict.action.startswith("accepted: Inductor's check of the per-block checkpointing plan")
+    assert [v.checked_peak_bytes for v in verdict.rejected] == [1300, 1100]
+
+
+def test_the_first_candidate_under_the_target_runs_and_later_ones_are_not_compiled():
+    graphs, compiled = [_record("graph_000", 1200)], []
+    fn = overrule_or_refuse("smallest", graphs, 1300, (
+        ("free min-cut", _candidate_named(graphs, "graph_000_r1", 990, compiled)),
+        ("per-block checkpointing", _candidate_named(graphs, "graph_000_r2", 900, compiled))))
+    assert fn == "graph_000_r1's callable" and compiled == ["graph_000_r1"]
+
+
+def test_with_every_candidate_over_the_target_the_lowest_checked_names_the_budget():
+    graphs, compiled = [_record("graph_000", 1200)], []
+    with pytest.raises(BudgetInfeasibleError) as raised:
+        overrule_or_refuse("smallest", graphs, 1300, (
+            ("free min-cut", _candidate_named(graphs, "graph_000_r1", 1250, compiled)),
+            ("per-block checkpointing", _candidate_named(graphs, "graph_000_r2", 1100, compiled))))
+    assert graphs == [] and compiled == ["graph_000_r1", "graph_000_r2"]
+    error = raised.value
+    assert error.min_feasible_bytes == 1100
+    assert _target_for(error.min_budget_bytes) >= 1100 > _target_for(error.min_budget_bytes - 1)
 
 
 def test_a_candidate_whose_check_cannot_see_every_allocation_does_not_overrule():
@@ -82,7 +125,7 @@ def test_a_candidate_whose_check_cannot_see_every_allocation_does_not_overrule()
         return "free", CheckedPeak(990, 990, 990, 0, 0, 0, library_calls=frozenset({"convolution"}))
 
     with pytest.raises(BudgetInfeasibleError) as raised:
-        overrule_or_refuse("smallest", graphs, 1300, convolution_candidate)
+        overrule_or_refuse("smallest", graphs, 1300, (("free min-cut", convolution_candidate),))
     assert graphs == [] and raised.value.min_feasible_bytes == 1300
 
 
@@ -93,7 +136,7 @@ def test_an_untrusted_smallest_plan_keeps_its_simulated_figure_against_a_higher_
     candidate's 1400; the corpus's hf-llama-eager floor went from 6.48 MB to 9.76 MB that way)."""
     graphs = [_record("graph_000", 1200)]
     with pytest.raises(BudgetInfeasibleError) as raised:
-        overrule_or_refuse("smallest", graphs, None, _candidate(graphs, 1400))
+        overrule_or_refuse("smallest", graphs, None, (("free min-cut", _candidate(graphs, 1400)),))
     assert graphs == []
     assert raised.value.min_feasible_bytes == 1200 and raised.value.min_budget_bytes == 1264
 
