@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from ._torch_dynamo import passthrough_error_class
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
-from .pipeline import SMALLEST_PEAK_CANDIDATE, refusal_candidates
+from .pipeline import FREE_MINCUT_CANDIDATE, SMALLEST_PEAK_CANDIDATE, refusal_candidates
 from .inductor_check import CheckedPeak, checked_peak_of, trusted_peak_bytes
 from .inductor_verdict import Judgement, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
 from .units import format_bytes, format_gb_up
@@ -68,9 +68,10 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         if record.refusal is not None:
             # A graph sharing a step has no candidates: compiling one repeats the share's search (minutes on
             # GPT-2's body under load), and what they save is what a share rarely admits.
-            candidates = () if compile_candidate is None or record.step_share is not None or record.facts is None else tuple(
+            kinds = (FREE_MINCUT_CANDIDATE,) if record.facts is None else refusal_candidates(record.facts)
+            candidates = () if compile_candidate is None or record.step_share is not None else tuple(
                 (kind, functools.partial(_checked_candidate, compile_candidate, record, kind, device_type, outputs_held))
-                for kind in refusal_candidates(record.facts))
+                for kind in kinds)
             return overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                                       candidates, rejected)
         target = record.base_target_bytes if record.check_target_bytes is None else record.check_target_bytes

@@ -103,3 +103,28 @@ def test_the_smallest_peak_is_at_most_checkpointing_every_block():
     checkpointed = evaluate(facts, blocks)
     smallest, _ = solve_greedy.smallest_peak_plan(facts, solver_starts(facts, evaluate(facts, min_cut_saved(facts))))
     assert smallest.peak_bytes <= checkpointed.peak_bytes
+
+
+def test_a_refused_budget_has_inductor_check_the_per_block_checkpointing_plan(tmp_path):
+    """At a budget nothing meets, the backend compiles and checks the smallest-peak plan, the free
+    min-cut plan and then the per-block checkpointing plan (``pipeline.refusal_candidates``), and the
+    error names the budget the lowest checked of them fits; each judged plan leaves its dump."""
+    import json
+
+    import remat
+    from remat.errors import BudgetInfeasibleError
+
+    torch._dynamo.reset()
+    model = _SharedGateStack()
+    backend = remat.backend(1e-6, dump_dir=tmp_path)
+    compiled = torch.compile(model, backend=backend)
+    try:
+        compiled(torch.randn(16, 32)).backward()
+        raise AssertionError("a 1 kB budget was accepted")
+    except BudgetInfeasibleError as error:
+        named = error.min_budget_bytes
+    finally:
+        torch._dynamo.reset()
+    solvers = {p.parent.name: json.loads(p.read_text())["solver"] for p in tmp_path.glob("*/plan.json")}
+    assert any(s.startswith("per-block checkpointing") for s in solvers.values()), solvers
+    assert named is not None and named > 1000
