@@ -30,13 +30,13 @@ from typing import AbstractSet, Callable, Iterator, Optional
 from ..errors import BudgetInfeasibleError, raise_budget_hint
 from ..options import DEFAULT_MILP_TIME_LIMIT_S, SOLVERS, smallest_budget_bytes
 from ..units import format_bytes, format_gb_up, format_seconds
-from ..simulator import Evaluated, evaluate
+from ..simulator import Evaluated, evaluate, partition_of
 from .held_cap import reduce_saved_bytes
 from .block_start import block_checkpoint_saved
 from .joint_graph import JointGraphFacts
 from ..simulator.kernel_facts import storage_owner
 from .mincut import min_cut_saved, saved_cost_bytes
-from ..simulator.schedule import register_only
+from ..simulator.schedule import hold_intermediates, register_only
 from .solve_greedy import smallest_peak_plan, solve_greedy
 from .solve_milp import solve_min_time
 
@@ -357,7 +357,8 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
 def block_checkpoint_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes: Optional[int]
                           ) -> Optional[Plan]:
     """The plan of checkpointing every repeated block (``block_start.block_checkpoint_saved``) as it is,
-    with ``fits_budget=False``, or None when the graph has no two blocks: a candidate for Inductor's
+    each recomputed value built once and held (``schedule.hold_intermediates``), with
+    ``fits_budget=False``, or None when the graph has no two blocks: a candidate for Inductor's
     check at a budget the simulator refused, whatever its simulated peak (on a drawn T5 the simulator
     put it at 2.48 MB and the search's smallest-peak plan at 1.93; Inductor's code peaked at 1.72 and
     1.85 MB)."""
@@ -367,6 +368,7 @@ def block_checkpoint_plan(facts: JointGraphFacts, budget_bytes: Optional[int], t
         return None
     with _cyclic_gc_paused():
         no_remat, mincut_saved = evaluate(facts, _save_all(facts)), min_cut_saved(facts)
+        hold_intermediates(facts, partition_of(facts, saved)[1])   # as checkpointing runs it: each value built once
         mincut, chosen = evaluate(facts, mincut_saved), evaluate(facts, saved)
         dropped = tuple(n for n in facts.order if n in _save_all(facts) - chosen.chosen)
         return _plan_record(facts, budget_bytes, target_bytes, "per-block checkpointing (a candidate for Inductor's "
