@@ -68,10 +68,11 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         if record.refusal is not None:
             # A graph sharing a step has no candidates: compiling one repeats the share's search (minutes on
             # GPT-2's body under load), and what they save is what a share rarely admits.
-            kinds = (FREE_MINCUT_CANDIDATE,) if record.facts is None else refusal_candidates(record.facts)
-            candidates = () if compile_candidate is None or record.step_share is not None else tuple(
-                (kind, functools.partial(_checked_candidate, compile_candidate, record, kind, device_type, outputs_held))
-                for kind in kinds)
+            candidates: tuple = ()
+            if compile_candidate is not None and record.step_share is None:
+                kinds = (FREE_MINCUT_CANDIDATE,) if record.facts is None else refusal_candidates(record.facts)
+                candidates = tuple((kind, functools.partial(_checked_candidate, compile_candidate, record, kind,
+                                                            device_type, outputs_held)) for kind in kinds)
             return overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                                       candidates, rejected)
         target = record.base_target_bytes if record.check_target_bytes is None else record.check_target_bytes

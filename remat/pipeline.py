@@ -186,8 +186,9 @@ def candidate_plan(kind: str, facts: JointGraphFacts, request: PlanningRequest) 
     """The plan of candidate ``kind`` (one of ``refusal_candidates``) for ``request``'s refused budget."""
     if kind == FREE_MINCUT_CANDIDATE:
         return free_mincut_candidate(facts, request)
-    plan = block_checkpoint_plan(facts, request.budget_bytes, request.target_bytes)
-    if kind != BLOCK_CHECKPOINT_CANDIDATE or plan is None:
+    plan = None if kind != BLOCK_CHECKPOINT_CANDIDATE else block_checkpoint_plan(facts, request.budget_bytes,
+                                                                                 request.target_bytes)
+    if plan is None:
         raise ValueError(f"no {kind!r} candidate plan for this graph (its candidates: {refusal_candidates(facts)})")
     return plan
 

@@ -367,10 +367,11 @@ def block_checkpoint_plan(facts: JointGraphFacts, budget_bytes: Optional[int], t
     if saved is None:
         return None
     with _cyclic_gc_paused():
-        no_remat, mincut_saved = evaluate(facts, _save_all(facts)), min_cut_saved(facts)
+        save_all, mincut_saved = _save_all(facts), min_cut_saved(facts)
+        no_remat = evaluate(facts, save_all)
         hold_intermediates(facts, partition_of(facts, saved)[1])   # as checkpointing runs it: each value built once
         mincut, chosen = evaluate(facts, mincut_saved), evaluate(facts, saved)
-        dropped = tuple(n for n in facts.order if n in _save_all(facts) - chosen.chosen)
+        dropped = tuple(n for n in facts.order if n in save_all - chosen.chosen)
         return _plan_record(facts, budget_bytes, target_bytes, "per-block checkpointing (a candidate for Inductor's "
                             "check)", chosen, no_remat, mincut, mincut_saved, dropped, mincut, False, t0)
 
