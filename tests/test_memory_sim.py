@@ -410,17 +410,20 @@ def test_the_pieces_of_a_split_are_views_not_buffers():
     assert len(pieces) == 3 and {kinds[n] for n in pieces} == {ALIAS}
 
 
-def test_a_tied_weights_gradient_product_runs_where_inductor_fuses_it_into_addmm():
+@pytest.mark.parametrize("tokens", [64, 4])
+def test_a_tied_weights_gradient_product_runs_apart_when_fusing_it_would_hold_more(tokens):
     # The weight of a tied LM head is also the embedding's: its gradient is
     # add(mm(grad_logits^T, h), embedding_grad). Inductor's post-grad pass makes that one call,
     # addmm(embedding_grad, grad_logits^T, h), at the add's place (after the embedding's backward), so
-    # grad_logits (tokens x vocab) stays live until then, and the product has no buffer of its own:
-    # the simulator runs the add as that call, reading the product's operands. (The real pipeline's
+    # grad_logits (tokens x vocab) would stay live until then. remat keeps the product apart when its
+    # operands that would die early are more bytes than the product (64 tokens: 64 KiB + 8 KiB against
+    # 32 KiB), and lets Inductor fuse it otherwise (4 tokens: 4 KiB + 512 B): then the product has no
+    # buffer of its own and the add is that call, reading the product's operands. (The real pipeline's
     # joint graph passes cancel the transposes ``h @ w.t()`` leaves around the product; this capture
     # runs none, so the model is written without them.) rand-1277 of the corpus (a tied head, the loss
     # outside): the product's buffer next to the sum's made its no-budget plan simulate 7.8% over.
     torch.manual_seed(0)
-    idx, w, w1 = torch.randint(0, 256, (64,)), torch.randn(256, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+    idx, w, w1 = torch.randint(0, 256, (tokens,)), torch.randn(256, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
 
     def f(idx, w, w1):
         h = torch.tanh(torch.nn.functional.embedding(idx, w) @ w1)
@@ -430,15 +433,21 @@ def test_a_tied_weights_gradient_product_runs_where_inductor_fuses_it_into_addmm
     (grad,) = [facts.nodes[o] for o in facts.bwd_outputs if facts.nodes[o].op == "aten.add.Tensor"]   # w's
     (product, other), = [(a, b) for a, b in (grad.inputs, grad.inputs[::-1]) if facts.nodes[a].op == "aten.mm.default"]
     order = [s.name for s in steps if s.phase == "backward"]
-    assert product not in order and order.index(other) < order.index(grad.name)
-    # one buffer for the product and the sum, allocated at the add
-    assert not any(sid.startswith(product) for s in steps for sid, _ in s.allocs)
     at = next(i for i, s in enumerate(steps) if s.name == grad.name)
-    assert [n for _, n in steps[at].allocs] == [256 * 32 * 4]
-    # the logits' gradient (64 x 256 floats) is read by the add, and by nothing after it
     sizes = {sid: n for s in steps for sid, n in s.allocs}
-    (logits_grad,) = [sid for sid in steps[at].uses if sizes.get(sid) == 64 * 256 * 4]
-    assert not any(logits_grad in s.uses for s in steps[at + 1:])
+    logits_grads = [sid for s in steps for sid, n in s.allocs if n == tokens * 256 * 4 and s.phase == "backward"]
+    if tokens == 4:     # fused: one buffer for the product and the sum, allocated at the add
+        assert product not in order and order.index(other) < order.index(grad.name)
+        assert not any(sid.startswith(product) for s in steps for sid, _ in s.allocs)
+        assert [n for _, n in steps[at].allocs] == [256 * 32 * 4]
+        # the logits' gradient (tokens x 256 floats) is read by the add, and by nothing after it
+        (logits_grad,) = [sid for sid in steps[at].uses if sizes.get(sid) == tokens * 256 * 4]
+        assert not any(logits_grad in s.uses for s in steps[at + 1:])
+    else:               # apart: the product has its own buffer, before the embedding's gradient
+        assert order.index(product) < order.index(other) < order.index(grad.name)
+        assert any(sid.startswith(product) for s in steps for sid, _ in s.allocs)
+        # the logits' gradient is dead before the add
+        assert logits_grads and not any(sid in s.uses for sid in logits_grads for s in steps[at:])
 
 
 @pytest.mark.parametrize("permuted", [True, False])

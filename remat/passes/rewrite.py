@@ -7,6 +7,10 @@ recomputed node once, at the top of the backward (joint-graph order).
 a value the schedule recomputes several times gets one copy per instance, and
 every copy reads the instances the schedule names. Every recomputed copy is
 tagged with a frozen ``RecomputeTag`` under ``node.meta[REMAT_KEY]``.
+
+An add whose matrix product the simulator keeps apart from Inductor's addmm fusion
+(``kernel_steps.adds_kept_apart``) is written ``sub(a, neg(b))``: the same sum, exactly,
+in a form Inductor's pattern does not fuse, so the product runs where the schedule puts it.
 """
 
 from __future__ import annotations
@@ -14,15 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import fx
 
 from ..cost_model.tensors import is_mutating_op
 from ..units import format_bytes
 from .joint_graph import JointGraphFacts, is_collective
 from .plan import Plan
+from ..simulator.kernel_steps import adds_kept_apart
 from ..simulator.schedule import Scheduled, backward_order, partition_nodes
 
 REMAT_KEY = "remat"
+KEPT_APART_KEY = "remat_kept_apart"    # node.meta of a sum written apart from its product, with the reason
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ def place_recompute_regions(bw: fx.GraphModule, facts: JointGraphFacts, plan: Pl
     """
     partition = partition_nodes(facts, set(plan.saved))
     order = backward_order(facts, partition)
+    kept_apart = adds_kept_apart(facts, order)
     first_use = _first_uses(order)
     reasons = {d.name: d.reason for d in plan.decisions}
 
@@ -109,7 +117,8 @@ def place_recompute_regions(bw: fx.GraphModule, facts: JointGraphFacts, plan: Pl
         if old is None or old not in live or old.op in ("placeholder", "output"):
             continue
         k = counts.get(entry.name, 0) if entry.region >= 0 else 0
-        copy = _copy_node(new_graph, old, lookup(dict(entry.reads)), f"{old.name}_r{k}" if k else None)
+        copy = _copy_node(new_graph, old, lookup(dict(entry.reads)), f"{old.name}_r{k}" if k else None,
+                          apart=entry.instance in kept_apart)
         if entry.region >= 0:
             counts[entry.name] = k + 1
             copy.meta[REMAT_KEY] = RecomputeTag(entry.region, first_use.get(entry.region, ""),
@@ -127,14 +136,32 @@ def place_recompute_regions(bw: fx.GraphModule, facts: JointGraphFacts, plan: Pl
     return new_bw, _summaries(new_bw, facts)
 
 
-def _copy_node(graph: fx.Graph, node: fx.Node, arg: Callable[[fx.Node], fx.Node], name: str | None) -> fx.Node:
-    """``graph.node_copy``, under ``name`` when given (a second recomputation of a node)."""
+def _copy_node(graph: fx.Graph, node: fx.Node, arg: Callable[[fx.Node], fx.Node], name: str | None,
+               apart: bool = False) -> fx.Node:
+    """``graph.node_copy``, under ``name`` when given (a second recomputation of a node);
+    ``apart``: an add written as ``sub(a, neg(b))`` (the module docstring)."""
+    if apart:
+        return _sum_apart(graph, node, arg, name or node.name)
     if name is None:
         return graph.node_copy(node, arg)
     copy = graph.create_node(node.op, node.target, fx.map_arg(node.args, arg), fx.map_arg(node.kwargs, arg),
                              name, node.type)
     copy.meta = dict(node.meta)
     return copy
+
+
+def _sum_apart(graph: fx.Graph, node: fx.Node, arg: Callable[[fx.Node], fx.Node], name: str) -> fx.Node:
+    """``add(a, b, alpha=k)`` as ``sub(a, neg(b), alpha=k)``: ``a - k*(-b)`` is ``a + k*b`` exactly
+    (negation is exact), and no addmm pattern matches a ``sub``."""
+    a, b = fx.map_arg(node.args, arg)
+    negated = graph.create_node("call_function", torch.ops.aten.neg.default, (b,), {}, f"{name}_neg")
+    negated.meta = {key: b.meta[key] for key in ("val", "tensor_meta") if key in b.meta}
+    total = graph.create_node("call_function", torch.ops.aten.sub.Tensor, (a, negated),
+                              fx.map_arg(node.kwargs, arg), name, node.type)
+    total.meta = dict(node.meta)
+    total.meta[KEPT_APART_KEY] = ("its matrix product runs at its own place: fused into this sum by "
+                                  "Inductor's addmm pattern it would hold more until here than its result")
+    return total
 
 
 def _live_nodes(graph: fx.Graph, output: fx.Node) -> set[fx.Node]:

@@ -15,7 +15,8 @@ from .._torch_inductor import InductorConfig
 POINTWISE = "pointwise"    # a loop Inductor may inline into its readers
 REDUCTION = "reduction"    # a loop with a reduction: always gets a buffer
 EXTERN = "extern"          # a library call (mm, conv, attention, fallbacks): buffer in, buffer out
-SCATTER = "scatter"        # copies its first input into a new buffer, then scatters into it in place
+SCATTER = "scatter"        # copies its first input into a new buffer, then scatters into it in place;
+                           # its other inputs (indices, values) are read inside its loop, unrealized
 ALIAS = "alias"            # a view or getitem: the memory of its first input
 LOOP_KINDS = (POINTWISE, REDUCTION)
 
@@ -80,8 +81,12 @@ class Lowering:
             self.mark_reuse(op.name, op.users, index)
             return
         sources: frozenset[str] = frozenset()
-        for position, name in enumerate(op.inputs):
-            if op.kind == EXTERN or (op.kind == SCATTER and position > 0):
+        for name in op.inputs:
+            # a library call reads buffers; a scatter's lowering (index_put_impl_, scatter_reduce_ in
+            # torch 2.13's lowering.py) reads its indices and values through loaders, so a pointwise
+            # value is computed inside the scatter's loop and its inputs live until then (measured: a
+            # tied LM's embedding gradient, 256 kB x 2 held to the scatter)
+            if op.kind == EXTERN:
                 self.realize(name, index - 0.5)
             sources |= self.source(name)
         self.loads[op.name] = sources

@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Sequence
 
 from ..passes.joint_graph import JointGraphFacts
 from ..passes.partition import Partition, Scheduled
-from .addmm_fusion import addmm_fusions, without_fused_products
+from .addmm_fusion import addmm_fusions, products_kept_apart, without_fused_products
 from .kernel_facts import CHANNELS_LAST_SUFFIX, COPY_SUFFIX, KernelFacts, kernel_facts_of, op_short_name
 from .kernel_lowering import EXTERN, SCATTER, GraphOp
 from .kernel_schedule import schedule_kernels
@@ -45,7 +45,8 @@ class _Graph:
     def __init__(self, facts: JointGraphFacts, cache: KernelFacts, instances: Sequence[tuple[str, str]],
                  outputs: set[str], outer_storages: Callable[[str], tuple[str, ...]], donated: frozenset[str],
                  reads: Mapping[str, Mapping[str, str]] | None = None,
-                 estimated_inputs: frozenset[str] = frozenset(), copied_views: frozenset[str] = frozenset()) -> None:
+                 estimated_inputs: frozenset[str] = frozenset(), copied_views: frozenset[str] = frozenset(),
+                 keep_products_apart: bool = False) -> None:
         self.facts = facts
         self.copied_views = copied_views                 # returned views Inductor copies (``returned_views``)
         self.estimated_inputs = estimated_inputs         # inputs only Inductor's estimate holds (see steps)
@@ -59,9 +60,12 @@ class _Graph:
         self.inputs_of = {inst: tuple(self.input_instance(inst, i) for i in cache.static[name].inputs)
                           for name, inst in self.instances}
         # Inductor's addmm fusion makes such a product and its add one library call, ``addmm(other, a,
-        # b)``, where the add runs: the add reads the product's operands and is that call (``addmm_fusion``)
-        self.addmm_of = {add: product for product, (add, _) in
-                         addmm_fusions(facts, self.instances, self.inputs_of, outputs).items()}
+        # b)``, where the add runs: the add reads the product's operands and is that call (``addmm_fusion``),
+        # unless remat's rewrite keeps the two apart (``keep_products_apart``: the backward's graphs)
+        fused = addmm_fusions(facts, self.instances, self.inputs_of, outputs)
+        self.kept_apart = (products_kept_apart(facts, self.instances, self.inputs_of, outputs, fused)
+                           if keep_products_apart else frozenset())
+        self.addmm_of = {add: product for product, (add, _) in fused.items() if add not in self.kept_apart}
         for add, product in self.addmm_of.items():
             other = next(i for i in self.inputs_of[add] if i != product)
             self.inputs_of[add] = (other, *self.inputs_of[product])
@@ -321,13 +325,10 @@ def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequenc
             continue
         if node.allocs or (storages and storages <= cache.owned):
             donated.add(n)
-    bw_instances = [(s.name, s.instance) for s in bw_order]
+    bw_instances, reads, outputs = _backward_instances(facts, bw_order)
     regions = {s.instance: s.region for s in bw_order}
-    reads = {s.instance: dict(s.reads) for s in bw_order if s.reads}
-    last = {s.name: s.instance for s in bw_order}    # a gradient that is a recomputed value: its last copy
-    outputs = {last.get(o, o) for o in facts.bwd_outputs}
     backward = _Graph(facts, cache, bw_instances, outputs, backward_input, frozenset(donated), reads,
-                      frozenset(param_views))
+                      frozenset(param_views), keep_products_apart=True)
     bw_steps, bw_storages = backward.steps("backward", regions)
     steps = fw_steps + [Step("<tangents>", "backward", cache.tangent_allocs, (), external=True)] + bw_steps
     # the incoming gradients die at their last reader: the autograd engine hands them to AOTAutograd's
@@ -336,3 +337,23 @@ def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequenc
     # gradient to the end, 1,234,952 B)
     pinned = pinned_fw | {s for o in outputs for s in bw_storages(o)}
     return steps, pinned
+
+
+def _backward_instances(facts: JointGraphFacts, bw_order: Sequence[Scheduled]
+                        ) -> tuple[list[tuple[str, str]], dict[str, dict[str, str]], set[str]]:
+    """The backward's (node, instance) list, what each instance reads for a recomputed input, and
+    the instances it returns (a gradient that is a recomputed value: its last copy)."""
+    instances = [(s.name, s.instance) for s in bw_order]
+    reads = {s.instance: dict(s.reads) for s in bw_order if s.reads}
+    last = {s.name: s.instance for s in bw_order}
+    return instances, reads, {last.get(o, o) for o in facts.bwd_outputs}
+
+
+def adds_kept_apart(facts: JointGraphFacts, bw_order: Sequence[Scheduled]) -> frozenset[str]:
+    """The add instances of the backward ``bw_order`` whose matrix product remat keeps apart from
+    Inductor's addmm fusion (``addmm_fusion.products_kept_apart``): the same answer ``kernel_steps``
+    simulates, for the rewrite to write."""
+    instances, reads, outputs = _backward_instances(facts, bw_order)
+    graph = _Graph(facts, kernel_facts_of(facts), instances, outputs, lambda name: (), frozenset(), reads,
+                   keep_products_apart=True)
+    return graph.kept_apart
