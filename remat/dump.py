@@ -12,12 +12,13 @@ from .feedback_store import Correction
 from .pareto_curve import curve_for_graph, plot_curve, render_table
 from .passes.joint_graph import JointGraphFacts
 from .passes.plan import Plan
-from .passes.rewrite import REMAT_KEY, RecomputeTag, RegionSummary, describe_region
+from .passes.rewrite import KEPT_APART_KEY, REMAT_KEY, RecomputeTag, RegionSummary, describe_region
 from .report import dumps_plan, plan_to_json, render_report, render_symbolic_sizes
 
 
 def annotated_code(gm: fx.GraphModule, regions: tuple[RegionSummary, ...]) -> str:
-    """The module's Python code with each recompute region fenced by comments."""
+    """The module's Python code with each recompute region fenced by comments, and each sum the
+    rewrite kept apart from Inductor's addmm fusion preceded by its reason."""
     region_start: dict[str, RegionSummary] = {}
     region_end: dict[str, int] = {}
     by_id = {r.region: r for r in regions}
@@ -30,6 +31,7 @@ def annotated_code(gm: fx.GraphModule, regions: tuple[RegionSummary, ...]) -> st
     for name, region in region_end.items():
         last_of_region[region] = name
     closing = {name: region for region, name in last_of_region.items()}
+    kept_apart = {node.name: node.meta[KEPT_APART_KEY] for node in gm.graph.nodes if KEPT_APART_KEY in node.meta}
     out = []
     for line in gm.code.splitlines():
         stripped = line.strip()
@@ -39,6 +41,8 @@ def annotated_code(gm: fx.GraphModule, regions: tuple[RegionSummary, ...]) -> st
             out.append(f"    # ---- {describe_region(summary)}")
             for reason in summary.reasons:
                 out.append(f"    #      not saved: {reason}")
+        if name in kept_apart:
+            out.append(f"    # kept apart from Inductor's addmm fusion (written as a sub): {kept_apart[name]}")
         out.append(line)
         if name in closing:
             out.append(f"    # ---- end of recompute region {closing[name]}")

@@ -556,9 +556,11 @@ def test_a_tied_heads_weight_gradient_product_runs_at_its_own_place(tmp_path, mo
         peak = remat.measure_peak_bytes(lambda: compiled(idx).backward(), "cpu").peak_bytes
         return code, peak, {name: p.grad.clone() for name, p in model.named_parameters()}
 
-    apart = remat.backend(None, verify_peak=0)
+    apart = remat.backend(None, verify_peak=0, dump_dir=str(tmp_path / "dump"))
     code, apart_peak, grads = step(apart)
     assert code and not any("addmm" in c for c in code)
+    dumped = (tmp_path / "dump" / "graph_000" / "backward.py").read_text()
+    assert dumped.count("# kept apart from Inductor's addmm fusion") == 1, dumped
     (graph,) = apart.compiled_graphs
     checked = graph.judgement.checked_peak_bytes
     assert abs(checked - graph.judgement.simulated_peak_bytes) <= 0.01 * checked, graph.judgement
