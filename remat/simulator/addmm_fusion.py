@@ -40,7 +40,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ..passes.joint_graph import JointGraphFacts
-from .kernel_facts import has_op_tag, op_short_name
+from .kernel_facts import has_op_tag, kernel_facts_of, op_short_name
 
 
 _ADD, _MM = "aten.add.", "aten.mm."
@@ -124,14 +124,16 @@ def products_kept_apart(facts: JointGraphFacts, instances: Sequence[tuple[str, s
     own place: something runs between the product and the add, and the product's operands whose
     storages would die before the add if the product ran at its own place (no other reader from
     the add on; not a parameter's, not a graph output's) are more bytes than the product's. Fused,
-    those operands live until the add; apart, the product's result does. A tie keeps the fusion. Pure, like ``addmm_fusions``: the simulator and the
-    rewrite (``rewrite.place_recompute_regions``) ask it the same question and get the same answer."""
+    those operands live until the add; apart, the product's result does. A tie keeps the fusion.
+    Pure, like ``addmm_fusions``: the simulator and the rewrite (``rewrite.place_recompute_regions``)
+    ask it the same question and get the same answer."""
     if not fused:
         return frozenset()
     node_of = {inst: name for name, inst in instances}
     position = {inst: k for k, (_, inst) in enumerate(instances)}
     nodes = facts.nodes
-    storage_bytes = {sid: nbytes for node in nodes.values() if node.role != "primal" for sid, nbytes in node.allocs}
+    cache = kernel_facts_of(facts)     # per-graph constants: storage sizes, which storages the step made
+    freeable = cache.owned | {sid for sid, _ in cache.tangent_allocs}     # not a parameter's
 
     memo: dict[str, tuple[tuple[str, str], ...]] = {}
 
@@ -160,7 +162,8 @@ def products_kept_apart(facts: JointGraphFacts, instances: Sequence[tuple[str, s
             continue        # nothing runs between the two: the fusion moves nothing
         # fused, the product's operands live until the add; apart, each dies at its last other reader
         operands = {sid for i in inputs_of[product] for sid in storages(i)}
-        freed = sum(storage_bytes.get(sid, 0) for sid, suffix in operands if (sid, suffix) not in never_freed
+        freed = sum(cache.storage_bytes.get(sid, 0) for sid, suffix in operands
+                    if sid in freeable and (sid, suffix) not in never_freed
                     and max((k for k in read_at[sid, suffix] if k != at), default=-1) < until)
         if freed > nodes[node_of[product]].alloc_bytes:
             kept.add(add)
