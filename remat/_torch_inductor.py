@@ -9,10 +9,15 @@ in Inductor (torch 2.13.0):
   when it loads more than this many buffers (``ir.StorageBox.should_realize_on_reuse``).
 - ``realize_opcount_threshold`` (None: ``realize_cpu_opcount_threshold`` on CPU,
   ``_realize_opcount_threshold_default`` elsewhere): ... or when its inlined expression has more
-  ops than this (``ir.Loops.has_large_inner_fn``).
+  ops than this (``ir.Loops.has_large_inner_fn``). A pointwise op that broadcasts a smaller input
+  marks it reused once per element read (``lowering.expand``, ``graph_reuse=False``): the same
+  heavy/large tests, not the reads test.
 - ``realize_acc_reads_threshold`` (None: ``realize_cpu_acc_reads_threshold`` on CPU,
   ``_realize_acc_reads_threshold_default`` elsewhere): any pointwise value loading more buffers
   than this is stored (``ir.StorageBox.has_exceeded_max_reads``).
+- ``unroll_reductions_threshold``: a reduction over fewer elements than this is lowered as a
+  pointwise loop that unrolls it (``ir.Reduction.create``; on a CPU only when the result has more
+  than one element), which a reader may inline like any other pointwise value.
 - ``max_fusion_size``: the most nodes one fused kernel may hold (``choices.py: can_fuse``).
 - ``max_fusion_buffer_group_pairwise_attempts``: how many later readers of a buffer each reader
   is tried against as a fusion pair (``Scheduler.get_possible_fusions.check_all_pairs``).
@@ -58,6 +63,7 @@ class InductorConfig:
     realize_acc_reads_threshold: int | None         # None: the device's default below
     realize_cpu_acc_reads_threshold: int
     realize_gpu_acc_reads_threshold: int            # ``_realize_acc_reads_threshold_default``
+    unroll_reductions_threshold: int
     max_fusion_size: int
     max_fusion_buffer_group_pairwise_attempts: int
     score_fusion_memory_threshold: int              # least shared bytes of a horizontal fusion
@@ -95,6 +101,7 @@ def inductor_config() -> InductorConfig:
         realize_acc_reads_threshold=config.realize_acc_reads_threshold,
         realize_cpu_acc_reads_threshold=int(config.realize_cpu_acc_reads_threshold),
         realize_gpu_acc_reads_threshold=int(config._realize_acc_reads_threshold_default),
+        unroll_reductions_threshold=int(config.unroll_reductions_threshold),
         max_fusion_size=int(config.max_fusion_size),
         max_fusion_buffer_group_pairwise_attempts=int(config.max_fusion_buffer_group_pairwise_attempts),
         score_fusion_memory_threshold=int(config.score_fusion_memory_threshold),

@@ -166,6 +166,44 @@ def test_cheap_pointwise_value_read_twice_is_inlined_an_expensive_one_stored():
     assert all(k.loads == ("x",) for k in inlined.kernels)
 
 
+def test_a_heavy_value_read_broadcast_is_stored_and_its_reader_inlined():
+    """A log-softmax's tail: ``log`` of the row sums (heavy, one value per row) is read by a loop over
+    every logit, which broadcasts it; Inductor's ``expand`` marks it reused once per logit of its row
+    (``graph_reuse=False``), so it is stored, and the shifted logits, with two readers and nothing heavy
+    left inlined, are not: no logits-sized buffer of theirs. A cheap broadcast value stays inlined."""
+    rows, logits = 128, 128 * 512
+    for heavy in (True, False):
+        ops = [op("m", EXTERN, ("x",), nbytes=4 * logits, numel=logits, users=2),
+               op("a", REDUCTION, ("m",), nbytes=4 * rows, numel=rows, loop_numel=logits, users=1),
+               op("t", inputs=("m", "a"), nbytes=4 * logits, numel=logits, users=2),
+               op("s", REDUCTION, ("t",), nbytes=4 * rows, numel=rows, loop_numel=logits, users=1, inner_reduction=True),
+               op("l", inputs=("s",), nbytes=4 * rows, numel=rows, users=1, heavy=heavy),
+               op("u", inputs=("t", "l"), nbytes=4 * logits, numel=logits, users=2),
+               op("e", inputs=("u",), nbytes=4 * logits, numel=logits, users=1, is_output=True, heavy=True),
+               op("g", REDUCTION, ("u",), nbytes=4, numel=1, loop_numel=logits, users=1, is_output=True)]
+        schedule = schedule_kernels(ops, {"x": MIB})
+        stored = {b for k in schedule.kernels for b in k.buffers}
+        assert ("l" in stored) == heavy and "u" not in stored, (heavy, stored)
+
+
+def test_a_scatters_fill_is_its_own_node_in_the_peak_memory_orders():
+    """Inductor runs a scatter as two scheduler nodes: the loop filling its buffer (zeros, for an
+    embedding's gradient), which allocates and frees nothing, and the fallback scattering the values
+    into it, which frees them. Its LPMF order therefore runs the weight gradients (graph outputs that
+    free their inputs) before the fill, not after one node that both allocates and frees (hf-1353, a
+    tied Mistral: its backward kept the weight gradients where they were, 4,214,528 B; the model, one
+    node, ran them after the scatter and simulated 3,821,312 B)."""
+    from remat.simulator.peak_reorder import _Graph
+
+    members = {n: [n] for n in ("w1", "w2", "s", "a")}
+    loads = {"w1": frozenset({"x1"}), "w2": frozenset({"x2"}), "s": frozenset({"v"}), "a": frozenset({"s", "l"})}
+    nbytes = dict.fromkeys(members, 393216)
+    inputs = {"x1": 180224, "x2": 180224, "v": 246272, "l": 131072}
+    args = (["s", "w1", "w2", "a"], members, loads, nbytes, frozenset({"w1", "w2", "a"}), {}, inputs)
+    assert _Graph(*args).lpmf() == ["s", "a", "w1", "w2"]
+    assert _Graph(*args, fills={"s": frozenset()}).lpmf() == ["w1", "w2", "s#fill", "s", "a"]
+
+
 def test_loops_sharing_an_input_fuse_and_allocate_together():
     ops = [op("a", inputs=("x",), users=1), op("b", inputs=("x",), users=1),
            op("ea", EXTERN, ("a",), users=0), op("eb", EXTERN, ("b",), users=0)]

@@ -65,7 +65,8 @@ class Liveness:
             for sid, nbytes in facts.nodes[name].allocs:
                 self.bytes_of[sid] = nbytes
                 self.bytes_of[sid + RECOMPUTE_SUFFIX] = nbytes
-        self.kind = {n: kernel_kind(facts, n) for n in facts.order}
+        unroll_below = graph_inductor_config(facts).unroll_reductions_threshold
+        self.kind = {n: kernel_kind(facts, n, unroll_below=unroll_below) for n in facts.order}
         # Inductor's reorder_for_peak_memory (``simulator/peak_reorder.py``) may run the backward's
         # calls in any order their dependences allow: then only ancestors certainly ran before
         # a call, and only descendants certainly run after it

@@ -41,8 +41,34 @@ def op_short_name(node: NodeFacts) -> str:
     return parts[1] if len(parts) >= 3 else node.op
 
 
-def kernel_kind(facts: JointGraphFacts, name: str) -> str:
-    """How Inductor lowers the node: a loop it may inline, a reduction, an extern call, a scatter, or a view."""
+def unrolled_reduction_elements(facts: JointGraphFacts, name: str, unroll_below: int) -> int:
+    """How many elements each output element of reduction ``name`` reduces when Inductor lowers it
+    as a pointwise loop that unrolls them (else 0).
+
+    ``ir.Reduction.create`` (torch 2.13) returns a ``Pointwise`` for a reduction over one element,
+    or over fewer than ``unroll_below`` (``config.unroll_reductions_threshold``) whose result has
+    more than one element on a CPU (any result on a GPU): a sum over a batch of 4, a bias gradient
+    over 2 rows. Its readers then inline it like any pointwise value, so what it reads stays alive
+    until they run. Single-output reductions only: a tuple (``var_mean``, ``max.dim``) is counted as
+    stored."""
+    node = facts.nodes[name]
+    if not node.fusible_consumer or node.inlinable or node.is_view or node.is_getitem or node.is_multi_output \
+            or not node.inputs or node.numel <= 0:
+        return 0
+    source = facts.nodes[node.inputs[0]]
+    if not source.is_tensor or source.numel % node.numel:
+        return 0
+    elements = source.numel // node.numel
+    if elements <= 1:
+        return 1
+    if elements < unroll_below and (node.numel != 1 or node.device not in ("", "cpu")):
+        return elements
+    return 0
+
+
+def kernel_kind(facts: JointGraphFacts, name: str, *, unroll_below: int) -> str:
+    """How Inductor lowers the node: a loop it may inline, a reduction, an extern call, a scatter, or a view.
+    ``unroll_below``: ``InductorConfig.unroll_reductions_threshold`` (``unrolled_reduction_elements``)."""
     node = facts.nodes[name]
     if not node.is_tensor or node.op == "placeholder":
         return ALIAS
@@ -52,7 +78,7 @@ def kernel_kind(facts: JointGraphFacts, name: str) -> str:
             return ALIAS
         # an output of a multi-output call (Inductor's MultiOutput), one buffer of a multi-output loop, or
         # one view of a view op's tuple (split, unbind: ``lowering.split`` makes slices, no buffer)
-        kind = kernel_kind(facts, source.name)
+        kind = kernel_kind(facts, source.name, unroll_below=unroll_below)
         return EXTERN if kind in (EXTERN, SCATTER) else ALIAS if kind == ALIAS else REDUCTION
     if node.is_view:
         return ALIAS
@@ -64,7 +90,7 @@ def kernel_kind(facts: JointGraphFacts, name: str) -> str:
     if node.inlinable or short in LOOP_OPS or short in MUTATIONS:
         return POINTWISE
     if node.fusible_consumer:
-        return REDUCTION
+        return POINTWISE if unrolled_reduction_elements(facts, name, unroll_below) else REDUCTION
     return EXTERN
 
 
@@ -84,10 +110,11 @@ class _Static:
     layout: str                           # "channels_last" when Inductor lays it out so, else ""
     concat: bool = False                  # a cat on CPU: Inductor's ConcatKernel (``CPU_CONCAT_OPS``)
     seeded: bool = False                  # its op is tagged ``nondeterministic_seeded`` (``_seeded``)
+    unrolled: int = 0                     # a reduction lowered as a pointwise loop over this many elements
 
 
 def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layouts: Mapping[str, str],
-               storage_bytes: Mapping[str, int]) -> _Static:
+               storage_bytes: Mapping[str, int], unroll_below: int) -> _Static:
     node = facts.nodes[name]
     kind = kinds[name]
     short = op_short_name(node)
@@ -121,6 +148,7 @@ def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layo
         layout=layouts.get(name, ""),
         concat=kind == POINTWISE and short in CPU_CONCAT_OPS and node.device == "cpu",
         seeded=_seeded(node.op),
+        unrolled=unrolled_reduction_elements(facts, name, unroll_below) if kind == POINTWISE else 0,
     )
 
 
@@ -213,10 +241,12 @@ class KernelFacts:
         self.inductor = inductor_config()      # read once per graph, when it is first simulated
         kinds: dict[str, str] = {}
         for name in facts.order:
-            kinds[name] = kernel_kind(facts, name)
+            kinds[name] = kernel_kind(facts, name, unroll_below=self.inductor.unroll_reductions_threshold)
         self.storage_bytes = {sid: n for node in facts.nodes.values() for sid, n in node.allocs}
         self.layouts = _layouts(facts, kinds)
-        self.static = {name: _static_of(facts, name, kinds, self.layouts, self.storage_bytes) for name in facts.order}
+        unroll_below = self.inductor.unroll_reductions_threshold
+        self.static = {name: _static_of(facts, name, kinds, self.layouts, self.storage_bytes, unroll_below)
+                       for name in facts.order}
         # views Inductor copies when the forward returns them (``returned_views``): view -> (its base, bytes)
         base_of = {name: storage_owner(node.value_storages[0]) for name, node in facts.nodes.items()
                    if node.is_view and len(node.value_storages) == 1}

@@ -39,6 +39,7 @@ class GraphOp(NamedTuple):
     layout: str = ""              # memory layout ("channels_last" or "" for the default): in-place needs equal ones
     concat: bool = False          # a CPU cat: its ConcatKernel allocates it, never in place (``CPU_CONCAT_OPS``)
     seeded: bool = False          # tagged nondeterministic_seeded: under fallback_random, after the previous such op
+    unrolled: int = 0             # a reduction Inductor lowers as a pointwise loop unrolling this many elements
 
 
 class Lowering:
@@ -65,21 +66,35 @@ class Lowering:
         if name in self.loads and name not in self.position:
             self.position[name] = at
 
-    def mark_reuse(self, name: str, users: int, at: float) -> None:
+    def mark_reuse(self, name: str, users: int, at: float, graph_reuse: bool = True) -> None:
+        """``StorageBox.mark_reuse``: a pointwise value read ``users`` times is stored when it is heavy,
+        large, or (``graph_reuse``: the readers are graph users) loads many buffers."""
         name = self.base.get(name, name)
         op = self.op.get(name)
         if op is None or op.kind != POINTWISE or name in self.position or users <= 1:
             return
         limits = self.config
         if (self.heavy[name] or self.opcount[name] > limits.cpu_opcount_threshold
-                or len(self.loads[name]) > limits.realize_reads_threshold):
+                or (graph_reuse and len(self.loads[name]) > limits.realize_reads_threshold)):
             self.position[name] = at
+
+    def broadcast_reuse(self, op: GraphOp, at: float) -> None:
+        """A pointwise op that broadcasts an input reads each of its elements many times: Inductor's
+        ``lowering.expand`` (which ``broadcast_tensors`` calls for every pointwise op's smaller inputs)
+        marks it reused that many times, not as graph fan-out (``graph_reuse=False``): a heavy or large
+        expression is stored (a log-softmax's ``log`` of the row sums, read once per logit)."""
+        for name in op.inputs:
+            base = self.op.get(self.base.get(name, name))
+            if base is not None and 0 < base.numel < op.numel:
+                self.mark_reuse(base.name, op.numel // base.numel, at, graph_reuse=False)
 
     def lower(self, index: int, op: GraphOp) -> None:
         if op.kind == ALIAS:
             self.base[op.name] = self.base.get(op.inputs[0], op.inputs[0]) if op.inputs else op.name
             self.mark_reuse(op.name, op.users, index)
             return
+        if op.kind == POINTWISE:
+            self.broadcast_reuse(op, index - 0.5)
         sources: frozenset[str] = frozenset()
         for name in op.inputs:
             # a library call reads buffers; a scatter's lowering (index_put_impl_, scatter_reduce_ in
@@ -96,7 +111,10 @@ class Lowering:
         unrealized = [self.base.get(i, i) for i in op.inputs]
         unrealized = [i for i in unrealized if i in self.loads and i not in self.position]
         self.heavy[op.name] = op.heavy or any(self.heavy.get(i, False) for i in unrealized)
-        self.opcount[op.name] = 1 + len(op.inputs) + sum(self.opcount.get(i, 0) for i in unrealized)
+        inlined = len(op.inputs) + sum(self.opcount.get(i, 0) for i in unrealized)
+        # an unrolled reduction evaluates its input once per element it reduces, combining them
+        # (``ir.Reduction._unroll_reduction_fn``); each load is at another index, so none is shared
+        self.opcount[op.name] = op.unrolled * inlined + op.unrolled - 1 if op.unrolled > 1 else 1 + inlined
         if op.users > 1 and op.is_output and sources:
             self.position[op.name] = index   # an output read in the graph too (a free fill waits for the end)
         if op.users > 1 and op.extern_user and len(sources) > 1:

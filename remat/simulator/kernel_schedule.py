@@ -112,8 +112,9 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
     reads = {n: frozenset().union(*(memory_of(d) for d in loads[n])) for n in nodes}
     order = topological_order(nodes, sets, loads, lowering.position, after)
     if config.reorder_for_peak_memory:
+        fills = {n: lowering.source(by_name[n].inputs[0]) for n in nodes if by_name[n].kind == SCATTER and by_name[n].inputs}
         order = reorder_for_peak_memory(order, sets.members, loads, {n: by_name[n].nbytes for n in nodes},
-                                        frozenset(n for n in nodes if by_name[n].is_output), after, input_bytes)
+                                        frozenset(n for n in nodes if by_name[n].is_output), after, input_bytes, fills)
     rank = {root: k for k, root in enumerate(order)}
     layouts = dict(input_layouts)
     layouts.update((o.name, o.layout) for o in ops)

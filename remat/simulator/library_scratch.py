@@ -73,7 +73,7 @@ def probed_calls(facts: JointGraphFacts) -> tuple[str, ...]:
     """The nodes whose scratch is measured (see the module docstring), in graph order."""
     return tuple(name for name in facts.order
                  if facts.nodes[name].op.count(".") == 2 and not facts.nodes[name].is_getitem
-                 and facts.nodes[name].recompute_ban is None and kernel_kind(facts, name) == EXTERN
+                 and facts.nodes[name].recompute_ban is None and kernel_kind(facts, name, unroll_below=0) == EXTERN
                  and op_short_name(facts.nodes[name]) not in EXACT_LIBRARY_CALLS)
 
 

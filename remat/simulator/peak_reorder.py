@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 
 # torch/_inductor/utils.py: is_nonfreeable_buffers
 _NONFREEABLE_PREFIXES = ("primals_", "arg", "fwd_rng_state", "bwd_rng_state", "tangents")
+FILL_SUFFIX = "#fill"     # the node filling a scatter's buffer (``_Graph``)
 
 
 class _Graph:
@@ -33,14 +34,20 @@ class _Graph:
 
     def __init__(self, order: Sequence[str], members: Mapping[str, Sequence[str]],
                  loads: Mapping[str, frozenset[str]], nbytes: Mapping[str, int], outputs: frozenset[str],
-                 after: Mapping[str, str], input_bytes: Mapping[str, int]) -> None:
-        self.order = list(order)
+                 after: Mapping[str, str], input_bytes: Mapping[str, int],
+                 fills: Mapping[str, frozenset[str]] = {}) -> None:
+        # a scatter is two of Inductor's nodes: the loop filling its buffer (a copy of its first input,
+        # often zeros), placed right before it, and the fallback scattering into that buffer in place
+        self.order = [node for r in order for node in ((r + FILL_SUFFIX, r) if r in fills else (r,))]
         self.index = {r: i for i, r in enumerate(self.order)}
-        root_of = {m: r for r in self.order for m in members[r]}
+        root_of = {m: r for r in order for m in members[r]}
         self.outputs = outputs
-        self.size = {r: sum(nbytes[m] for m in members[r]) for r in self.order}
-        self.buffers = {r: tuple(members[r]) for r in self.order}
-        self.buf_bytes: dict[str, int] = {m: nbytes[m] for r in self.order for m in members[r]}
+        owned = {r: tuple(members[r]) for r in order}
+        for r in fills:
+            owned[r + FILL_SUFFIX], owned[r] = owned[r], ()
+        self.size = {r: sum(nbytes[m] for m in owned[r]) for r in self.order}
+        self.buffers = owned
+        self.buf_bytes: dict[str, int] = {m: nbytes[m] for r in order for m in members[r]}
         self.freeable_inputs: dict[str, int] = {}
         self.readers: dict[str, list[str]] = {}          # buffer -> other nodes reading it (lifetime)
         self.pred_buffers: dict[str, list[str]] = {r: [] for r in self.order}
@@ -48,9 +55,23 @@ class _Graph:
         self.succs: dict[str, set[str]] = {r: set() for r in self.order}
         for r in self.order:
             read: dict[str, None] = {}
-            for m in members[r]:
-                for d in sorted(loads[m]):
+            if r.endswith(FILL_SUFFIX):
+                for d in sorted(fills[r[:-len(FILL_SUFFIX)]]):
                     read[d] = None
+            elif r in fills:       # the fallback reads the filled buffer, not what was copied into it
+                fill = r + FILL_SUFFIX
+                for m in members[r]:
+                    self.readers.setdefault(m, []).append(r)
+                    self.pred_buffers[r].append(m)
+                self.preds[r].add(fill)
+                self.succs[fill].add(r)
+                for m in members[r]:
+                    for d in sorted(loads[m] - fills[r]):
+                        read[d] = None
+            else:
+                for m in members[r]:
+                    for d in sorted(loads[m]):
+                        read[d] = None
             for d in read:
                 source = root_of.get(d)
                 if source == r:
@@ -65,7 +86,7 @@ class _Graph:
                     self.succs[source].add(r)
                 self.readers.setdefault(d, []).append(r)
                 self.pred_buffers[r].append(d)
-            for m in members[r]:
+            for m in members.get(r, ()):
                 if m in after and root_of.get(after[m], r) != r:
                     self.preds[r].add(root_of[after[m]])
                     self.succs[root_of[after[m]]].add(r)
@@ -178,18 +199,20 @@ class _Graph:
 def reorder_for_peak_memory(order: Sequence[str], members: Mapping[str, Sequence[str]],
                             loads: Mapping[str, frozenset[str]], nbytes: Mapping[str, int],
                             outputs: frozenset[str], after: Mapping[str, str],
-                            input_bytes: Mapping[str, int]) -> list[str]:
+                            input_bytes: Mapping[str, int],
+                            fills: Mapping[str, frozenset[str]] = {}) -> list[str]:
     """The order Inductor's ``reorder_for_peak_memory`` keeps for fused nodes ``order`` (each a
     root naming its ``members``, the realized ops it computes; ``loads``: what each member's
     computation loads, realized ops or graph inputs; ``nbytes``: each member's buffer;
     ``outputs``: members the graph returns; ``after``: member -> member it must follow;
-    ``input_bytes``: bytes of each graph input).
+    ``input_bytes``: bytes of each graph input; ``fills``: each scatter's root -> what the loop that
+    fills its buffer loads, the scatter's other loads being its fallback's).
 
     Guarantees: a permutation of ``order`` in which every node comes after the nodes whose buffers
     it loads and those its members must follow; the order with the lowest estimate among
     ``order`` itself and the LPMF, BFS and DFS orders, ``order`` on a tie, as Inductor picks."""
-    graph = _Graph(order, members, loads, nbytes, outputs, after, input_bytes)
-    best, best_peak = list(order), graph.estimate(order)
+    graph = _Graph(order, members, loads, nbytes, outputs, after, input_bytes, fills)
+    best, best_peak = graph.order, graph.estimate(graph.order)
     for method in (graph.lpmf, graph.bfs, graph.dfs):
         candidate = method()
         if len(candidate) != len(best):    # a cycle the approximate fusion let through: keep the order
@@ -197,7 +220,7 @@ def reorder_for_peak_memory(order: Sequence[str], members: Mapping[str, Sequence
         peak = graph.estimate(candidate)
         if peak < best_peak:
             best, best_peak = candidate, peak
-    return best
+    return [r for r in best if not r.endswith(FILL_SUFFIX)]
 
 
 __all__ = ["reorder_for_peak_memory"]
