@@ -216,5 +216,8 @@ def test_issue15_gradients_equal_plain_inductors(plain_inductor, name, fallback_
     # it names higher budgets on this model, where these plans measure over)
     loss, grads = _run(VARIANTS[name], remat.backend(budget_gb=budget_gb, inductor_check=False), fallback_random)
     plain_loss, plain_grads = plain_inductor(name, fallback_random)
-    assert loss == plain_loss
+    # within a few float32 ulps, not bit-equal: the forward returns what the plan saves, which changes
+    # the loops Inductor generates for it (on an AVX-512 machine the "no-dropout" plan's loss is 1 ulp
+    # from plain Inductor's); a dropout mask drawn again with other randomness moves it by far more
+    assert loss == pytest.approx(plain_loss, rel=1e-6, abs=0.0)
     assert_grads_close(grads, plain_grads)
