@@ -239,12 +239,10 @@ class KernelFacts:
 
     def __init__(self, facts: JointGraphFacts) -> None:
         self.inductor = inductor_config()      # read once per graph, when it is first simulated
-        kinds: dict[str, str] = {}
-        for name in facts.order:
-            kinds[name] = kernel_kind(facts, name, unroll_below=self.inductor.unroll_reductions_threshold)
+        unroll_below = self.inductor.unroll_reductions_threshold
+        kinds = {name: kernel_kind(facts, name, unroll_below=unroll_below) for name in facts.order}
         self.storage_bytes = {sid: n for node in facts.nodes.values() for sid, n in node.allocs}
         self.layouts = _layouts(facts, kinds)
-        unroll_below = self.inductor.unroll_reductions_threshold
         self.static = {name: _static_of(facts, name, kinds, self.layouts, self.storage_bytes, unroll_below)
                        for name in facts.order}
         # views Inductor copies when the forward returns them (``returned_views``): view -> (its base, bytes)

@@ -70,7 +70,8 @@ def probes_apply(profile: HardwareProfile, device: torch.device) -> bool:
 
 
 def probed_calls(facts: JointGraphFacts) -> tuple[str, ...]:
-    """The nodes whose scratch is measured (see the module docstring), in graph order."""
+    """The nodes whose scratch is measured (see the module docstring), in graph order. (Whether a node is
+    a library call does not depend on Inductor's reduction unrolling: ``unroll_below=0``.)"""
     return tuple(name for name in facts.order
                  if facts.nodes[name].op.count(".") == 2 and not facts.nodes[name].is_getitem
                  and facts.nodes[name].recompute_ban is None and kernel_kind(facts, name, unroll_below=0) == EXTERN

@@ -59,13 +59,11 @@ class _Graph:
                 for d in sorted(fills[r[:-len(FILL_SUFFIX)]]):
                     read[d] = None
             elif r in fills:       # the fallback reads the filled buffer, not what was copied into it
-                fill = r + FILL_SUFFIX
+                self.preds[r].add(r + FILL_SUFFIX)
+                self.succs[r + FILL_SUFFIX].add(r)
                 for m in members[r]:
                     self.readers.setdefault(m, []).append(r)
                     self.pred_buffers[r].append(m)
-                self.preds[r].add(fill)
-                self.succs[fill].add(r)
-                for m in members[r]:
                     for d in sorted(loads[m] - fills[r]):
                         read[d] = None
             else:
