@@ -140,19 +140,28 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu"
     return PeakMeasurement(window.peak_bytes, "cpu", "cpu-profiler", result, window.foreign_freed_bytes)
 
 
-def calls_peak_bytes(calls: Sequence[Callable[[], Any]], device: torch.device | str = "cpu") -> Optional[list[int]]:
+def calls_peak_bytes(calls: Sequence[Callable[[], Any]], device: torch.device | str = "cpu",
+                     measured: Optional[Sequence[bool]] = None) -> Optional[list[int]]:
     """The peak bytes each of ``calls`` allocates above its own start (as ``measure_peak_bytes`` counts
-    them: only allocations made inside it), run once each in order, or None when they cannot be measured
-    here without disturbing another measurement: a profiler is recording on this thread or a
-    ``StepWindow`` is open (a re-plan inside a measured step). On CPU all run in one profiler session,
-    each inside a marker whose span selects its allocation events (a session costs far more than a
-    short call). Used for short probes made while a graph compiles (``simulator/library_scratch.py``)."""
+    them: only allocations made inside it), run once each in order, or None, before any call runs, when
+    they cannot be measured here without disturbing another measurement: a profiler is recording on this
+    thread or a ``StepWindow`` is open (a re-plan inside a measured step). ``measured``: per call, whether
+    to measure it (default all); an unmeasured call runs in order, unmeasured, and reports 0 (a probe's
+    set-up: making the next call's inputs, dropping the last one's). On CPU all run in one profiler
+    session, each measured call inside a marker whose span selects its allocation events (a session
+    costs far more than a short call). Used for short probes made while a graph compiles
+    (``simulator/library_scratch.py``)."""
     device = torch.device(device)
     if profiler_running() or getattr(_OPEN, "window", None) is not None:
         return None
+    measured = [True] * len(calls) if measured is None else list(measured)
     if device.type == "cuda":
         peaks = []
-        for call in calls:
+        for call, measure in zip(calls, measured):
+            if not measure:
+                call()
+                peaks.append(0)
+                continue
             torch.cuda.synchronize(device)
             start = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -163,7 +172,10 @@ def calls_peak_bytes(calls: Sequence[Callable[[], Any]], device: torch.device | 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     def run_all() -> None:
-        for index, call in enumerate(calls):
+        for index, (call, measure) in enumerate(zip(calls, measured)):
+            if not measure:
+                call()
+                continue
             with record_function(f"{PROBE_MARKER}{index}"):
                 call()
 

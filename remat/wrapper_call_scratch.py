@@ -17,7 +17,7 @@ input's ``assert_size_stride``, each view's ``reinterpret_tensor``. So once Indu
 graph, each of its library calls (``torch.ops.<ns>.<op>.<overload>(...)`` or ``aten.<op>.<overload>(...)``
 statements of ops the joint-graph probe measures, and of every ``aten`` op not known to allocate
 nothing) is run once more on random tensors of exactly those layouts, and its scratch is measured the
-same way (``library_scratch.scratch_of_calls``), by the name the call's result is bound to, or the
+same way (``library_scratch.scratch_of_prepared``, one call at a time), by the name the call's result is bound to, or the
 statement of a call in place (``GraphCode.call_scratch``; ``GraphCode.remeasured_calls``: the ops
 every call of which was measured). Some calls exist only in the generated code: Inductor falls back
 to ``aten.scatter_reduce_`` in place for a max-pool's backward (corpus net rand-1321), which the joint
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import logging
 import re
 from collections import Counter
@@ -46,7 +47,7 @@ import torch
 
 from .cost_model.hardware import real_tensors
 from .graph_code import GraphCode, activation_dtype
-from .simulator.library_scratch import scratch_of_calls
+from .simulator.library_scratch import scratch_of_prepared
 from .cost_model.inductor_rules import COLLECTIVE_NAMESPACES, EXACT_LIBRARY_CALLS
 from .wrapper_text import ALLOC, ASSERT_SIZE, LIBRARY_CALL, call_body, ints_or_none
 
@@ -233,12 +234,10 @@ def _measured_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype]
         return []
     devices = [device] if device.type == "cuda" else []
     with real_tensors(), torch.random.fork_rng(devices=devices):
-        prepared = [(call, _prepared(call, device)) for call in calls]
-        runnable = [(call, run) for call, run in prepared if run is not None]
-        scratch = scratch_of_calls([run for _, run in runnable], device)
+        scratch = scratch_of_prepared([functools.partial(_prepared, call, device) for call in calls], device)
     if scratch is None:
         return []
-    return [(call, int(nbytes)) for (call, _), nbytes in zip(runnable, scratch)]
+    return [(call, int(nbytes)) for call, nbytes in zip(calls, scratch) if nbytes is not None]
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,46 @@ def test_calls_measured_in_one_session_each_count_their_own_allocations():
     assert calls_peak_bytes([output_only, with_temporary, output_only]) == [4000, 20040, 4000]
 
 
+def test_unmeasured_calls_run_in_order_and_count_nowhere():
+    from remat.measure import calls_peak_bytes
+
+    held = []
+    peaks = calls_peak_bytes([lambda: held.append(torch.zeros(2000)), lambda: held.append(torch.zeros(10)),
+                              held.clear], measured=[False, True, False])
+    assert peaks == [0, 40, 0] and held == []
+
+
+def test_a_probe_makes_one_calls_inputs_at_a_time_and_nothing_while_another_measurement_is_open():
+    """``scratch_of_prepared`` drops each call and its inputs before it makes the next one's (a probe made
+    while a graph compiles inside a step counts in the step's peak), and measures each call's own
+    working memory; inside another measurement it makes nothing."""
+    import weakref
+
+    from remat.simulator.library_scratch import scratch_of_prepared
+
+    alive_at_prepare, inputs = [], []
+
+    def prepare(k: int, temporary_elements: int):
+        alive_at_prepare.append([r() is not None for r in inputs])
+        x = torch.zeros(100_000)                       # 400 kB of inputs per call
+        inputs.append(weakref.ref(x))
+
+        def call():
+            temporary = torch.empty(temporary_elements)  # working memory, freed on return
+            del temporary
+            return x[:10].clone()                      # 40 B of output
+        return None if k == 2 else call
+
+    scratch = scratch_of_prepared([lambda k=k, t=t: prepare(k, t) for k, t in enumerate((1000, 5000, 0, 250))],
+                                  torch.device("cpu"))
+    assert scratch == [4000 - 40, 20000 - 40, None, 1000 - 40]     # its peak beyond its 40 B output
+    assert alive_at_prepare == [[], [False], [False, False], [False, False, False]]
+    made = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True):
+        assert scratch_of_prepared([lambda: made.append(1)], torch.device("cpu")) is None
+    assert made == []
+
+
 def test_scratch_is_measured_only_for_a_profile_of_the_graphs_own_device():
     import dataclasses
 
