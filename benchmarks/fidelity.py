@@ -26,14 +26,17 @@ built fresh from the entry's seed (same parameters and inputs) and run for three
   reentrant ``torch.utils.checkpoint``) under plain Inductor, for models with repeated blocks.
 
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
-in compile (= forward) order: ``max_i(saved_bytes of graphs before i + predicted peak of i)``),
+in compile (= forward) order, composed as remat composes a step split at graph breaks:
+``max_k(held by graphs before k + k's activation inputs + later graphs' gradients + peak of k)``,
+``predicted_step_peak``),
 the measured peak of step 1 (the compiling step, measured around the call) and of step 3
 (``remat.measure_peak_bytes``), measured / budget, and the largest relative gradient error of
 steps 1 and 3 against plain's (``benchmarks/common.max_relative_grad_error``). When
 ``remat.backend`` takes ``verify_peak`` (the closed loop on the measured peak), it is passed
 ``verify_peak=1``, step 1 is not wrapped in a second profiler (its peak is the loop's own
-measurement), and ``backend.feedback_events`` is recorded; every point starts from an empty store
-of the loop's corrections (``$REMAT_FEEDBACK_DIR``), as a first run does. Writes one JSON line per point as it goes (a model with a ``done`` line is skipped
+measurement), and ``backend.feedback_events`` is recorded; every point starts from empty remat
+caches (``$REMAT_CACHE_DIR``: no probe results, plans or corrections of an earlier point), as a
+first run does (``fresh_caches``). Writes one JSON line per point as it goes (a model with a ``done`` line is skipped
 on a rerun), then ``benchmarks/results/fidelity-cpu.md`` (``fidelity_report.py``). Units: bytes
 in the JSON, MB (1e6 bytes) in the tables; 1 GB = 1e9 bytes.
 """
@@ -98,14 +101,19 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def predicted_step_peak(peaks_and_saved: list[tuple[int, int]]) -> Optional[int]:
-    """The step's predicted peak from its graphs' ``(peak, saved bytes)`` in compile (= forward) order:
-    while graph i runs, the graphs before it hold what they saved for their backward."""
-    held, peak = 0, None
-    for graph_peak, saved in peaks_and_saved:
-        peak = max(peak or 0, held + graph_peak)
-        held += saved
-    return peak
+def predicted_step_peak(peaks: list[int], saved: list[int], inputs: Optional[list[int]] = None,
+                        grads: Optional[list[int]] = None) -> Optional[int]:
+    """The step's predicted peak from its graphs' peaks, saved bytes, activation inputs and parameter
+    gradients, in compile (= forward) order, composed as remat composes a step split at graph breaks
+    (``remat.step_budget.composed_peak_bytes``: while graph k runs, the graphs before it hold their saved
+    values and activation inputs, its own inputs are live, and the later graphs' gradients exist).
+    Rows written before the records carried inputs and gradients count them 0. None for no graphs."""
+    from remat.step_budget import composed_peak_bytes
+
+    if not peaks:
+        return None
+    inputs, grads = inputs or [0] * len(peaks), grads or [0] * len(peaks)
+    return composed_peak_bytes([(s + a, a, g, p) for p, s, a, g in zip(peaks, saved, inputs, grads)])
 
 
 def base_graph_id(graph_id: str) -> str:
@@ -129,15 +137,20 @@ def _plans_summary(backend: Any) -> dict[str, Any]:
     judgements = [getattr(g, "judgement", None) for g in records]
     checked = [getattr(j, "checked_peak_bytes", None) for j in judgements]
     accepted = [c if c is not None else p.predicted_peak_bytes for c, p in zip(checked, plans)]
+    saved = [p.saved_bytes for p in plans]
+    inputs = [getattr(g, "input_activation_bytes", 0) for g in records]
+    grads = [getattr(g, "param_grad_bytes", 0) for g in records]
     return {
         "graphs": [g.graph_id for g in records],
         "records": len(getattr(backend, "compiled_graphs", [])),
-        "predicted_peak_bytes": predicted_step_peak([(p.predicted_peak_bytes, p.saved_bytes) for p in plans]),
-        "accepted_peak_bytes": predicted_step_peak([(a, p.saved_bytes) for a, p in zip(accepted, plans)]),
+        "predicted_peak_bytes": predicted_step_peak([p.predicted_peak_bytes for p in plans], saved, inputs, grads),
+        "accepted_peak_bytes": predicted_step_peak(accepted, saved, inputs, grads),
         "graph_predicted_peak_bytes": [p.predicted_peak_bytes for p in plans],
         "graph_checked_peak_bytes": checked,
         "judgement": [getattr(j, "action", None) for j in judgements],
-        "graph_saved_bytes": [p.saved_bytes for p in plans],
+        "graph_saved_bytes": saved,
+        "graph_input_activation_bytes": inputs,
+        "graph_param_grad_bytes": grads,
         "no_remat_peak_bytes": [p.no_remat_peak_bytes for p in plans],
         "peak_step": [p.peak_step_name for p in plans],
         "fits_budget": [p.fits_budget for p in plans],
@@ -156,18 +169,29 @@ def loop_summary(events: list[Any]) -> dict[str, Any]:
             "feedback_events": events}
 
 
-def fresh_feedback_store() -> None:
-    """Point the closed loop's on-disk corrections (``$REMAT_FEEDBACK_DIR``) at a new empty directory:
-    every point plans as a first run does, untouched by corrections an earlier point or run stored."""
+def fresh_caches() -> None:
+    """Point remat's caches (``$REMAT_CACHE_DIR``: the library-scratch probes, the compile and plan
+    caches, the closed loop's corrections) at a new empty directory, keeping only a measured hardware
+    profile if the current one holds one (the time model stays the same): every point compiles as a
+    first run does, its probes measured while it compiles (inside the first step, which they count in:
+    with their results cached by an earlier point, the first step of each later point measured less than
+    a first run's), untouched by corrections an earlier point or run stored."""
+    import shutil
     import tempfile
 
-    os.environ["REMAT_FEEDBACK_DIR"] = tempfile.mkdtemp(prefix="remat-fidelity-feedback-")
+    from remat.cost_model.hardware import cache_dir
+
+    fresh = Path(tempfile.mkdtemp(prefix="remat-fidelity-cache-"))
+    for profile in cache_dir().glob("profile_v*.json"):
+        shutil.copy(profile, fresh / profile.name)
+    os.environ["REMAT_CACHE_DIR"] = str(fresh)
+    os.environ.pop("REMAT_FEEDBACK_DIR", None)      # the corrections under the new directory: none
 
 
 def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_blocks: bool = False,
                 measure_first: bool = True) -> dict[str, Any]:
     """Compile a fresh copy of ``entry`` with ``backend`` and run three steps; see the module docstring."""
-    fresh_feedback_store()
+    fresh_caches()
     torch._dynamo.reset()
     built = entry.build(checkpoint_blocks)
     compiled = torch.compile(built.model, backend=backend)
@@ -245,7 +269,7 @@ class ModelRun:
     def probe_floor(self) -> Optional[int]:
         """The smallest budget remat accepts, from the error a 1 kB budget raises (None if it did not raise).
         Two steps: a step split at graph breaks refuses the budget at its second (``remat/step_budget.py``)."""
-        fresh_feedback_store()
+        fresh_caches()
         torch._dynamo.reset()
         built = self.entry.build()
         compiled = torch.compile(built.model, backend=remat.backend(PROBE_BUDGET_GB))

@@ -332,9 +332,12 @@ class RematBackend:
         check_target = None if refusal is not None or base_target_bytes is None else share_check_target(
             step_share, held_of(plan), base_target_bytes) if share is not None else self.options.check_target_for(
             self.options.budget_bytes, device_type, modeled)   # alone in its step: the budget less the check's headroom
+        inputs_bytes, grads_bytes = self._step_hooks.account.io_bytes(slot_of(graph_id), joint, num_fwd_outputs,
+                                                                       static_indices)
         record = CompiledGraph(graph_id, current_compile_id(), plan, regions, dump_path, distributed, key,
                                base_target_bytes, correction, step_share=step_share, check_target_bytes=check_target,
-                               cache=cache, refusal=refusal, facts=facts)
+                               cache=cache, refusal=refusal, input_activation_bytes=inputs_bytes,
+                               param_grad_bytes=grads_bytes, facts=facts)
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw

@@ -45,6 +45,10 @@ class CompiledGraph:
     # its target, the free min-cut candidate), compiled for Inductor's check to overrule the refusal or
     # let it stand (``judge_loop.overrule_or_refuse``)
     refusal: Optional["Refusal"] = None
+    # its activation inputs and its parameters' gradients (bytes, ``step_budget.graph_io_bytes``): what
+    # composing it into a step split at graph breaks adds to its peak (``step_budget.step_totals``)
+    input_activation_bytes: int = 0
+    param_grad_bytes: int = 0
     # the facts the plan was made on (what the tools simulate the plan with). Not part of the record's
     # identity, not stored by the compile cache: None on a record an AOTAutograd cache hit restored.
     # Held for the backend's lifetime, in host memory (Python objects, no tensor storage).

@@ -103,18 +103,30 @@ def later_demand_bytes(later: tuple[StepGraph, ...], floor: bool = True) -> int:
     return demand
 
 
+def step_totals(terms: Sequence[tuple[int, int, int, int]]) -> tuple[int, ...]:
+    """What a step split at graph breaks holds at each graph's peak: for the graphs of its sequence
+    (forward order), each bringing ``(held, inputs, grads, peak)`` bytes (``StepGraph``'s
+    ``held_bytes``, ``input_activation_bytes``, ``param_grad_bytes`` and a peak), the k-th total is
+    ``sum_{j<k} held_j + a_k + G_>k + p_k`` (``a_0`` taken as 0: the batch is resident). Pure; the
+    step's predicted peak is the largest (``composed_peak_bytes``)."""
+    return tuple(sum(t[0] for t in terms[:k]) + (term[1] if k else 0) + sum(t[2] for t in terms[k + 1:]) + term[3]
+                 for k, term in enumerate(terms))
+
+
+def composed_peak_bytes(terms: Sequence[tuple[int, int, int, int]]) -> int:
+    """The predicted peak of a step whose graphs bring ``terms`` (``step_totals``); 0 for no graphs."""
+    return max(step_totals(terms), default=0)
+
+
+def _terms(graphs: Sequence[StepGraph]) -> list[tuple[int, int, int, int]]:
+    return [(g.held_bytes, g.input_activation_bytes, g.param_grad_bytes, g.predicted_peak_bytes) for g in graphs]
+
+
 def step_overruns(graphs: tuple[StepGraph, ...]) -> tuple[int, ...]:
     """The positions k in a step's sequence (forward order) whose graph breaks
-    ``sum_{j<k} held_j + a_k + G_>k + p_k <= T_k`` (``a_0`` taken as 0: the batch is resident).
+    ``sum_{j<k} held_j + a_k + G_>k + p_k <= T_k`` (``step_totals``).
     Pure: records in, positions out."""
-    over = []
-    for k, graph in enumerate(graphs):
-        held_before = sum(g.held_bytes for g in graphs[:k])
-        later_grads = sum(g.param_grad_bytes for g in graphs[k + 1:])
-        inputs = graph.input_activation_bytes if k > 0 else 0
-        if held_before + inputs + later_grads + graph.predicted_peak_bytes > graph.step_target_bytes:
-            over.append(k)
-    return tuple(over)
+    return tuple(k for k, total in enumerate(step_totals(_terms(graphs))) if total > graphs[k].step_target_bytes)
 
 
 def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], step_target_bytes: int,
@@ -300,13 +312,11 @@ class StepAccount:
             return tuple(s for s in order if (g := self._graph(s)) is not None and g.provisional)
 
     def step_peak_bytes(self, sequence: tuple[str, ...]) -> int:
-        """The step's predicted peak from the running plans of ``sequence``: the largest, over its
-        graphs, of ``sum_{j<k} held_j + a_k + G_>k + p_k`` (``a_0`` = 0), the peak the condition bounds."""
+        """The step's predicted peak from the running plans of ``sequence`` (``composed_peak_bytes``),
+        the peak the condition bounds."""
         with self._lock:
             graphs = [g for s in sequence if (g := self._graph(s)) is not None]
-        return max((sum(g.held_bytes for g in graphs[:k]) + (graph.input_activation_bytes if k else 0)
-                    + sum(g.param_grad_bytes for g in graphs[k + 1:]) + graph.predicted_peak_bytes
-                    for k, graph in enumerate(graphs)), default=0)
+        return composed_peak_bytes(_terms(graphs))
 
     def overruns(self, sequence: tuple[str, ...]) -> dict[str, str]:
         """The slots of ``sequence`` whose running plans break the step's condition

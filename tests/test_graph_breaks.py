@@ -21,7 +21,8 @@ from torch import nn
 import remat
 from remat.errors import BudgetInfeasibleError
 from remat.measure import close_open_window
-from remat.step_budget import StepAccount, StepGraph, later_demand_bytes, share_in_step, slot_of, step_overruns
+from remat.step_budget import (StepAccount, StepGraph, composed_peak_bytes, later_demand_bytes, share_in_step, slot_of,
+                                step_overruns, step_totals)
 from conftest import assert_grads_close, grads_of, run_step, scale_simulated_peaks
 
 # The steps that may run over at a budget the step's leanest plans meet (remat/step_budget.py): none.
@@ -53,6 +54,12 @@ OVERRUN_TABLE = [
 def test_step_overruns_table(rows, over):
     graphs = tuple(graph(f"g{i}", h, p, g, a) for i, (h, p, g, a) in enumerate(rows))
     assert step_overruns(graphs) == over
+
+
+def test_the_composed_peak_is_the_largest_total_the_condition_bounds():
+    terms = [(40, 7, 0, 95), (30, 5, 3, 20), (5, 0, 2, 31)]    # (held, inputs, grads, peak), forward order
+    assert step_totals(terms) == (3 + 2 + 95, 40 + 5 + 2 + 20, 40 + 30 + 0 + 31)
+    assert composed_peak_bytes(terms) == 101 and composed_peak_bytes([]) == 0
 
 
 def test_later_demand_is_the_largest_next_to_the_graphs_between():
@@ -292,6 +299,33 @@ def test_the_step_fits_the_budget_across_graph_breaks(breaks, fraction, dropout,
     close_open_window()
     (event,) = [e for e in backend.feedback_events if e.graph_id.startswith("step:")]
     assert event.action == "within budget" and event.measured_peak_bytes <= budget
+
+
+@pytest.mark.e2e
+def test_an_unbudgeted_step_split_at_graph_breaks_is_predicted_from_its_records():
+    """Without a budget nothing composes the step at run time; its records carry what composing it
+    needs (each graph's activation inputs and parameter gradients), and the step they compose
+    (``composed_peak_bytes``) is the measured step peak, less one known over-count: the first
+    graph's held bytes include its activation input, the batch, resident at step start (a
+    conservative count the planner shares). Leaving out the second graph's activation inputs,
+    held through its backward, under-predicts the step."""
+    torch.manual_seed(0)
+    model, x = BrokenBlocks(1), torch.randn(512, 128)
+    batch_bytes = x.numel() * x.element_size()
+    backend = remat.backend(None)
+    torch._dynamo.reset()
+    peaks, _ = _measured_steps(torch.compile(model, backend=backend), model, x, 3)
+    records = list({g.graph_id.split("_r")[0]: g for g in backend.compiled_graphs}.values())
+    assert len(records) == 2
+    assert records[0].input_activation_bytes == records[1].input_activation_bytes == batch_bytes
+    assert records[0].param_grad_bytes == sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    terms = [(r.plan.saved_bytes + r.input_activation_bytes, r.input_activation_bytes, r.param_grad_bytes,
+              r.plan.predicted_peak_bytes) for r in records]
+    predicted = composed_peak_bytes(terms)
+    print(f"composed {predicted} B, measured {peaks}, terms {terms}")
+    assert abs(predicted - batch_bytes - peaks[-1]) <= 0.005 * peaks[-1]
+    without_inputs = composed_peak_bytes([(h - a, 0, g, p) for h, a, g, p in terms])
+    assert without_inputs < 0.97 * peaks[-1]
 
 
 @pytest.fixture
