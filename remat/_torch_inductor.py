@@ -73,6 +73,7 @@ class InductorConfig:
     horizontal_fusion_max_distance: int = 64        # HORIZONTAL_FUSION_MAX_DISTANCE
     cpp_max_horizontal_fusion_size: int = 16        # ``config.cpp.max_horizontal_fusion_size``
     fallback_random: bool = False                   # random ops chained in program order (see above)
+    deterministic_algorithms: bool = False          # ``torch.are_deterministic_algorithms_enabled()``: scatters fall back
 
     @property
     def cpu_opcount_threshold(self) -> int:
@@ -91,6 +92,7 @@ class InductorConfig:
 
 def inductor_config() -> InductorConfig:
     """The current ``torch._inductor.config`` values, as a frozen record (read now, every call)."""
+    import torch
     from torch._inductor import config
 
     return InductorConfig(
@@ -111,6 +113,7 @@ def inductor_config() -> InductorConfig:
         horizontal_fusion_max_distance=HORIZONTAL_FUSION_MAX_DISTANCE,
         cpp_max_horizontal_fusion_size=int(config.cpp.max_horizontal_fusion_size),
         fallback_random=bool(config.fallback_random),
+        deterministic_algorithms=bool(torch.are_deterministic_algorithms_enabled()),
     )
 
 

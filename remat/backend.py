@@ -253,14 +253,14 @@ class RematBackend:
     def partition(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         num_fwd_outputs = int(kwargs["num_fwd_outputs"])
         key_code = joint.code        # before prepare_graph edits the graph: the key the next process computes
+        static_indices = kwargs.get("static_lifetime_input_indices")
         prepared = prepare_graph(joint, joint_inputs, num_fwd_outputs, self.options.hardware, self.options.estimator,
-                                 self.options.outputs_held, kwargs.get("static_lifetime_input_indices"))
+                                 self.options.outputs_held, static_indices)
         facts, profile, device_type, modeled = prepared.facts, prepared.profile, prepared.device_type, prepared.modeled
         if not prepared.has_backward:
-            return split_by_default(joint, joint_inputs, num_fwd_outputs, kwargs.get("static_lifetime_input_indices"))
+            return split_by_default(joint, joint_inputs, num_fwd_outputs, static_indices)
         graph_id, key, correction = self._correction_for_code(key_code, joint_inputs)
         # Under DDP / FSDP2 the per-rank budget is split across the step's graphs (remat/distributed.py).
-        static_indices = kwargs.get("static_lifetime_input_indices")
         base_target_bytes = self.options.planning_target_bytes(device_type, modeled)
         request = request_for(self.options, prepared, correction)   # the target includes the correction
         target_bytes = request.target_bytes
@@ -332,12 +332,10 @@ class RematBackend:
         check_target = None if refusal is not None or base_target_bytes is None else share_check_target(
             step_share, held_of(plan), base_target_bytes) if share is not None else self.options.check_target_for(
             self.options.budget_bytes, device_type, modeled)   # alone in its step: the budget less the check's headroom
-        inputs_bytes, grads_bytes = self._step_hooks.account.io_bytes(slot_of(graph_id), joint, num_fwd_outputs,
-                                                                       static_indices)
+        io = self._step_hooks.account.io_bytes(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
         record = CompiledGraph(graph_id, current_compile_id(), plan, regions, dump_path, distributed, key,
                                base_target_bytes, correction, step_share=step_share, check_target_bytes=check_target,
-                               cache=cache, refusal=refusal, input_activation_bytes=inputs_bytes,
-                               param_grad_bytes=grads_bytes, facts=facts)
+                               cache=cache, refusal=refusal, input_activation_bytes=io[0], param_grad_bytes=io[1], facts=facts)
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw

@@ -700,3 +700,37 @@ def test_a_cross_entropys_log_of_row_sums_is_stored_as_inductor_stores_it(tmp_pa
     judgement = graph.judgement
     assert judgement.checked_peak_bytes is not None
     assert judgement.simulated_peak_bytes == judgement.checked_peak_bytes, judgement
+
+
+class _EmbeddingNormHead(torch.nn.Module):
+    """Token and position embeddings, a layer norm, a head: the backward's last layer norm backward
+    produces both embeddings' gradients, which two accumulating index_puts scatter."""
+
+    def __init__(self, vocab: int = 1024, positions: int = 128, width: int = 64) -> None:
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, width)
+        self.positions = torch.nn.Embedding(positions, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, 256)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        return self.head(torch.nn.functional.gelu(self.norm(h))).logsumexp(-1).sum()
+
+
+def test_an_embeddings_gradient_scatter_runs_in_the_call_of_the_loops_next_to_it(tmp_path, monkeypatch):
+    """Inductor lowers an accumulating index_put (an embedding's gradient) as a loop writing into its
+    zeroed buffer (``lowering.index_put_impl_``: an ``ir.Scatter``), not a fallback: it runs in the C++
+    call of the loops next to it, its buffer allocated with theirs before the call, while what they read
+    is still alive. The simulator ran it as a call of its own after them (hf-1361, a GPT-2: a lean plan
+    simulated 14.6% under its check, 511,744 against 599,296 B); it now follows Inductor."""
+    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, ids = _EmbeddingNormHead(), torch.randint(0, 1024, (8, 128))
+    backend = remat.backend(None, verify_peak=0)
+    torch.compile(model, backend=backend)(ids).backward()
+    (graph,) = backend.compiled_graphs
+    judgement = graph.judgement
+    assert judgement.checked_peak_bytes is not None
+    assert judgement.simulated_peak_bytes == judgement.checked_peak_bytes, judgement

@@ -54,6 +54,17 @@ SCATTER_OPS = frozenset({
     "scatter_reduce", "embedding_dense_backward",
 })
 
+# Of those, the ones Inductor lowers as a loop (``lowering.index_put_impl_``: an ``ir.Scatter`` writing
+# into the copied buffer, accumulating for index_put with ``accumulate=True``, the embedding gradient
+# and index_add), not a fallback: the loop runs in the C++ call of the loops next to it, its buffer
+# allocated with theirs before the call (measured on hf-1361, a GPT-2: the embedding gradients'
+# zeroed buffers allocated while the last layer norm's backward still held its inputs). Inductor falls
+# back instead under deterministic algorithms (``InductorConfig.deterministic_algorithms``), for a
+# boolean index, and for int64/bool buffers (not told apart here: a backward's scatters are gradients).
+# scatter_add/scatter_reduce's sum falls back on a multi-threaded CPU (``cpp.fallback_scatter_reduce_sum``).
+LOOP_SCATTER_OPS = frozenset({"index_put", "_unsafe_masked_index_put_accumulate", "index_add",
+                              "embedding_dense_backward"})
+
 # Mutations: a loop that writes into an existing buffer (``lowering.copy_`` -> ``mutate_to``;
 # BatchNorm's running statistics). A kernel, no allocation of its own.
 MUTATIONS = frozenset({"copy_"})
@@ -120,5 +131,5 @@ EXACT_LIBRARY_CALLS = frozenset({"mm", "addmm", "bmm", "baddbmm", "randint"})
 
 __all__ = [
     "ALWAYS_STORED_LOOPS", "CHEAP_TO_RECOMPUTE_OPS", "COLLECTIVE_NAMESPACES", "CPU_CONCAT_OPS", "EXACT_LIBRARY_CALLS", "HEAVY_IR_OPS",
-    "HEAVY_OPS", "INDEX_REDUCTIONS", "INLINABLE_OPS", "LOOP_OPS", "MUTATIONS", "REDUCTION_OPS", "SCATTER_OPS", "WELFORD_OPS",
+    "HEAVY_OPS", "INDEX_REDUCTIONS", "INLINABLE_OPS", "LOOP_OPS", "LOOP_SCATTER_OPS", "MUTATIONS", "REDUCTION_OPS", "SCATTER_OPS", "WELFORD_OPS",
 ]

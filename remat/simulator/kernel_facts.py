@@ -18,7 +18,8 @@ from typing import Mapping
 import torch
 
 from .._torch_inductor import InductorConfig, inductor_config
-from ..cost_model.inductor_rules import ALWAYS_STORED_LOOPS, CPU_CONCAT_OPS, HEAVY_OPS, LOOP_OPS, MUTATIONS, SCATTER_OPS
+from ..cost_model.inductor_rules import (ALWAYS_STORED_LOOPS, CPU_CONCAT_OPS, HEAVY_OPS, LOOP_OPS, LOOP_SCATTER_OPS,
+                                         MUTATIONS, SCATTER_OPS)
 from ..passes.joint_graph import JointGraphFacts, NodeFacts
 from .kernel_lowering import ALIAS, EXTERN, POINTWISE, REDUCTION, SCATTER
 from .returned_views import view_copies
@@ -111,10 +112,11 @@ class _Static:
     concat: bool = False                  # a cat on CPU: Inductor's ConcatKernel (``CPU_CONCAT_OPS``)
     seeded: bool = False                  # its op is tagged ``nondeterministic_seeded`` (``_seeded``)
     unrolled: int = 0                     # a reduction lowered as a pointwise loop over this many elements
+    loop_scatter: bool = False            # a scatter Inductor lowers as a loop (``LOOP_SCATTER_OPS``), not a fallback
 
 
 def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layouts: Mapping[str, str],
-               storage_bytes: Mapping[str, int], unroll_below: int) -> _Static:
+               storage_bytes: Mapping[str, int], unroll_below: int, scatters_fall_back: bool = False) -> _Static:
     node = facts.nodes[name]
     kind = kinds[name]
     short = op_short_name(node)
@@ -149,6 +151,7 @@ def _static_of(facts: JointGraphFacts, name: str, kinds: Mapping[str, str], layo
         concat=kind == POINTWISE and short in CPU_CONCAT_OPS and node.device == "cpu",
         seeded=_seeded(node.op),
         unrolled=unrolled_reduction_elements(facts, name, unroll_below) if kind == POINTWISE else 0,
+        loop_scatter=kind == SCATTER and short in LOOP_SCATTER_OPS and not scatters_fall_back,
     )
 
 
@@ -243,8 +246,8 @@ class KernelFacts:
         kinds = {name: kernel_kind(facts, name, unroll_below=unroll_below) for name in facts.order}
         self.storage_bytes = {sid: n for node in facts.nodes.values() for sid, n in node.allocs}
         self.layouts = _layouts(facts, kinds)
-        self.static = {name: _static_of(facts, name, kinds, self.layouts, self.storage_bytes, unroll_below)
-                       for name in facts.order}
+        self.static = {name: _static_of(facts, name, kinds, self.layouts, self.storage_bytes, unroll_below,
+                                        self.inductor.deterministic_algorithms) for name in facts.order}
         # views Inductor copies when the forward returns them (``returned_views``): view -> (its base, bytes)
         base_of = {name: storage_owner(node.value_storages[0]) for name, node in facts.nodes.items()
                    if node.is_view and len(node.value_storages) == 1}

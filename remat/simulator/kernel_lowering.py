@@ -40,6 +40,7 @@ class GraphOp(NamedTuple):
     concat: bool = False          # a CPU cat: its ConcatKernel allocates it, never in place (``CPU_CONCAT_OPS``)
     seeded: bool = False          # tagged nondeterministic_seeded: under fallback_random, after the previous such op
     unrolled: int = 0             # a reduction Inductor lowers as a pointwise loop unrolling this many elements
+    loop_scatter: bool = False    # a SCATTER Inductor lowers as a loop: it runs in the C++ call of the loops next to it
 
 
 class Lowering:

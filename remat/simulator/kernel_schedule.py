@@ -31,7 +31,8 @@ it. ``schedule_kernels`` reproduces those decisions on plain records
    ``reorder_for_peak_memory`` on (the default), the order of least estimated peak among that
    one and three other topological orders (``peak_reorder``), as Inductor's scheduler picks.
 4. *Call* (``CppScheduling``): consecutive loop kernels run as one C++ call, so
-   they allocate together; each extern is a call of its own.
+   they allocate together (a scatter Inductor lowers as a loop, ``GraphOp.loop_scatter``, among
+   them); each extern is a call of its own.
 
 Step 1 is ``kernel_lowering``, steps 2 and 3 are ``kernel_fusion``; this module runs them,
 decides in-place writes and makes the calls (step 4).
@@ -141,7 +142,7 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
                 current.clear()
 
         for root in order:
-            if by_name[root].kind in LOOP_KINDS:
+            if by_name[root].kind in LOOP_KINDS or by_name[root].loop_scatter:   # consecutive loops: one C++ call
                 current.append(root)
                 continue
             close()

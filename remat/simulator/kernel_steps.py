@@ -92,7 +92,7 @@ class _Graph:
                 inst, call.kind, self.inputs_of[inst], info.nbytes, info.numel,
                 call.loop_numel, call.heavy, len(mine) + output, info.mutation or output,
                 any(static[u].kind in _CALLS for u in mine), call.inner_reduction, info.layout, info.concat,
-                info.seeded, info.unrolled,
+                info.seeded, info.unrolled, info.loop_scatter,
             ))
         return ops
 
