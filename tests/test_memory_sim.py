@@ -204,43 +204,6 @@ def test_a_scatters_fill_is_its_own_node_in_the_peak_memory_orders():
     assert _Graph(*args, fills={"s": frozenset()}).lpmf() == ["w1", "w2", "s#fill", "s", "a"]
 
 
-def test_orders_near_the_kept_ones_estimate_are_scheduled_too():
-    """The kept order first (as Inductor keeps it), then each other candidate order whose estimate is
-    within ``near_tie_fraction`` of the kept one's: the graph order below peaks at 4 MiB in the
-    estimate, LPMF's at 3 MiB (``test_kernels_in_the_order_reorder_for_peak_memory_keeps``)."""
-    ops = [op("g", EXTERN, ("tangents_1",), nbytes=2 * MIB, users=1, is_output=True),
-           op("t", EXTERN, ("tangents_1",), users=1), op("u", EXTERN, ("t",), users=1, is_output=True)]
-    within = schedule_kernels(ops, {"tangents_1": MIB}, near_tie_fraction=0.5)      # 4 <= 3 * 1.5
-    assert [k.ops for k in within.kernels] == [("t",), ("u",), ("g",)]
-    tied = [[k.ops for k in s.kernels] for s in within.near_ties]
-    assert [("g",), ("t",), ("u",)] in tied and [("t",), ("u",), ("g",)] not in tied
-    assert schedule_kernels(ops, {"tangents_1": MIB}, near_tie_fraction=0.2).near_ties == ()   # 4 > 3 * 1.2
-    assert schedule_kernels(ops, {"tangents_1": MIB}).near_ties == ()
-
-
-def test_the_simulated_peak_is_the_highest_of_the_near_tied_backward_orders(monkeypatch):
-    """``simulate_partition`` follows the backward in every near-tied order and keeps the highest
-    peak: with every candidate order counted as tied, the peak is the largest of theirs."""
-    import remat.simulator.schedule as schedule_mod
-    from remat.simulator.kernel_steps import kernel_step_variants
-    from remat.simulator.schedule import backward_order, forward_order
-
-    torch.manual_seed(0)
-    x, weights = torch.randn(256, 256), [torch.randn(256, 256, requires_grad=True) for _ in range(4)]
-
-    def f(x, w1, w2, w3, w4):
-        return (torch.softmax(x @ w1, -1) @ w2 @ w3 @ w4).sum()
-
-    facts = capture_joint(f, x, *weights).facts()
-    partition = partition_nodes(facts, set())
-    monkeypatch.setattr(schedule_mod, "NEAR_TIE_FRACTION", 100.0)
-    variants = kernel_step_variants(facts, partition, forward_order(facts, partition),
-                                    backward_order(facts, partition), near_tie_fraction=100.0)
-    peaks = [simulate_memory(steps, pinned).peak_bytes for steps, pinned in variants]
-    assert len(variants) > 1, "the candidate orders of this backward differ"
-    assert schedule_mod.simulate_partition(facts, partition).simulation.peak_bytes == max(peaks) > peaks[0]
-
-
 def test_loops_sharing_an_input_fuse_and_allocate_together():
     ops = [op("a", inputs=("x",), users=1), op("b", inputs=("x",), users=1),
            op("ea", EXTERN, ("a",), users=0), op("eb", EXTERN, ("b",), users=0)]

@@ -45,13 +45,12 @@ The records are plain, so a planner can call this per candidate plan.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .._torch_inductor import InductorConfig, inductor_config
 from .kernel_fusion import UnionFind, fuse, phantom_buffers, seeded_chain, topological_order
-from .peak_reorder import peak_memory_orders
+from .peak_reorder import reorder_for_peak_memory
 from .kernel_lowering import ALIAS, LOOP_KINDS, SCATTER, GraphOp, Lowering
 
 
@@ -72,14 +71,11 @@ class KernelSchedule:
     kernels: tuple[Kernel, ...]
     stands_for: Mapping[str, tuple[str, ...]]   # op without a buffer of its own -> buffers/inputs its value is made of
     first_kernel: Mapping[str, int]             # op -> index of the first kernel that computes or reads it
-    # the same kernels in the candidate orders whose peak estimate is near the kept order's
-    # (``peak_reorder.peak_memory_orders``): orders Inductor may keep instead
-    near_ties: tuple["KernelSchedule", ...] = ()
 
 
 def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
                      donated: frozenset[str] = frozenset(), input_layouts: Mapping[str, str] = {},
-                     config: InductorConfig | None = None, near_tie_fraction: float = 0.0) -> KernelSchedule:
+                     config: InductorConfig | None = None) -> KernelSchedule:
     """Inductor's kernels for one graph whose ops are given in graph order.
 
     ``input_bytes``: bytes of each graph input (for fusion scores); ``donated``:
@@ -88,8 +84,6 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
     each kernel comes after the kernels that produce what it loads (up to cycles
     the approximate fusion check misses, which keep the earlier kernel first).
     ``config``: Inductor's thresholds and switches (``remat._torch_inductor``); None reads them now.
-    ``near_tie_fraction``: the schedule's ``near_ties`` are its kernels in each other order whose peak
-    estimate is within that fraction of the kept order's (``peak_reorder.peak_memory_orders``).
     """
     if config is None:
         config = inductor_config()
@@ -118,42 +112,33 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
 
     reads = {n: frozenset().union(*(memory_of(d) for d in loads[n])) for n in nodes}
     order = topological_order(nodes, sets, loads, lowering.position, after)
-    orders = [order]
     if config.reorder_for_peak_memory:
         fills = {n: lowering.source(by_name[n].inputs[0]) for n in nodes if by_name[n].kind == SCATTER and by_name[n].inputs}
-        orders = peak_memory_orders(order, sets.members, loads, {n: by_name[n].nbytes for n in nodes},
-                                    frozenset(n for n in nodes if by_name[n].is_output), after, input_bytes, fills,
-                                    near_tie_fraction)
+        order = reorder_for_peak_memory(order, sets.members, loads, {n: by_name[n].nbytes for n in nodes},
+                                        frozenset(n for n in nodes if by_name[n].is_output), after, input_bytes, fills)
+    rank = {root: k for k, root in enumerate(order)}
     layouts = dict(input_layouts)
     layouts.update((o.name, o.layout) for o in ops)
-    stands_for = _StandsFor(ops, lowering, removed, memory_of)
+    inplace = (_inplace(order, sets, by_name, reads, removed, rank, roots, sizes, donated, ancestors, position, layouts)
+               if config.inplace_buffers else {})
+    kernels: list[Kernel] = []
+    current: list[str] = []
 
-    def in_order(order: list[str]) -> KernelSchedule:
-        rank = {root: k for k, root in enumerate(order)}
-        inplace = (_inplace(order, sets, by_name, reads, removed, rank, roots, sizes, donated, ancestors, position,
-                            layouts) if config.inplace_buffers else {})
-        kernels: list[Kernel] = []
-        current: list[str] = []
+    def close() -> None:
+        if current:
+            members = [m for r in current for m in sorted(sets.members[r], key=lowering.position.__getitem__)]
+            kernels.append(_kernel(members, removed, reads, inplace, extern=False))
+            current.clear()
 
-        def close() -> None:
-            if current:
-                members = [m for r in current for m in sorted(sets.members[r], key=lowering.position.__getitem__)]
-                kernels.append(_kernel(members, removed, reads, inplace, extern=False))
-                current.clear()
-
-        for root in order:
-            if by_name[root].kind in LOOP_KINDS or by_name[root].loop_scatter:   # consecutive loops: one C++ call
-                current.append(root)
-                continue
-            close()
-            kernels.append(_kernel([root], removed, reads, inplace, extern=True))
+    for root in order:
+        if by_name[root].kind in LOOP_KINDS or by_name[root].loop_scatter:   # consecutive loops: one C++ call
+            current.append(root)
+            continue
         close()
-        return KernelSchedule(tuple(kernels), stands_for, _first_kernel(ops, kernels))
-
-    kept = in_order(orders[0])
-    if len(orders) == 1:
-        return kept
-    return dataclasses.replace(kept, near_ties=tuple(in_order(o) for o in orders[1:]))
+        kernels.append(_kernel([root], removed, reads, inplace, extern=True))
+    close()
+    return KernelSchedule(tuple(kernels), _StandsFor(ops, lowering, removed, memory_of),
+                          _first_kernel(ops, kernels))
 
 
 def _inplace(order: list[str], sets: UnionFind, ops: Mapping[str, GraphOp], reads: Mapping[str, frozenset[str]],

@@ -26,7 +26,7 @@ from ..passes.partition import Partition, Scheduled
 from .addmm_fusion import addmm_fusions, products_kept_apart, without_fused_products
 from .kernel_facts import CHANNELS_LAST_SUFFIX, COPY_SUFFIX, KernelFacts, kernel_facts_of, op_short_name
 from .kernel_lowering import EXTERN, SCATTER, GraphOp
-from .kernel_schedule import KernelSchedule, schedule_kernels
+from .kernel_schedule import schedule_kernels
 from .memory_timeline import Step
 
 
@@ -134,18 +134,8 @@ class _Graph:
 
     def steps(self, phase: str, regions: Mapping[str, int]) -> tuple[list[Step], Callable[[str], tuple[str, ...]]]:
         """Steps in kernel order, and the storages of an instance or input, by name."""
-        return self.step_variants(phase, regions)[0]
-
-    def step_variants(self, phase: str, regions: Mapping[str, int], near_tie_fraction: float = 0.0
-                      ) -> list[tuple[list[Step], Callable[[str], tuple[str, ...]]]]:
-        """``steps`` in the kernel order Inductor keeps, then in each near-tied order
-        (``KernelSchedule.near_ties``, within ``near_tie_fraction`` of the kept order's estimate)."""
-        schedule = schedule_kernels(self.ops(), self.input_bytes(), self.donated, self.cache.layouts,
-                                    self.cache.inductor, near_tie_fraction)
-        return [self._steps_of(s, phase, regions) for s in (schedule, *schedule.near_ties)]
-
-    def _steps_of(self, schedule: KernelSchedule, phase: str, regions: Mapping[str, int]
-                  ) -> tuple[list[Step], Callable[[str], tuple[str, ...]]]:
+        layouts = self.cache.layouts
+        schedule = schedule_kernels(self.ops(), self.input_bytes(), self.donated, layouts, self.cache.inductor)
         stands_for = schedule.stands_for
         memo: dict[str, tuple[str, ...]] = {}
 
@@ -297,15 +287,6 @@ def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequenc
     with its own storages, reading the instances it names. ``forward``: ``forward_steps`` of
     the same partition and ``fw_order``, when the caller has it (the result is the same).
     """
-    return kernel_step_variants(facts, partition, fw_order, bw_order, forward)[0]
-
-
-def kernel_step_variants(facts: JointGraphFacts, partition: Partition, fw_order: Sequence[str],
-                         bw_order: Sequence[Scheduled], forward: ForwardSteps | None = None,
-                         near_tie_fraction: float = 0.0) -> list[tuple[list[Step], set[str]]]:
-    """``kernel_steps``, then the same with the backward's kernels in each order whose peak estimate
-    is within ``near_tie_fraction`` of the order Inductor's reorder is modelled to keep
-    (``peak_reorder.peak_memory_orders``)."""
     cache = kernel_facts_of(facts)
     if forward is None or forward.fw_order != tuple(fw_order):
         forward = forward_steps(facts, partition, fw_order)
@@ -348,13 +329,14 @@ def kernel_step_variants(facts: JointGraphFacts, partition: Partition, fw_order:
     regions = {s.instance: s.region for s in bw_order}
     backward = _Graph(facts, cache, bw_instances, outputs, backward_input, frozenset(donated), reads,
                       frozenset(param_views), keep_products_apart=True)
+    bw_steps, bw_storages = backward.steps("backward", regions)
+    steps = fw_steps + [Step("<tangents>", "backward", cache.tangent_allocs, (), external=True)] + bw_steps
     # the incoming gradients die at their last reader: the autograd engine hands them to AOTAutograd's
     # backward and keeps none (unless a post-hook is registered on its node: remat registers none,
     # ``_torch_compile._after``; measured on rand-1239: 1,103,880 B, where a post-hook held the logits'
     # gradient to the end, 1,234,952 B)
-    tangents = Step("<tangents>", "backward", cache.tangent_allocs, (), external=True)
-    return [(fw_steps + [tangents] + bw_steps, pinned_fw | {s for o in outputs for s in bw_storages(o)})
-            for bw_steps, bw_storages in backward.step_variants("backward", regions, near_tie_fraction)]
+    pinned = pinned_fw | {s for o in outputs for s in bw_storages(o)}
+    return steps, pinned
 
 
 def _backward_instances(facts: JointGraphFacts, bw_order: Sequence[Scheduled]

@@ -26,16 +26,6 @@ from typing import Mapping, Sequence
 # torch/_inductor/utils.py: is_nonfreeable_buffers
 _NONFREEABLE_PREFIXES = ("primals_", "arg", "fwd_rng_state", "bwd_rng_state", "tangents")
 FILL_SUFFIX = "#fill"     # the node filling a scatter's buffer (``_Graph``)
-# How close above the kept order's estimate another candidate order's must be for the simulator to
-# follow it too (``peak_memory_orders``). Measured (a /tmp script logging Inductor's estimates and the
-# model's for the plans of 12 corpus models at three budgets, 63 graphs): where the model's estimate of
-# the kept order matched Inductor's to within 0.03%, two backwards had a candidate the model put 0.02%
-# (hf-1344, ViT) and 0.13% (hf-1357, GPT-2) above the kept order and Inductor put 0.1% and 2.7% below
-# it; Inductor ran that order, and its code peaked 16% and 89% above the simulation of the model's order
-# (1.0% and 0.5% from the simulation of the order it ran). Orders the model ties exactly are not
-# followed: in that sample and in the tied-head test of tests/test_inductor_check.py Inductor kept the
-# first of them, and following the others simulated that test's plan 13.6% over its checked peak.
-NEAR_TIE_FRACTION = 0.01
 
 
 class _Graph:
@@ -204,34 +194,6 @@ class _Graph:
         return schedule
 
 
-def peak_memory_orders(order: Sequence[str], members: Mapping[str, Sequence[str]],
-                       loads: Mapping[str, frozenset[str]], nbytes: Mapping[str, int],
-                       outputs: frozenset[str], after: Mapping[str, str],
-                       input_bytes: Mapping[str, int],
-                       fills: Mapping[str, frozenset[str]] = {}, near_tie_fraction: float = 0.0) -> list[list[str]]:
-    """The order Inductor's ``reorder_for_peak_memory`` keeps for fused nodes ``order`` (first), then
-    the other candidate orders whose estimate is above the kept one's by at most ``near_tie_fraction``
-    of it (``reorder_for_peak_memory`` describes the records).
-
-    Why the near ties: this model's nodes are Inductor's up to granularity (a library call's tuple
-    outputs, a ``cat``'s buffer, a layout copy are nodes of their own in Inductor), so its estimate of
-    a candidate order can differ from Inductor's by a few percent where the kept one's matches to the
-    byte, and Inductor may keep a candidate the model puts a little above the kept one (measured in
-    ``NEAR_TIE_FRACTION``'s note). The caller simulates each and keeps the highest peak."""
-    graph = _Graph(order, members, loads, nbytes, outputs, after, input_bytes, fills)
-    candidates = [(graph.estimate(graph.order), graph.order)]
-    for method in (graph.lpmf, graph.bfs, graph.dfs):
-        candidate = method()
-        if len(candidate) == len(graph.order):    # else a cycle the approximate fusion let through
-            candidates.append((graph.estimate(candidate), candidate))
-    best_peak, best = min(candidates, key=lambda c: c[0])      # the first on a tie, as Inductor picks
-    kept = [best]
-    for peak, candidate in candidates:
-        if best_peak < peak <= best_peak * (1 + near_tie_fraction) and candidate not in kept:
-            kept.append(candidate)
-    return [[r for r in o if not r.endswith(FILL_SUFFIX)] for o in kept]
-
-
 def reorder_for_peak_memory(order: Sequence[str], members: Mapping[str, Sequence[str]],
                             loads: Mapping[str, frozenset[str]], nbytes: Mapping[str, int],
                             outputs: frozenset[str], after: Mapping[str, str],
@@ -247,7 +209,16 @@ def reorder_for_peak_memory(order: Sequence[str], members: Mapping[str, Sequence
     Guarantees: a permutation of ``order`` in which every node comes after the nodes whose buffers
     it loads and those its members must follow; the order with the lowest estimate among
     ``order`` itself and the LPMF, BFS and DFS orders, ``order`` on a tie, as Inductor picks."""
-    return peak_memory_orders(order, members, loads, nbytes, outputs, after, input_bytes, fills)[0]
+    graph = _Graph(order, members, loads, nbytes, outputs, after, input_bytes, fills)
+    best, best_peak = graph.order, graph.estimate(graph.order)
+    for method in (graph.lpmf, graph.bfs, graph.dfs):
+        candidate = method()
+        if len(candidate) != len(best):    # a cycle the approximate fusion let through: keep the order
+            continue
+        peak = graph.estimate(candidate)
+        if peak < best_peak:
+            best, best_peak = candidate, peak
+    return [r for r in best if not r.endswith(FILL_SUFFIX)]
 
 
-__all__ = ["peak_memory_orders", "reorder_for_peak_memory"]
+__all__ = ["reorder_for_peak_memory"]

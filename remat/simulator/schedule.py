@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import AbstractSet, Iterable, Mapping, Optional
+from typing import AbstractSet, Iterable, Mapping
 
 from ..passes.graph_analysis import REBUILD_ENTRIES
 from ..passes.joint_graph import JointGraphFacts
@@ -24,9 +24,8 @@ from ..passes.partition import Partition, Scheduled
 from ..passes.recompute_bans import node_positions, recompute_bans
 from .kernel_facts import RECOMPUTE_SUFFIX, graph_inductor_config, graph_inputs_aligned, kernel_kinds
 from .kernel_lowering import EXTERN, SCATTER
-from .kernel_steps import ForwardSteps, forward_steps, kernel_step_variants
+from .kernel_steps import forward_steps, kernel_steps
 from .memory_timeline import MemorySimulation, Step, simulate_memory
-from .peak_reorder import NEAR_TIE_FRACTION
 from .shared_storage import one_value_per_storage, shared_storage_groups
 
 
@@ -313,20 +312,17 @@ def simulate_partition(facts: JointGraphFacts, partition: Partition) -> Simulate
     reuse = graph_inductor_config(facts).allow_buffer_reuse
     simulate = functools.partial(simulate_memory, reuse_freed=reuse, aligned_inputs=graph_inputs_aligned(facts))
     fw_order = forward_order(facts, partition)
-
-    def run(order: list[Scheduled], forward: Optional[ForwardSteps] = None) -> Simulated:
-        # the backward in the kernel order Inductor is modelled to keep and in each near-tied order
-        # (``peak_reorder.NEAR_TIE_FRACTION``): the highest peak, the first on a tie
-        runs = [Simulated(order, steps, pinned, simulate(steps, pinned)) for steps, pinned in
-                kernel_step_variants(facts, partition, fw_order, order, forward, NEAR_TIE_FRACTION)]
-        return max(runs, key=lambda r: r.simulation.peak_bytes)
-
     if key in known:
-        return run(backward_order(facts, partition, known[key]))
+        order = backward_order(facts, partition, known[key])
+        steps, pinned = kernel_steps(facts, partition, fw_order, order)
+        return Simulated(order, steps, pinned, simulate(steps, pinned))
     held = backward_order(facts, partition, False)
     rebuilt = backward_order(facts, partition, True)
     forward = forward_steps(facts, partition, fw_order)     # the same for both schedules
-    runs = [run(order, forward) for order in ((held,) if rebuilt == held else (held, rebuilt))]
+    runs = []
+    for order in ((held,) if rebuilt == held else (held, rebuilt)):
+        steps, pinned = kernel_steps(facts, partition, fw_order, order, forward)
+        runs.append(Simulated(order, steps, pinned, simulate(steps, pinned)))
     rebuild = len(runs) == 2 and runs[1].simulation.peak_bytes < runs[0].simulation.peak_bytes
     if len(known) >= REBUILD_ENTRIES:
         known.clear()
@@ -378,7 +374,5 @@ def recompute_time_s(facts: JointGraphFacts, partition: Partition) -> float:
 
 def memory_steps(facts: JointGraphFacts, partition: Partition) -> tuple[list[Step], set[str]]:
     """The forward, then the backward, as simulator steps in Inductor's kernel order; and the
-    pinned storages (see ``kernel_steps``): the steps ``simulate_partition`` simulates (of the
-    near-tied backward orders, the one with the highest peak)."""
-    run = simulate_partition(facts, partition)
-    return run.steps, run.pinned
+    pinned storages (see ``kernel_steps``)."""
+    return kernel_steps(facts, partition, forward_order(facts, partition), backward_order(facts, partition))
