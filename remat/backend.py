@@ -53,9 +53,8 @@ log = logging.getLogger("remat")
 class RematBackend:
     """A ``torch.compile`` backend that plans every joint graph under one budget.
 
-    ``compiled_graphs`` lists, in compile order, the plan remat made for each
-    graph it partitioned (inference graphs have none).
-    """
+    ``compiled_graphs`` lists, in compile order, the plan remat made for each graph it partitioned
+    (inference graphs have none)."""
 
     def __init__(self, options: RematOptions) -> None:
         self.options = options
@@ -260,10 +259,10 @@ class RematBackend:
         if not prepared.has_backward:
             return split_by_default(joint, joint_inputs, num_fwd_outputs, static_indices)
         graph_id, key, correction = self._correction_for_code(key_code, joint_inputs)
-        # Under DDP / FSDP2 the per-rank budget is split across the step's graphs (remat/distributed.py).
         base_target_bytes = self.options.planning_target_bytes(device_type, modeled)
         request = request_for(self.options, prepared, correction)   # the target includes the correction
         target_bytes = request.target_bytes
+        # Under DDP / FSDP2 the per-rank budget is split across the step's graphs (remat/distributed.py).
         share = share_for_graph(self._step_ledger, target_bytes, joint, num_fwd_outputs, static_indices)
         held_of = lambda p: held_bytes_of(joint, static_indices, p.saved_bytes, p.saved_primals)  # noqa: E731
         if share is None and target_bytes is not None:   # graph breaks: one budget per step (remat/step_budget.py)
@@ -332,10 +331,10 @@ class RematBackend:
         check_target = None if refusal is not None or base_target_bytes is None else share_check_target(
             step_share, held_of(plan), base_target_bytes) if share is not None else self.options.check_target_for(
             self.options.budget_bytes, device_type, modeled)   # alone in its step: the budget less the check's headroom
-        io = self._step_hooks.account.io_bytes(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
-        record = CompiledGraph(graph_id, current_compile_id(), plan, regions, dump_path, distributed, key,
-                               base_target_bytes, correction, step_share=step_share, check_target_bytes=check_target,
-                               cache=cache, refusal=refusal, input_activation_bytes=io[0], param_grad_bytes=io[1], facts=facts)
+        inputs, grads = self._step_hooks.account.io_bytes(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
+        record = CompiledGraph(graph_id, current_compile_id(), plan, regions, dump_path, distributed, key, base_target_bytes,
+                               correction, step_share=step_share, check_target_bytes=check_target, cache=cache,
+                               refusal=refusal, input_activation_bytes=inputs, param_grad_bytes=grads, facts=facts)
         self.compiled_graphs.append(record)
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw
