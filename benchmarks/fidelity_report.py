@@ -75,9 +75,10 @@ def final_plans(row: dict[str, Any]) -> dict[str, Any]:
     keep = sorted(last.values())
     simulated = plans["graph_predicted_peak_bytes"]
     checked = plans.get("graph_checked_peak_bytes") or [None] * len(ids)
+    zeros = [0] * len(ids)      # rows written before the records carried inputs and gradients
     saved = [plans["graph_saved_bytes"][i] for i in keep]
-    inputs = [(plans.get("graph_input_activation_bytes") or [0] * len(ids))[i] for i in keep]
-    grads = [(plans.get("graph_param_grad_bytes") or [0] * len(ids))[i] for i in keep]
+    inputs = [(plans.get("graph_input_activation_bytes") or zeros)[i] for i in keep]
+    grads = [(plans.get("graph_param_grad_bytes") or zeros)[i] for i in keep]
     accepted = [checked[i] if checked[i] is not None else simulated[i] for i in keep]
     plans["predicted_peak_bytes"] = predicted_step_peak([simulated[i] for i in keep], saved, inputs, grads)
     plans["accepted_peak_bytes"] = predicted_step_peak(accepted, saved, inputs, grads)

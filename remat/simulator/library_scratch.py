@@ -121,14 +121,20 @@ def scratch_of_prepared(prepares: Sequence[Callable[[], Optional[Callable[[], An
 
     steps: list[Callable[[], Any]] = []
     measured: list[bool] = []
+    runs_of: list[list[int]] = []       # per call, the indexes of its measured runs in ``steps``
     for i in range(len(prepares)):
-        steps += ([functools.partial(prepare, i)] + [functools.partial(run, i)] * PROBE_RUNS
-                  + [functools.partial(made.pop, i, None)])
-        measured += [False] + [True] * PROBE_RUNS + [False]
+        steps.append(functools.partial(prepare, i))
+        measured.append(False)
+        runs_of.append([])
+        for _ in range(PROBE_RUNS):
+            runs_of[i].append(len(steps))
+            steps.append(functools.partial(run, i))
+            measured.append(True)
+        steps.append(functools.partial(made.pop, i, None))
+        measured.append(False)
     peaks = calls_peak_bytes(steps, device, measured)
     if peaks is None:
         return None
-    runs_of = [[k for k in range(i * (PROBE_RUNS + 2) + 1, (i + 1) * (PROBE_RUNS + 2) - 1)] for i in range(len(prepares))]
     return [max(0, max(peaks[k] - nbytes for k, nbytes in zip(runs_of[i], output_bytes[i])))
             if i in output_bytes else None for i in range(len(prepares))]
 
