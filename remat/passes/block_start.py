@@ -63,16 +63,28 @@ def blocks_of(facts: JointGraphFacts) -> Mapping[str, str]:
     return block
 
 
+def input_free_values(facts: JointGraphFacts) -> frozenset[str]:
+    """Forward values computed from no graph input (constants and what is made only from them)."""
+    free: set[str] = set()
+    for name in facts.order:
+        node = facts.nodes[name]
+        if node.role == "forward" and all(i in free for i in node.inputs):
+            free.add(name)
+    return frozenset(free)
+
+
 def block_checkpoint_saved(facts: JointGraphFacts) -> Optional[frozenset[str]]:
     """The saved set of checkpointing every block (module docstring), or None without two blocks."""
     block = blocks_of(facts)
     if len(set(block.values())) < 2:
         return None
     read_by_backward = set(facts.needed_by_backward)
+    rebuilt_from_nothing = input_free_values(facts)
     saved = set()
     for name in facts.order:
         node = facts.nodes[name]
-        if node.role != "forward" or not node.is_tensor or node.is_multi_output:
+        if (node.role != "forward" or not node.is_tensor or node.is_multi_output
+                or name in rebuilt_from_nothing):
             continue
         here = block.get(name)
         readers = [block.get(user) for user in facts.users[name] if facts.nodes[user].role == "forward"]
@@ -84,4 +96,4 @@ def block_checkpoint_saved(facts: JointGraphFacts) -> Optional[frozenset[str]]:
     return frozenset(saved)
 
 
-__all__ = ["block_checkpoint_saved", "blocks_of"]
+__all__ = ["block_checkpoint_saved", "blocks_of", "input_free_values"]
