@@ -38,6 +38,7 @@ from .options import DEFAULT_MILP_TIME_LIMIT_S, RematOptions, target_for_budget
 from .passes.block_start import block_checkpoint_saved
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
 from .passes.plan import Plan, block_checkpoint_plan, make_plan
+from .passes.gradient_sums import accumulate_into_scatters
 from .passes.random_ops import split_dropout_outputs
 from .simulator.library_scratch import measure_library_scratch, probes_apply, with_library_scratch
 
@@ -74,7 +75,8 @@ class PreparedGraph:
 def prepare_graph(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int, hardware: str,
                   estimator: str = "roofline", outputs_held: bool = False,
                   static_lifetime_input_indices: Optional[Sequence[int]] = None) -> PreparedGraph:
-    """Prepare a joint graph for planning (dead code out, dropout split; ``joint`` is edited in place)
+    """Prepare a joint graph for planning (dead code out, dropout split, gradient sums scattered into:
+    ``passes/gradient_sums.py``; ``joint`` is edited in place)
     and read its facts. ``outputs_held``: ``JointGraphFacts.outputs_held``. ``static_lifetime_input_indices``:
     what AOTAutograd hands a partitioner (the parameters), for the default partition's saved set
     (``default_partition_saved``; without it, the inputs with a gradient are taken as the parameters).
@@ -85,6 +87,7 @@ def prepare_graph(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd
     """
     joint.graph.eliminate_dead_code()
     split_dropout_outputs(joint.graph)
+    accumulate_into_scatters(joint.graph)
     joint.recompile()
     device = device_of(joint_inputs)
     profile = get_profile(hardware, device)
