@@ -193,15 +193,15 @@ def test_a_scatters_fill_is_its_own_node_in_the_peak_memory_orders():
     free their inputs) before the fill, not after one node that both allocates and frees (hf-1353, a
     tied Mistral: its backward kept the weight gradients where they were, 4,214,528 B; the model, one
     node, ran them after the scatter and simulated 3,821,312 B)."""
-    from remat.simulator.peak_reorder import _Graph
+    from remat.simulator.peak_reorder import _SchedulerNodes
 
     members = {n: [n] for n in ("w1", "w2", "s", "a")}
     loads = {"w1": frozenset({"x1"}), "w2": frozenset({"x2"}), "s": frozenset({"v"}), "a": frozenset({"s", "l"})}
     nbytes = dict.fromkeys(members, 393216)
     inputs = {"x1": 180224, "x2": 180224, "v": 246272, "l": 131072}
     args = (["s", "w1", "w2", "a"], members, loads, nbytes, frozenset({"w1", "w2", "a"}), {}, inputs)
-    assert _Graph(*args).lpmf() == ["s", "a", "w1", "w2"]
-    assert _Graph(*args, fills={"s": frozenset()}).lpmf() == ["w1", "w2", "s#fill", "s", "a"]
+    assert _SchedulerNodes(*args).lpmf() == ["s", "a", "w1", "w2"]
+    assert _SchedulerNodes(*args, fills={"s": frozenset()}).lpmf() == ["w1", "w2", "s#fill", "s", "a"]
 
 
 def test_loops_sharing_an_input_fuse_and_allocate_together():

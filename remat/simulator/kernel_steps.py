@@ -34,7 +34,7 @@ FORWARD_RETURNS = "<forward returns>"   # the marker step where the forward hand
 _CALLS = (EXTERN, SCATTER)
 
 
-class _Graph:
+class _GraphOps:
     """One compiled graph: its ops, and the storages each instance's value refers to.
 
     An instance is one copy of a node in the graph; ``reads`` says, per instance, which
@@ -267,7 +267,7 @@ def forward_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequen
         return (copies[name][0],) if name in copies else facts.nodes[name].value_storages
 
     copied = frozenset(v for v in fw_outputs if v in cache.view_copies and cache.view_copies[v][0] not in fw_outputs)
-    forward = _Graph(facts, cache, [(n, n) for n in fw_order], fw_outputs, forward_input, frozenset(),
+    forward = _GraphOps(facts, cache, [(n, n) for n in fw_order], fw_outputs, forward_input, frozenset(),
                      copied_views=copied)
     fw_steps, fw_storages = forward.steps("forward", {})
     if copies:
@@ -310,7 +310,7 @@ def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequenc
     # backward may then overwrite it (``cache.owned``: storages the step allocates; a primal's or
     # a tangent's is there before the step starts).
     # ``param_views``: saved views of what the step did not allocate (a transposed weight), which
-    # only Inductor's peak estimate holds (``_Graph._estimated_input_bytes``)
+    # only Inductor's peak estimate holds (``_GraphOps._estimated_input_bytes``)
     donated: set[str] = set()
     param_views: set[str] = set()
     for n in partition.saved:
@@ -327,7 +327,7 @@ def kernel_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequenc
             donated.add(n)
     bw_instances, reads, outputs = _backward_instances(facts, bw_order)
     regions = {s.instance: s.region for s in bw_order}
-    backward = _Graph(facts, cache, bw_instances, outputs, backward_input, frozenset(donated), reads,
+    backward = _GraphOps(facts, cache, bw_instances, outputs, backward_input, frozenset(donated), reads,
                       frozenset(param_views), keep_products_apart=True)
     bw_steps, bw_storages = backward.steps("backward", regions)
     steps = fw_steps + [Step("<tangents>", "backward", cache.tangent_allocs, (), external=True)] + bw_steps
@@ -354,6 +354,6 @@ def adds_kept_apart(facts: JointGraphFacts, bw_order: Sequence[Scheduled]) -> fr
     Inductor's addmm fusion (``addmm_fusion.products_kept_apart``): the same answer ``kernel_steps``
     simulates, for the rewrite to write."""
     instances, reads, outputs = _backward_instances(facts, bw_order)
-    graph = _Graph(facts, kernel_facts_of(facts), instances, outputs, lambda name: (), frozenset(), reads,
+    graph = _GraphOps(facts, kernel_facts_of(facts), instances, outputs, lambda name: (), frozenset(), reads,
                    keep_products_apart=True)
     return graph.kept_apart

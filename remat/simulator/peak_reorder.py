@@ -25,10 +25,10 @@ from typing import Mapping, Sequence
 
 # torch/_inductor/utils.py: is_nonfreeable_buffers
 _NONFREEABLE_PREFIXES = ("primals_", "arg", "fwd_rng_state", "bwd_rng_state", "tangents")
-FILL_SUFFIX = "#fill"     # the node filling a scatter's buffer (``_Graph``)
+FILL_SUFFIX = "#fill"     # the node filling a scatter's buffer (``_SchedulerNodes``)
 
 
-class _Graph:
+class _SchedulerNodes:
     """The fused nodes with what Inductor's memory planning info holds for each (``mpi_node``,
     ``mpi_buffer``): sizes, buffer successors, node predecessors and successors."""
 
@@ -209,7 +209,7 @@ def reorder_for_peak_memory(order: Sequence[str], members: Mapping[str, Sequence
     Guarantees: a permutation of ``order`` in which every node comes after the nodes whose buffers
     it loads and those its members must follow; the order with the lowest estimate among
     ``order`` itself and the LPMF, BFS and DFS orders, ``order`` on a tie, as Inductor picks."""
-    graph = _Graph(order, members, loads, nbytes, outputs, after, input_bytes, fills)
+    graph = _SchedulerNodes(order, members, loads, nbytes, outputs, after, input_bytes, fills)
     best, best_peak = graph.order, graph.estimate(graph.order)
     for method in (graph.lpmf, graph.bfs, graph.dfs):
         candidate = method()
