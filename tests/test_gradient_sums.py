@@ -22,19 +22,22 @@ _aten = torch.ops.aten
 
 def _sum_into_zero_scatter(addend_kind: str):
     """A function whose graph adds a value to an accumulating scatter into zeros; ``addend_kind``:
-    ``"computed"`` (from the tangent, read once), ``"read_twice"`` or ``"input"`` (a graph input)."""
+    ``"computed"`` (from the tangent, before the scatter, read once), ``"later"`` (computed after
+    the scatter), ``"read_twice"`` or ``"input"`` (a graph input)."""
 
     def f(weight: torch.Tensor, index: torch.Tensor, tangents_1: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        early = weight * tangents_1.sum()
         rows = tangents_1 * 3.0
         zeros = _aten.full.default([16, 8], 0.0, dtype=torch.float32, device=torch.device("cpu"))
         scattered = _aten._unsafe_masked_index_put_accumulate.default(
             zeros, (index >= 0).unsqueeze(-1), [index], rows)
         if addend_kind == "input":
             return (weight + scattered,)
-        addend = weight * tangents_1.sum()
+        if addend_kind == "later":
+            return (weight * tangents_1.mean() + scattered,)
         if addend_kind == "read_twice":
-            return (addend + scattered, addend)
-        return (addend + scattered,)
+            return (early + scattered, early)
+        return (early + scattered,)
 
     return f
 
@@ -60,8 +63,8 @@ def test_a_computed_addend_is_scattered_into_and_the_sum_is_unchanged():
     torch.testing.assert_close(gm(*_inputs()), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_an_addend_read_elsewhere_or_a_graph_input_is_left_alone():
-    for kind in ("read_twice", "input"):
+def test_an_addend_read_elsewhere_made_after_the_scatter_or_a_graph_input_is_left_alone():
+    for kind in ("read_twice", "later", "input"):
         gm = make_fx(_sum_into_zero_scatter(kind))(*_inputs())
         before = _ops(gm)
         assert accumulate_into_scatters(gm.graph) == 0, kind

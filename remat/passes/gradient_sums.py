@@ -20,7 +20,10 @@ _unsafe_index_put``), so the copy can take ``a``'s buffer when ``a`` dies there.
 Only in the backward (values computed from a tangent), and only where nothing else changes:
 ``s``'s zeros are a ``full`` of 0 read by ``s`` alone; ``a`` is computed in the graph (not an
 input), read by the add alone, with the sum's shape and dtype, as ``s`` is; the add has no
-``alpha``. The values are the same sum in another order: ``a + (0 + r1 + r2)`` becomes
+``alpha``; and ``a`` comes before ``s`` in the graph's order. The new scatter takes ``s``'s place,
+so it runs where ``s`` did: had ``a`` come after ``s``, the scatter would wait for it and hold its
+rows (an embedding's gradient rows are batch x tokens x width, which can outweigh the weight)
+instead of ``s``. The values are the same sum in another order: ``a + (0 + r1 + r2)`` becomes
 ``(a + r1) + r2`` per element, equal up to floating-point rounding (the gradients are compared with
 plain Inductor's within the tests' tolerance, as recomputation's are).
 """
@@ -100,6 +103,7 @@ def accumulate_into_scatters(graph: fx.Graph) -> int:
     the same sums up to rounding. A chain of sums is rewritten link by link: each rewritten
     scatter can be the ``a`` of the next add."""
     backward = _computed_from_tangents(graph)
+    position = {node: i for i, node in enumerate(graph.nodes)}
     changed = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not _ADD or node not in backward or node.kwargs:
@@ -109,12 +113,12 @@ def accumulate_into_scatters(graph: fx.Graph) -> int:
             continue
         first, second = node.args
         for scatter, addend in ((second, first), (first, second)):
-            if _zero_scatter(scatter, total) and _addend(addend, total):
+            if _zero_scatter(scatter, total) and _addend(addend, total) and position[addend] < position[scatter]:
                 break
         else:
             continue
         zeros = scatter.args[0]
-        with graph.inserting_before(node):
+        with graph.inserting_before(scatter):
             summed = graph.call_function(scatter.target, (addend, *scatter.args[1:]), dict(scatter.kwargs))
         summed.meta.update(scatter.meta)
         summed.meta["val"] = total
@@ -123,6 +127,7 @@ def accumulate_into_scatters(graph: fx.Graph) -> int:
         graph.erase_node(scatter)
         graph.erase_node(zeros)
         backward.add(summed)
+        position[summed] = position[scatter]
         changed += 1
     if changed:
         graph.lint()
