@@ -112,15 +112,16 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
 
     reads = {n: frozenset().union(*(memory_of(d) for d in loads[n])) for n in nodes}
     order = topological_order(nodes, sets, loads, lowering.position, after)
+    # a scatter's buffer is a copy of its first input, filled before it scatters (``lowering._unsafe_index_put``)
+    fills = {n: lowering.source(by_name[n].inputs[0]) for n in nodes if by_name[n].kind == SCATTER and by_name[n].inputs}
     if config.reorder_for_peak_memory:
-        fills = {n: lowering.source(by_name[n].inputs[0]) for n in nodes if by_name[n].kind == SCATTER and by_name[n].inputs}
         order = reorder_for_peak_memory(order, sets.members, loads, {n: by_name[n].nbytes for n in nodes},
                                         frozenset(n for n in nodes if by_name[n].is_output), after, input_bytes, fills)
     rank = {root: k for k, root in enumerate(order)}
     layouts = dict(input_layouts)
     layouts.update((o.name, o.layout) for o in ops)
-    inplace = (_inplace(order, sets, by_name, reads, removed, rank, roots, sizes, donated, ancestors, position, layouts)
-               if config.inplace_buffers else {})
+    inplace = (_inplace(order, sets, by_name, reads, removed, rank, roots, sizes, donated, ancestors, position, layouts,
+                        fills) if config.inplace_buffers else {})
     kernels: list[Kernel] = []
     current: list[str] = []
 
@@ -144,12 +145,14 @@ def schedule_kernels(ops: Sequence[GraphOp], input_bytes: Mapping[str, int],
 def _inplace(order: list[str], sets: UnionFind, ops: Mapping[str, GraphOp], reads: Mapping[str, frozenset[str]],
              removed: set[str], rank: Mapping[str, int], roots: Mapping[str, str], sizes: Mapping[str, int],
              donated: frozenset[str], ancestors: Mapping[str, int], position: Mapping[str, int],
-             layouts: Mapping[str, str]) -> dict[str, str]:
+             layouts: Mapping[str, str], fills: Mapping[str, frozenset[str]]) -> dict[str, str]:
     """Outputs written over an input (``SchedulerNode.decide_inplace_update``): a loop node
     may overwrite a buffer of its own size when it is that buffer's only remaining reader
     (every other reader ran in an earlier kernel or is one of its ancestors) and it is laid out
     the same way (the write walks the same indices as the read). Graph inputs qualify only if
-    donated; a scatter's result (written by a fallback) never does."""
+    donated; a scatter's result (written by a fallback) never does. A scatter's own buffer is a
+    loop copying its first input (``fills``), which may overwrite that input the same way: a
+    gradient part scattered into (``passes/gradient_sums.py``) gives its buffer to the sum."""
     readers: dict[str, list[str]] = {}
     for n, sources in reads.items():
         for source in sources:
@@ -159,10 +162,11 @@ def _inplace(order: list[str], sets: UnionFind, ops: Mapping[str, GraphOp], read
     for root in order:
         for n in sorted(sets.members[root]):
             op = ops[n]
-            if op.kind not in LOOP_KINDS or n in removed or op.nbytes == 0 or op.concat:
+            if (op.kind not in LOOP_KINDS and op.kind != SCATTER) or n in removed or op.nbytes == 0 or op.concat:
                 continue   # a CPU cat's buffer is its ConcatKernel's, which reads nothing: never in place
+            candidates = fills.get(n, frozenset()) if op.kind == SCATTER else reads[n]
             # buffers made in this graph first, then donated inputs (the order Inductor meets them in)
-            for source in sorted(reads[n], key=lambda s: (s not in ops, s)):
+            for source in sorted(candidates, key=lambda s: (s not in ops, s)):
                 if source in taken or sizes.get(source, -1) != op.nbytes or layouts.get(source, "") != op.layout:
                     continue
                 if source in ops:
