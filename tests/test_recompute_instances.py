@@ -117,7 +117,8 @@ def test_rewritten_backward_holds_one_copy_per_instance_and_gradients_equal_eage
     plan = make_plan(facts, None)
     plan = dataclasses.replace(plan, saved=tuple(sorted(partition.saved)),
                                recomputed=tuple(sorted(partition.recomputed)),
-                               saved_primals=tuple(sorted(partition.saved_primals)))
+                               saved_primals=tuple(sorted(partition.saved_primals)),
+                               backward_order=tuple(backward_order(facts, partition)))
     joint = captured.graph_module
     fw, bw = split_joint(joint, plan.saved_primals + plan.saved, captured.num_fwd_outputs)
     bw, regions = place_recompute_regions(bw, facts, plan)
@@ -157,3 +158,24 @@ def test_rewritten_backward_holds_one_copy_per_instance_and_gradients_equal_eage
     assert len(grads) == len(expected_grads)
     for got, want in zip(grads, expected_grads):
         assert torch.equal(got, want)
+
+
+def test_the_rewrite_emits_the_plans_own_schedule_and_refuses_one_simulated_for_another_saved_set(chain):
+    """``Plan.backward_order`` is the schedule the plan's peak was simulated on; the rewrite emits it
+    (it no longer works the schedule out again from the facts), and a plan whose saved set was edited
+    after planning, its schedule left as it was, is an error rather than a backward nobody simulated."""
+    captured, facts, _, _ = chain
+    plan = make_plan(facts, None)
+    copies = [(s.name, int(s.instance.rsplit("@r", 1)[1])) for s in plan.backward_order if s.region >= 0]
+    assert copies, "the plan recomputes nothing: nothing to check"
+    _, bw = split_joint(captured.graph_module, plan.saved_primals + plan.saved, captured.num_fwd_outputs)
+    bw, _ = place_recompute_regions(bw, facts, plan)
+    emitted = [(n.meta[REMAT_KEY].source, n.meta[REMAT_KEY].instance) for n in bw.graph.nodes
+               if isinstance(n.meta.get(REMAT_KEY), RecomputeTag)]
+    assert emitted == copies
+
+    everything = tuple(sorted(set(plan.saved) | set(plan.recomputed)))
+    edited = dataclasses.replace(plan, saved=everything, recomputed=())   # its old schedule left as it was
+    _, bw = split_joint(captured.graph_module, edited.saved_primals + edited.saved, captured.num_fwd_outputs)
+    with pytest.raises(ValueError, match="simulated for another saved set"):
+        place_recompute_regions(bw, facts, edited)

@@ -130,7 +130,8 @@ def main() -> None:
             import dataclasses
             plan = dataclasses.replace(plan, saved=tuple(sorted(ev_d.partition.saved)),
                                        recomputed=tuple(sorted(ev_d.partition.recomputed)),
-                                       saved_primals=tuple(sorted(ev_d.partition.saved_primals)))
+                                       saved_primals=tuple(sorted(ev_d.partition.saved_primals)),
+                                       backward_order=ev_d.backward_order)
         fw, bw = split_joint(joint, plan.saved_primals + plan.saved, n_out)
         bw, _ = place_recompute_regions(bw, facts, plan)
         return fw, bw

@@ -34,6 +34,7 @@ from ..simulator import Evaluated, evaluate, partition_of
 from .held_cap import reduce_saved_bytes
 from .block_start import block_checkpoint_saved
 from .joint_graph import JointGraphFacts
+from .partition import Scheduled
 from ..simulator.kernel_facts import storage_owner
 from .mincut import min_cut_saved, saved_cost_bytes
 from ..simulator.schedule import hold_intermediates, register_only
@@ -57,7 +58,8 @@ class NodeDecision:
 
 @dataclass(frozen=True)
 class Plan:
-    """A partition with its predicted costs. Holds names only, so it can be saved and diffed."""
+    """A partition with its predicted costs and the backward schedule they were simulated on. Holds
+    names only, so it can be saved and diffed."""
 
     budget_bytes: Optional[int]
     target_bytes: Optional[int]          # what the simulated peak had to meet (budget less headroom)
@@ -76,6 +78,8 @@ class Plan:
     plan_time_s: float
     decisions: tuple[NodeDecision, ...]
     fits_budget: bool
+    # the backward schedule the peak was simulated on, which the rewrite emits (``passes/rewrite.py``)
+    backward_order: tuple[Scheduled, ...] = ()
 
 
 def _save_all(facts: JointGraphFacts) -> frozenset[str]:
@@ -400,4 +404,5 @@ def _plan_record(facts: JointGraphFacts, budget_bytes: Optional[int], target: Op
         decisions=_decisions(facts, chosen, mincut_saved, dropped, chosen is mincut,
                              chosen is first_start and chosen is not mincut),
         fits_budget=fits,
+        backward_order=chosen.backward_order,
     )

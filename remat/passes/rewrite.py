@@ -2,8 +2,9 @@
 
 The forward and backward graphs come out of graph extraction with every
 recomputed node once, at the top of the backward (joint-graph order).
-``place_recompute_regions`` rebuilds the backward in the order
-``schedule.backward_order`` gives, the same order the memory simulation walked:
+``place_recompute_regions`` rebuilds the backward in the order the plan carries
+(``Plan.backward_order``: ``schedule.backward_order``'s answer when the plan was simulated), the
+order the memory simulation walked:
 a value the schedule recomputes several times gets one copy per instance, and
 every copy reads the instances the schedule names. Every recomputed copy is
 tagged with a frozen ``RecomputeTag`` under ``node.meta[REMAT_KEY]``.
@@ -26,7 +27,7 @@ from ..units import format_bytes
 from .joint_graph import JointGraphFacts, is_collective
 from .plan import Plan
 from ..simulator.kernel_steps import adds_kept_apart
-from ..simulator.schedule import Scheduled, backward_order, partition_nodes
+from ..simulator.schedule import Scheduled
 
 REMAT_KEY = "remat"
 KEPT_APART_KEY = "remat_kept_apart"    # node.meta of a sum written apart from its product, with the reason
@@ -64,15 +65,23 @@ def _first_uses(order: list[Scheduled]) -> dict[int, str]:
 
 
 def place_recompute_regions(bw: fx.GraphModule, facts: JointGraphFacts, plan: Plan) -> tuple[fx.GraphModule, tuple[RegionSummary, ...]]:
-    """Rebuild ``bw`` in the schedule's order; returns the new module and the regions.
+    """Rebuild ``bw`` in the order of the plan's backward schedule (``Plan.backward_order``, the one its
+    peak was simulated on); returns the new module and the regions.
 
     Guarantees: the same placeholders and output; one copy of each live backward node;
-    one copy of a recomputed node per instance of it in ``backward_order`` (copies after
+    one copy of a recomputed node per instance of it in the schedule (copies after
     the first get fresh names), each reading the instances the schedule names; every
     node comes after its inputs (checked by ``graph.lint()``).
     """
-    partition = partition_nodes(facts, set(plan.saved))
-    order = backward_order(facts, partition)
+    order = list(plan.backward_order)
+    if not order and any(node.op == "call_function" for node in bw.graph.nodes):
+        raise ValueError(f"the plan ({plan.solver}) carries no backward schedule for a backward with ops: "
+                         "plans come from passes/plan.py, which records the schedule they were simulated on")
+    stale = sorted({entry.name for entry in order if entry.region >= 0} - set(plan.recomputed))
+    if stale:
+        raise ValueError(f"the plan's backward schedule recomputes {stale[:5]}, which the plan does not: it was "
+                         "simulated for another saved set (a plan edited after planning needs its schedule again, "
+                         "simulator.evaluate(facts, saved).backward_order)")
     kept_apart = adds_kept_apart(facts, order)
     first_use = _first_uses(order)
     reasons = {d.name: d.reason for d in plan.decisions}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import AbstractSet
 
 from ..passes.joint_graph import JointGraphFacts
-from ..passes.partition import Partition
+from ..passes.partition import Partition, Scheduled
 from . import schedule
 from .memory_timeline import MemorySimulation, Step
 from .shared_storage import one_value_per_storage
@@ -21,7 +21,8 @@ from .shared_storage import one_value_per_storage
 
 @dataclass(frozen=True)
 class Evaluated:
-    """One simulated plan: the saved set asked for, its partition, simulation and extra time."""
+    """One simulated plan: the saved set asked for, its partition, simulation, extra time and the
+    backward schedule they were simulated on."""
 
     chosen: frozenset[str]
     partition: Partition
@@ -29,6 +30,7 @@ class Evaluated:
     extra_time_s: float
     steps: tuple[Step, ...]
     pinned: frozenset[str] = frozenset()    # storages never freed in the simulated window
+    backward_order: tuple[Scheduled, ...] = ()   # the backward schedule simulated (``schedule.backward_order``)
 
     @property
     def peak_bytes(self) -> int:
@@ -52,4 +54,4 @@ def evaluate(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Evaluate
     chosen, partition = partition_of(facts, chosen_saved)
     run = schedule.simulate_partition(facts, partition)
     extra = schedule.recompute_time_of(facts, run.order)
-    return Evaluated(chosen, partition, run.simulation, extra, tuple(run.steps), frozenset(run.pinned))
+    return Evaluated(chosen, partition, run.simulation, extra, tuple(run.steps), frozenset(run.pinned), tuple(run.order))
