@@ -9,6 +9,8 @@ Verified on torch 2.13.0 (``backed_var_to_val`` is ``var_to_val`` before 2.13):
 - ``ShapeEnv.var_to_sources``: where each symbol came from (``L['x'].size()[1]``).
 - ``ShapeEnv.suppress_guards()``: comparisons on SymInts inside evaluate at the hint and record
   no guard (and no replacement); ``ShapeEnv.error_on_new_guards()`` raises instead (for tests).
+- ``torch.fx.experimental.symbolic_shapes.statically_known_true(expr)``: whether a size comparison
+  holds for every value of its symbols, adding no guard (``sizes_known_equal``).
 - ``torch._guards.CompileContext.current_compile_id()``: ``frame_id`` and ``frame_compile_id``.
 - ``torch._dynamo.convert_frame._compile``'s local ``cache_size`` (a ``CacheSizeRelevantForFrame``),
   read off the Python stack: the cache entries Dynamo counts against its limits.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import sympy
 import torch
@@ -35,6 +37,13 @@ def shape_env_of(graph: fx.Graph) -> Optional[Any]:
                 if isinstance(size, torch.SymInt):
                     return size.node.shape_env
     return None
+
+
+def sizes_known_equal(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two shapes (ints or SymInts) are equal for every value their symbols may take; adds no guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 from torch import fx
 
+from .._torch_shapes import sizes_known_equal
+
 _aten = torch.ops.aten
 _ADD = _aten.add.Tensor
 _FULL = _aten.full.default
@@ -58,7 +60,9 @@ def _val(node: object) -> Optional[torch.Tensor]:
 
 
 def _same_tensor_type(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+    """Same dtype, device and shape; a symbolic size counts as equal only when it is known to be (no
+    guard is added to the graph's shape environment)."""
+    return a.dtype == b.dtype and a.device == b.device and sizes_known_equal(a.shape, b.shape)
 
 
 def _is_zeros_read_once(node: object) -> bool:
