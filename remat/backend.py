@@ -179,9 +179,9 @@ class RematBackend:
             return self._recompile(gm, args, correction, key, replanned, candidate)[0], replanned
 
         def compile_candidate(refused: CompiledGraph, kind: str) -> tuple[Callable[..., Any], CodeCapture]:
-            # the refused graph again, planned as candidate ``kind`` (``partition``; its id is a re-plan's),
-            # with the refusal handed on (``judge_loop.refused_at``; ``_recompile`` clears it): no second search
-            same = Correction(1.0, self.options.budget_bytes, 0, 0, refused.graph_id, "a candidate plan for Inductor's check")
+            # the refused graph again, planned as candidate ``kind`` at the refused target (the refusal's correction, if
+            # any), the refusal handed on (``judge_loop.refused_at``; ``_recompile`` clears it): no second search
+            same = refused.correction or Correction(1.0, self.options.budget_bytes, 0, 0, refused.graph_id, "a candidate plan")
             assert refused.refusal is not None
             self._replan.refused = (refused.plan.target_bytes, refused.refusal.error)
             return recompile(same, refused.graph_key, kind)
