@@ -17,9 +17,9 @@ made where the scatter's rows are, and the zero buffer is never made. Inductor l
 accumulating scatter as a copy of its first operand and a scatter into the copy (``lowering.
 _unsafe_index_put``), so the copy can take ``a``'s buffer when ``a`` dies there.
 
-Only in the backward (values computed from a tangent), and only where nothing else changes:
-``s``'s zeros are a ``full`` of 0 read by ``s`` alone; ``a`` is computed in the graph (not an
-input), read by the add alone, with the sum's shape and dtype, as ``s`` is; the add has no
+Only in the backward (``joint_graph.backward_closure``, the facts' own rule), and only where nothing
+else changes: ``s``'s zeros are a ``full`` of 0 read by ``s`` alone; ``a`` is computed in the graph
+(not an input), read by the add alone, with the sum's shape and dtype, as ``s`` is; the add has no
 ``alpha``; and ``a`` comes before ``s`` in the graph's order. The new scatter takes ``s``'s place,
 so it runs where ``s`` did: had ``a`` come after ``s``, the scatter would wait for it and hold its
 rows (an embedding's gradient rows are batch x tokens x width, which can outweigh the weight)
@@ -36,6 +36,7 @@ import torch
 from torch import fx
 
 from .._torch_shapes import sizes_known_equal
+from .joint_graph import backward_closure
 
 _aten = torch.ops.aten
 _ADD = _aten.add.Tensor
@@ -87,18 +88,6 @@ def _addend(node: object, total: torch.Tensor) -> bool:
     return value is not None and _same_tensor_type(value, total)
 
 
-def _computed_from_tangents(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes that depend on a tangent: the backward's (``joint_graph._placeholder_role``)."""
-    backward: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            if str(node.target).startswith("tangents"):
-                backward.add(node)
-        elif any(i in backward for i in node.all_input_nodes):
-            backward.add(node)
-    return backward
-
-
 def accumulate_into_scatters(graph: fx.Graph) -> int:
     """Rewrite each backward ``add(a, s)`` of an accumulating scatter ``s`` into zeros as the
     scatter into ``a`` (module docstring); return how many adds were rewritten.
@@ -106,11 +95,11 @@ def accumulate_into_scatters(graph: fx.Graph) -> int:
     Requires a functional (AOTAutograd) joint graph; guarantees the graph still lints and computes
     the same sums up to rounding. A chain of sums is rewritten link by link: each rewritten
     scatter can be the ``a`` of the next add."""
-    backward = _computed_from_tangents(graph)
+    backward = backward_closure(graph)
     position = {node: i for i, node in enumerate(graph.nodes)}
     changed = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not _ADD or node not in backward or node.kwargs:
+        if node.op != "call_function" or node.target is not _ADD or node.name not in backward or node.kwargs:
             continue
         total = _val(node)
         if total is None or len(node.args) != 2:
@@ -130,7 +119,7 @@ def accumulate_into_scatters(graph: fx.Graph) -> int:
         graph.erase_node(node)
         graph.erase_node(scatter)
         graph.erase_node(zeros)
-        backward.add(summed)
+        backward.add(summed.name)
         position[summed] = position[scatter]
         changed += 1
     if changed:

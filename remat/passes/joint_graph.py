@@ -238,7 +238,9 @@ def _storages(node: fx.Node, value_storages: dict[str, tuple[str, ...]]) -> tupl
     return ((node.name, tensor_nbytes(val)),), (node.name,)
 
 
-def _backward_closure(graph: fx.Graph) -> set[str]:
+def backward_closure(graph: fx.Graph) -> set[str]:
+    """The names of a joint graph's backward nodes: the tangents (and backward seeds), what the partitioner
+    tags for the backward, and everything computed from them."""
     backward: set[str] = set()
     for node in graph.nodes:
         if node.op == "output":
@@ -270,7 +272,7 @@ def read_joint_graph(graph: fx.Graph, costs: Mapping[str, NodeCost], num_fwd_out
     flat_outputs = [o for o in torch.utils._pytree.tree_leaves(output.args)]
     fwd_outputs = [o for o in flat_outputs[:num_fwd_outputs] if isinstance(o, fx.Node)]
     bwd_outputs = [o for o in flat_outputs[num_fwd_outputs:] if isinstance(o, fx.Node)]
-    backward = _backward_closure(graph)
+    backward = backward_closure(graph)
 
     side_effect_roots = [n for n in graph.nodes if n.op == "call_function" and n.name not in backward and is_mutating_op(n)]
     forward_required = _ancestors(fwd_outputs + side_effect_roots, stop=backward)
