@@ -135,3 +135,45 @@ def test_the_tied_lms_gradients_equal_plain_inductors():
         torch._dynamo.reset()
     for name, grad in plain.items():
         torch.testing.assert_close(with_remat[name], grad, rtol=1e-5, atol=1e-6)
+
+
+
+def _symbolic_sum(weight: torch.Tensor, index: torch.Tensor, tangents_1: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A computed addend plus an accumulating scatter into zeros of the weight's (symbolic) size."""
+    early = weight * tangents_1.sum()
+    zeros = _aten.full.default(list(weight.shape), 0.0, dtype=torch.float32, device=torch.device("cpu"))
+    scattered = _aten._unsafe_masked_index_put_accumulate.default(
+        zeros, (index >= 0).unsqueeze(-1), [index], tangents_1 * 3.0)
+    return (early + scattered,)
+
+
+def test_symbolic_sizes_count_as_equal_only_when_known_equal_and_add_no_guard():
+    """``sizes_known_equal``: the same symbols are equal; two symbols traced at the same value, or a
+    symbol and the int it was traced at, are not (they may differ at run time); deciding adds no guard."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from remat._torch_shapes import guards_forbidden, sizes_known_equal
+
+    shape_env = ShapeEnv(duck_shape=False)
+    s0, s1 = (shape_env.create_symintnode(shape_env.create_symbol(16, source=ConstantSource(name)), hint=16)
+              for name in ("rows_a", "rows_b"))
+    with guards_forbidden(shape_env):
+        assert sizes_known_equal([s0, 8], [s0, 8])
+        assert not sizes_known_equal([s0, 8], [s1, 8])
+        assert not sizes_known_equal([s0, 8], [16, 8])
+        assert not sizes_known_equal([s0, 8], [s0])
+    assert not shape_env.guards
+
+
+def test_the_rewrite_applies_on_symbolic_sizes_without_a_guard():
+    from remat._torch_shapes import guards_forbidden, shape_env_of
+
+    gm = make_fx(_symbolic_sum, tracing_mode="symbolic")(*_inputs())
+    shape_env = shape_env_of(gm.graph)
+    assert shape_env is not None
+    guards_before = len(shape_env.guards)
+    with guards_forbidden(shape_env):
+        assert accumulate_into_scatters(gm.graph) == 1
+    assert len(shape_env.guards) == guards_before
+    gm.recompile()
+    torch.testing.assert_close(gm(*_inputs()), _symbolic_sum(*_inputs()), rtol=1e-6, atol=1e-6)
