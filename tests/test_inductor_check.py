@@ -261,6 +261,40 @@ def test_a_budget_no_checked_plan_meets_is_refused_naming_one_that_fits(scaled_s
     assert event.action == "within budget" and event.measured_peak_bytes <= backend.options.budget_bytes, (event, graph.judgement)
 
 
+
+def test_candidates_after_a_refused_corrected_re_plan_are_planned_at_the_corrected_target(tmp_path, monkeypatch):
+    """A budget between the wrong simulator's floor and the real one: the first plan simulates under the
+    target and checks over it; the re-plan at the corrected target is refused; the smallest-peak plan
+    checks over that target, so the refusal's candidates are compiled. Each is planned at the corrected
+    target the refusal was made at (``RematBackend.compile_candidate`` hands the refusal's correction on):
+    planned afresh at the first target, the free min-cut plan fitted there, came back with no refusal and
+    failed an assertion in ``overrule_or_refuse`` (the Hugging Face Qwen2 benchmark at its named floor,
+    before 2f6fca5). Every plan is over this budget as Inductor compiles it: the refusal names a budget."""
+    import importlib
+
+    backend_module = importlib.import_module("remat.backend")
+    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
+    monkeypatch.setenv("REMAT_COMPILE_CACHE", "0")
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    with pytest.raises(remat.BudgetInfeasibleError) as real_floor:
+        run_step(torch.compile(model, backend=remat.backend(1e-6, inductor_check=False)), model, inputs)
+    scale_simulated_peaks(monkeypatch, SIM_SCALE)
+    targets = []
+    plan_graph = backend_module.plan_graph
+    monkeypatch.setattr(backend_module, "plan_graph",
+                        lambda facts, request: targets.append(request.target_bytes) or plan_graph(facts, request))
+    budget_gb = 0.5 * (SIM_SCALE + 1.0) * real_floor.value.min_budget_gb    # the first plan fits the wrong simulator
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    with pytest.raises(remat.BudgetInfeasibleError) as refused:
+        run_step(torch.compile(model, backend=remat.backend(budget_gb, dump_dir=str(tmp_path / "dump"))), model, inputs)
+    assert "as Inductor compiled it" in str(refused.value)
+    assert refused.value.min_budget_bytes > refused.value.budget_bytes
+    first, corrected = targets[0], targets[1]
+    assert corrected < first
+    assert len(targets) >= 3 and set(targets[1:]) == {corrected}, targets     # the candidates too
+
 def test_a_refusal_searches_once_with_its_free_min_cut_candidate_checked(tmp_path, monkeypatch):
     """With the compile cache off (as for symbolic shapes), a refused budget runs the planner's search
     once: the refusal's best-effort plan and the free min-cut candidate Inductor's check compiles next
