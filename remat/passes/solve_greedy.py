@@ -31,7 +31,8 @@ Infeasible targets: ``smallest_peak`` descends from saving everything and from
 each of ``starts`` towards a peak 1/16 lower each round, independent of any
 target; from the start that went lowest it then runs the descent a feasible
 target runs, aimed one byte under the lowest peak so far, while that goes lower;
-the polish and the local search (least peak) refine the plan. Its peak is at
+the polish, a resave descent (``solve_resave.py``: values saved again, most recompute time
+removed first, while the peak does not rise) and the local search (least peak) refine the plan. Its peak is at
 most the min-cut's when the min-cut is a start. A target that plan meets always
 gets a plan (the solver falls back to it), so the budget it names is feasible.
 
@@ -60,11 +61,11 @@ from typing import Optional
 
 from ..simulator import Evaluated
 from .joint_graph import JointGraphFacts
-from ..simulator.kernel_facts import RECOMPUTE_SUFFIX
 from .block_start import block_checkpoint_saved
 from .solve_context import SearchContext
 from .solve_drops import drop_options
 from .solve_local import LOCAL_SEARCH_MAX_STEPS, local_search
+from .solve_resave import resave_descent, resave_options
 
 RECOMPUTE_FLOOR_S = 5e-6        # every recomputation costs at least a kernel launch
 MAX_DESCENT_ROUNDS = 64
@@ -225,44 +226,6 @@ def _descend(g: SearchContext, start: Evaluated, target_bytes: int) -> tuple[Eva
     return current, dropped, lowest
 
 
-def _resave_options(g: SearchContext, current: Evaluated) -> list[tuple[float, str, int, int, int]]:
-    """Recomputed values that could be saved again: (time saved per byte, name, bytes, first step, last step)."""
-    facts = g.facts
-    forward_index = {step.name: i for i, step in enumerate(current.steps) if step.phase == "forward"}
-    ordered_forward = sorted(forward_index.values())
-    first_use: dict[str, int] = {}   # original storage -> first backward step touching a recomputed copy
-    for index, step in enumerate(current.steps):
-        if step.phase == "backward":
-            for sid in (*step.uses, *(s for s, _ in step.allocs)):
-                base, mark, _ = sid.rpartition(RECOMPUTE_SUFFIX)
-                if mark:
-                    first_use.setdefault(base, index)
-    held = {s for name in current.partition.saved for s in facts.nodes[name].value_storages}
-    options = []
-    for name in sorted(current.partition.recomputed, key=g.position.__getitem__):
-        node = facts.nodes[name]
-        if node.is_multi_output:
-            continue
-        storages = [s for s in node.value_storages if s not in held]
-        nbytes = 0
-        for sid in storages:
-            owner = facts.nodes.get(sid.split("#")[0])
-            if owner is not None and owner.role == "forward":
-                nbytes += dict(owner.allocs).get(sid, 0)
-        uses = [first_use[s] for s in storages if s in first_use]
-        lo = forward_index.get(name)
-        if lo is None:   # not computed in this plan's forward: place it after its latest computed input
-            lo = max((forward_index.get(i, 0) for i in node.inputs), default=0)
-            lo = next((i for i in ordered_forward if i >= lo), lo)
-        hi = min(uses) - 1 if uses else len(current.steps) - 1
-        saved_s = node.cost.est_time_s
-        if saved_s <= 0:
-            continue
-        options.append((saved_s / max(nbytes, 1), name, nbytes, lo, hi))
-    options.sort(key=lambda o: (-o[0], g.position[o[1]]))
-    return options
-
-
 def _polish(g: SearchContext, current: Evaluated, target_bytes: int) -> Evaluated:
     """Save recomputed values again: first a batch that fits the estimated timeline (halved while
     the simulation says it does not fit), then one value at a time, most time saved first, for
@@ -273,7 +236,7 @@ def _polish(g: SearchContext, current: Evaluated, target_bytes: int) -> Evaluate
     while spent < allowed and current.partition.recomputed:
         timeline = list(current.simulation.timeline_bytes)
         batch, refused = [], []
-        for _, name, nbytes, lo, hi in _resave_options(g, current):
+        for _, name, nbytes, lo, hi in resave_options(g, current):
             if lo > hi or max(timeline[lo:hi + 1]) + nbytes <= target_bytes:
                 batch.append(name)
                 for i in range(lo, hi + 1):
@@ -339,6 +302,9 @@ def smallest_peak(g: SearchContext, starts: tuple[Evaluated, ...]) -> Evaluated:
             break
         best = found
     best = _polish(g, best, best.peak_bytes)   # saving a value again can lower the peak (per-use instances)
+    # the chase dropped values for bytes alone: save again what removes the most recompute time
+    # without raising the peak (solve_resave.py)
+    best = resave_descent(g, best)
     return local_search(g, best, None)
 
 
