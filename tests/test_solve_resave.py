@@ -70,3 +70,27 @@ def test_the_smallest_peak_plan_recomputes_less_with_the_descent(llama_facts, mo
     without, _ = solve_greedy.smallest_peak_plan(llama_facts)
     assert with_descent.peak_bytes <= without.peak_bytes
     assert (with_descent.peak_bytes, with_descent.extra_time_s) < (without.peak_bytes, without.extra_time_s)
+
+
+def test_descents_aimed_above_the_lowest_peak_are_kept_when_they_land_lower(monkeypatch):
+    """``solve_greedy._above_the_lowest``: from every start, aims 1, 2 and 3 rungs (1/32 of the peak)
+    above the lowest so far; a descent that lands lower (or as low and faster) replaces it, one that
+    lands higher does not (the HF Llama's chase stopped at 33.38 MB; aimed at 34.42 MB the descent from
+    the per-block start ended at 32.20 MB)."""
+    def plan(peak: int, seconds: float) -> SimpleNamespace:
+        return SimpleNamespace(peak_bytes=peak, extra_time_s=seconds)
+
+    best, starts = plan(3200, 1.0), ("save all", "min-cut", "per-block")
+    aims = []
+
+    def descend(g, start, aim):
+        aims.append((start, aim))
+        landed = {("per-block", 3300): plan(3100, 2.0), ("min-cut", 3400): plan(3100, 1.5)}
+        return None, [], landed.get((start, aim), plan(3500, 0.1))
+
+    monkeypatch.setattr(solve_greedy, "_descend", descend)
+    assert solve_greedy._above_the_lowest(None, starts, best) == plan(3100, 1.5)
+    assert [aim for _, aim in aims[:3]] == [3300] * 3 and {aim for _, aim in aims} == {3300, 3400, 3500}
+    aims.clear()
+    monkeypatch.setattr(solve_greedy, "_descend", lambda g, start, aim: (None, [], plan(3500, 0.1)))
+    assert solve_greedy._above_the_lowest(None, starts, best) is best
