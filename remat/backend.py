@@ -183,7 +183,7 @@ class RematBackend:
             # any), the refusal handed on (``judge_loop.refused_at``; ``_recompile`` clears it): no second search
             same = refused.correction or Correction(1.0, self.options.budget_bytes, 0, 0, refused.graph_id, "a candidate plan")
             assert refused.refusal is not None
-            self._replan.refused = (refused.plan.target_bytes, refused.refusal.error)
+            self._replan.refused = (refused.plan.target_bytes, refused.refusal.error, refused.plan)
             return recompile(same, refused.graph_key, kind)
 
         return judge_compiled(fn, capture, device_of(args).type, self.options.outputs_held, self.compiled_graphs,
@@ -301,7 +301,7 @@ class RematBackend:
             if candidate is None and not self._check_may_overrule(share, joint, joint_inputs, error):
                 raise passthrough_error_class(BudgetInfeasibleError)(error) from None
             if candidate in REFUSAL_CANDIDATE_KINDS:
-                plan = candidate_plan(candidate, facts, request)
+                plan = candidate_plan(candidate, facts, request, self._replan.refused[2] if self._replan.refused else None)
             elif isinstance(error, ShareInfeasibleError):
                 plan = error.named_plan       # the plan the named budget rests on
             else:

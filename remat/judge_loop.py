@@ -70,7 +70,7 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
             # GPT-2's body under load), and what they save is what a share rarely admits.
             candidates: tuple = ()
             if compile_candidate is not None and record.step_share is None:
-                kinds = (FREE_MINCUT_CANDIDATE,) if record.facts is None else refusal_candidates(record.facts)
+                kinds = (FREE_MINCUT_CANDIDATE,) if record.facts is None else refusal_candidates(record.facts, record.plan)
                 candidates = tuple((kind, functools.partial(_checked_candidate, compile_candidate, record, kind,
                                                             device_type, outputs_held)) for kind in kinds)
             return overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
@@ -125,7 +125,7 @@ def _checked_candidate(compile_candidate: Callable[["CompiledGraph", str], tuple
 
 def refused_at(replan: Any, target_bytes: Optional[int]) -> bool:
     """Whether the compile ``replan`` (the backend's per-thread re-plan state) describes is a candidate
-    plan of a refusal at ``target_bytes`` (``_checked_candidate``: its ``refused`` is (target, error)):
+    plan of a refusal at ``target_bytes`` (``_checked_candidate``: its ``refused`` is (target, error, plan)):
     the planner refused that target moments ago, and planning the candidate need not search for it again."""
     refused = getattr(replan, "refused", None)
     return refused is not None and refused[0] == target_bytes

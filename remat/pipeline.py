@@ -37,7 +37,7 @@ from .feedback_store import Correction
 from .options import DEFAULT_MILP_TIME_LIMIT_S, RematOptions, target_for_budget
 from .passes.block_start import block_checkpoint_saved
 from .passes.joint_graph import JointGraphFacts, read_joint_graph
-from .passes.plan import Plan, block_checkpoint_plan, make_plan
+from .passes.plan import Plan, block_checkpoint_plan, make_plan, saved_set_plan
 from .passes.gradient_sums import accumulate_into_scatters
 from .passes.random_ops import split_dropout_outputs
 from .simulator.library_scratch import measure_library_scratch, probes_apply, with_library_scratch
@@ -174,25 +174,38 @@ SMALLEST_PEAK_CANDIDATE = "smallest peak"
 
 
 BLOCK_CHECKPOINT_CANDIDATE = "per-block checkpointing"
-REFUSAL_CANDIDATE_KINDS = (FREE_MINCUT_CANDIDATE, BLOCK_CHECKPOINT_CANDIDATE)
+# The refused plan's search, before it refined its lowest plan for time (``Plan.chase_saved``).
+CHASE_CANDIDATE = "least-peak chase"
+REFUSAL_CANDIDATE_KINDS = (FREE_MINCUT_CANDIDATE, BLOCK_CHECKPOINT_CANDIDATE, CHASE_CANDIDATE)
 
 
-def refusal_candidates(facts: JointGraphFacts) -> tuple[str, ...]:
+def refusal_candidates(facts: JointGraphFacts, refused: Optional[Plan] = None) -> tuple[str, ...]:
     """The plans Inductor's check judges, in this order, after a refused budget's smallest-peak plan
-    checks over its target (``judge_loop.overrule_or_refuse``): the free min-cut, then checkpointing
-    every repeated block where the graph has two or more (``passes/block_start.py``)."""
-    has_blocks = block_checkpoint_saved(facts) is not None
-    return REFUSAL_CANDIDATE_KINDS if has_blocks else (FREE_MINCUT_CANDIDATE,)
+    (``refused``) checks over its target (``judge_loop.overrule_or_refuse``): the free min-cut, then
+    checkpointing every repeated block where the graph has two or more (``passes/block_start.py``),
+    then the search's lowest plan before it was refined for time, where that differs
+    (``refused.chase_saved``): the simulator ranks the refined one lower, by an error of its own."""
+    kinds = (FREE_MINCUT_CANDIDATE,)
+    if block_checkpoint_saved(facts) is not None:
+        kinds += (BLOCK_CHECKPOINT_CANDIDATE,)
+    if refused is not None and refused.chase_saved:
+        kinds += (CHASE_CANDIDATE,)
+    return kinds
 
 
-def candidate_plan(kind: str, facts: JointGraphFacts, request: PlanningRequest) -> Plan:
-    """The plan of candidate ``kind`` (one of ``refusal_candidates``) for ``request``'s refused budget."""
+def candidate_plan(kind: str, facts: JointGraphFacts, request: PlanningRequest, refused: Optional[Plan] = None) -> Plan:
+    """The plan of candidate ``kind`` (one of ``refusal_candidates(facts, refused)``) for ``request``'s
+    refused budget."""
     if kind == FREE_MINCUT_CANDIDATE:
         return free_mincut_candidate(facts, request)
-    plan = None if kind != BLOCK_CHECKPOINT_CANDIDATE else block_checkpoint_plan(facts, request.budget_bytes,
-                                                                                 request.target_bytes)
+    plan = None
+    if kind == BLOCK_CHECKPOINT_CANDIDATE:
+        plan = block_checkpoint_plan(facts, request.budget_bytes, request.target_bytes)
+    elif kind == CHASE_CANDIDATE and refused is not None and refused.chase_saved:
+        plan = saved_set_plan(facts, set(refused.chase_saved), request.budget_bytes, request.target_bytes,
+                              "the least-peak search's plan before its time refinements (a candidate for Inductor's check)")
     if plan is None:
-        raise ValueError(f"no {kind!r} candidate plan for this graph (its candidates: {refusal_candidates(facts)})")
+        raise ValueError(f"no {kind!r} candidate plan for this graph (its candidates: {refusal_candidates(facts, refused)})")
     return plan
 
 
@@ -218,7 +231,7 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
     return trace_joint_graphs(model, example_inputs, read)
 
 
-__all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "FREE_MINCUT_CANDIDATE", "SMALLEST_PEAK_CANDIDATE", "PlanningRequest", "REFUSAL_CANDIDATE_KINDS",
+__all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "CHASE_CANDIDATE", "FREE_MINCUT_CANDIDATE", "SMALLEST_PEAK_CANDIDATE", "PlanningRequest", "REFUSAL_CANDIDATE_KINDS",
            "candidate_plan",
            "free_mincut_candidate", "refusal_candidates", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
            "request_for", "simulator_models", "trace_joint_facts"]

@@ -94,3 +94,27 @@ def test_descents_aimed_above_the_lowest_peak_are_kept_when_they_land_lower(monk
     aims.clear()
     monkeypatch.setattr(solve_greedy, "_descend", lambda g, start, aim: (None, [], plan(3500, 0.1)))
     assert solve_greedy._above_the_lowest(None, starts, best) is best
+
+
+def test_a_refusals_plan_carries_the_chases_unrefined_plan_as_a_candidate(llama_facts):
+    """The zoo Llama's refusal: its best-effort plan is the refined smallest-peak plan, and it carries the
+    chase's plan before the refinements (``Plan.chase_saved``), which Inductor's check judges last among
+    the refusal's candidates (``pipeline.CHASE_CANDIDATE``) as the plan it is."""
+    from remat.passes.plan import make_plan
+    from remat.pipeline import (BLOCK_CHECKPOINT_CANDIDATE, CHASE_CANDIDATE, FREE_MINCUT_CANDIDATE, PlanningRequest,
+                                candidate_plan, refusal_candidates)
+    from remat.simulator import evaluate
+
+    refused = make_plan(llama_facts, 1000, best_effort=True)
+    assert not refused.fits_budget and refused.chase_saved
+    chased = evaluate(llama_facts, set(refused.chase_saved))
+    assert chased.chosen != frozenset(refused.saved)
+    assert (refused.predicted_peak_bytes, refused.est_extra_time_s) <= (chased.peak_bytes, chased.extra_time_s)
+    assert refusal_candidates(llama_facts, refused) == (FREE_MINCUT_CANDIDATE, BLOCK_CHECKPOINT_CANDIDATE, CHASE_CANDIDATE)
+    assert CHASE_CANDIDATE not in refusal_candidates(llama_facts, make_plan(llama_facts, None))
+    request = PlanningRequest(1000, 950, 0.05, best_effort=True)
+    candidate = candidate_plan(CHASE_CANDIDATE, llama_facts, request, refused)
+    assert set(candidate.saved) == set(chased.partition.saved) and candidate.predicted_peak_bytes == chased.peak_bytes
+    assert not candidate.fits_budget and (candidate.budget_bytes, candidate.target_bytes) == (1000, 950)
+    with pytest.raises(ValueError):
+        candidate_plan(CHASE_CANDIDATE, llama_facts, request, None)

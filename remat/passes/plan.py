@@ -22,6 +22,7 @@ the target the simulated peak is.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from .partition import Scheduled
 from ..simulator.kernel_facts import storage_owner
 from .mincut import min_cut_saved, saved_cost_bytes
 from ..simulator.schedule import hold_intermediates, register_only
-from .solve_greedy import smallest_peak_plan, solve_greedy
+from .solve_greedy import SmallestPeak, smallest_peak_plans, solve_greedy
 from .solve_milp import solve_min_time
 
 _Evaluated = Evaluated    # the name older callers import
@@ -80,6 +81,9 @@ class Plan:
     fits_budget: bool
     # the backward schedule the peak was simulated on, which the rewrite emits (``passes/rewrite.py``)
     backward_order: tuple[Scheduled, ...] = ()
+    # a refusal's smallest-peak plan only: the saved set of the search's lowest plan before its time
+    # refinements, when it differs (``solve_greedy.SmallestPeak``; a candidate for Inductor's check)
+    chase_saved: tuple[str, ...] = ()
 
 
 def _save_all(facts: JointGraphFacts) -> frozenset[str]:
@@ -182,7 +186,7 @@ def solver_starts(facts: JointGraphFacts, mincut: Evaluated) -> tuple[Evaluated,
 
 
 def _solve(facts: JointGraphFacts, target: int, solver: str, milp_time_limit_s: float, starts: tuple[Evaluated, ...],
-           no_remat: Evaluated) -> tuple[Optional[Evaluated], tuple[str, ...], str, Optional[Evaluated]]:
+           no_remat: Evaluated) -> tuple[Optional[Evaluated], tuple[str, ...], str, Optional[SmallestPeak]]:
     """The plan meeting ``target`` (None if none found), the values dropped to get there, the
     solver's account of itself, and the smallest-peak plan if the greedy worked it out."""
     greedy = solve_greedy(facts, target, starts=starts, save_all=no_remat)
@@ -328,13 +332,13 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
     used = "min-cut (no budget)" if chosen is mincut else (
         f"PyTorch's default partition (no budget: simulated peak {format_bytes(chosen.peak_bytes)}, "
         f"the min-cut's {format_bytes(mincut.peak_bytes)})")
-    smallest: Optional[Evaluated] = None
+    smallest: Optional[SmallestPeak] = None
     if solver == "save-all":
         # The reference without remat: every value the backward reads is saved, except
         # register-only ones (schedule.register_only), which its kernels rebuild.
         chosen, used = no_remat, "save-all (no recomputation: the reference peak without remat)"
         if target is not None and no_remat.simulation.peak_bytes > target:
-            chosen, smallest = None, no_remat
+            chosen, smallest = None, SmallestPeak(no_remat, no_remat)
     elif target is not None:
         chosen, dropped, used, smallest = _solve(facts, target, solver, milp_time_limit_s, starts, no_remat)
     fits = chosen is not None
@@ -346,12 +350,15 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
     if chosen is None:
         assert budget_bytes is not None and target is not None
         if smallest is None:
-            smallest, _ = smallest_peak_plan(facts, starts)
-        dropped = tuple(n for n in facts.order if n in _save_all(facts) - smallest.chosen)
-        fallback = _plan_record(facts, budget_bytes, target, used, smallest, no_remat, mincut, mincut_saved, dropped,
+            smallest, _ = smallest_peak_plans(facts, starts)
+        lowest = smallest.plan
+        dropped = tuple(n for n in facts.order if n in _save_all(facts) - lowest.chosen)
+        fallback = _plan_record(facts, budget_bytes, target, used, lowest, no_remat, mincut, mincut_saved, dropped,
                                 starts[0], False, t0)
+        if smallest.chased.chosen != lowest.chosen:
+            fallback = dataclasses.replace(fallback, chase_saved=tuple(sorted(smallest.chased.chosen)))
         if not best_effort:
-            raise _infeasible_error(facts, budget_bytes, target, smallest,
+            raise _infeasible_error(facts, budget_bytes, target, lowest,
                                     target_for_budget or _proportional_rule(budget_bytes, target), fallback)
         return fallback
     return _plan_record(facts, budget_bytes, target, used, chosen, no_remat, mincut, mincut_saved, dropped, starts[0],
@@ -378,6 +385,19 @@ def block_checkpoint_plan(facts: JointGraphFacts, budget_bytes: Optional[int], t
         dropped = tuple(n for n in facts.order if n in save_all - chosen.chosen)
         return _plan_record(facts, budget_bytes, target_bytes, "per-block checkpointing (a candidate for Inductor's "
                             "check)", chosen, no_remat, mincut, mincut_saved, dropped, mincut, False, t0)
+
+
+def saved_set_plan(facts: JointGraphFacts, saved: AbstractSet[str], budget_bytes: Optional[int],
+                   target_bytes: Optional[int], used: str) -> Plan:
+    """The plan of saving ``saved`` as it is, with ``fits_budget=False`` (a candidate for Inductor's
+    check at a budget the simulator refused; ``used`` says which)."""
+    t0 = time.perf_counter()
+    with _cyclic_gc_paused():
+        save_all, mincut_saved = _save_all(facts), min_cut_saved(facts)
+        no_remat, mincut, chosen = evaluate(facts, save_all), evaluate(facts, mincut_saved), evaluate(facts, saved)
+        dropped = tuple(n for n in facts.order if n in save_all - chosen.chosen)
+        return _plan_record(facts, budget_bytes, target_bytes, used, chosen, no_remat, mincut, mincut_saved, dropped,
+                            mincut, False, t0)
 
 
 def _plan_record(facts: JointGraphFacts, budget_bytes: Optional[int], target: Optional[int], used: str,
