@@ -231,7 +231,7 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
     return trace_joint_graphs(model, example_inputs, read)
 
 
-__all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "CHASE_CANDIDATE", "FREE_MINCUT_CANDIDATE", "SMALLEST_PEAK_CANDIDATE", "PlanningRequest", "REFUSAL_CANDIDATE_KINDS",
-           "candidate_plan",
-           "free_mincut_candidate", "refusal_candidates", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
+__all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "CHASE_CANDIDATE", "FREE_MINCUT_CANDIDATE", "SMALLEST_PEAK_CANDIDATE",
+           "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "free_mincut_candidate",
+           "refusal_candidates", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
            "request_for", "simulator_models", "trace_joint_facts"]

@@ -285,10 +285,11 @@ def _lowest_from(g: SearchContext, start: Evaluated) -> Evaluated:
 
 def _above_the_lowest(g: SearchContext, starts: tuple[Evaluated, ...], best: Evaluated) -> Evaluated:
     """The lowest (peak, time) of ``best`` and of the descents from every start aimed ``LADDER_RUNGS``
-    rungs above ``best``'s peak (1/LADDER_STEP of it each); ``best`` itself when none is lower. Why: the descent is not monotone in its aim
-    (``_aims``), upwards too: on the Hugging Face Llama of ``benchmarks/hf_models.py`` (one torch thread)
-    the chase's lowest plan simulated 33.38 MB with 122 ms of estimated recompute, and the descent from
-    the per-block checkpointing start aimed at 34.42 MB (one rung above it) ended at 32.20 MB, 77 ms."""
+    rungs above ``best``'s peak (1/LADDER_STEP of it each); ``best`` itself when none is lower. Why:
+    the descent is not monotone in its aim (``_aims``), upwards too: on the Hugging Face Llama of
+    ``benchmarks/hf_models.py`` (one torch thread) the chase's lowest plan simulated 33.38 MB with
+    122 ms of estimated recompute, and the descent from the per-block checkpointing start aimed at
+    34.42 MB (one rung above it) ended at 32.20 MB, 77 ms."""
     step = max(best.peak_bytes // LADDER_STEP, 1)
     aims = [best.peak_bytes + rung * step for rung in range(1, LADDER_RUNGS + 1)]
     for aim in aims:
