@@ -302,8 +302,9 @@ def _above_the_lowest(g: SearchContext, starts: tuple[Evaluated, ...], best: Eva
 
 @dataclass(frozen=True)
 class SmallestPeak:
-    """``plan``: the smallest-peak plan; ``chased``: the chase's lowest plan before its refinements
-    (``plan`` itself when they changed nothing). The simulator puts ``plan`` at or under ``chased``,
+    """``plan``: the smallest-peak plan; ``chased``: the chase's lowest plan refined for its peak
+    alone, before the resave descent and the rungs refined it for time (``plan`` itself when they
+    changed nothing; the plan ``smallest_peak`` gave before session 27). The simulator puts ``plan`` at or under ``chased``,
     but its error is plan-specific: on the HF T5 of ``benchmarks/hf_models.py`` ``chased`` simulated
     29.65 MB and Inductor's code peaked at 26.45, ``plan`` 28.27 and 27.68. Inductor's check ranks
     them at a refused budget (``pipeline.CHASE_CANDIDATE``)."""
@@ -315,9 +316,9 @@ class SmallestPeak:
 def smallest_peak(g: SearchContext, starts: tuple[Evaluated, ...]) -> SmallestPeak:
     """The lowest-peak plan of ``_lowest_from`` over ``starts`` (saving everything, then the
     caller's: the min-cut has the free savings made, and its peak bounds the answer), ties to the
-    earlier start, refined (``_refined``); does not depend on any target. Where the graph has
-    repeated blocks, checkpointing each of them is one more start, the last
-    (``block_start.block_checkpoint_saved``)."""
+    earlier start, refined (``_least_peak_refined``, then ``resave_descent``); does not depend on any
+    target. Where the graph has repeated blocks, checkpointing each of them is one more start, the
+    last (``block_start.block_checkpoint_saved``)."""
     blocks = block_checkpoint_saved(g.facts)
     if blocks is not None:
         starts = (*starts, g.evaluate(blocks))
@@ -331,22 +332,21 @@ def smallest_peak(g: SearchContext, starts: tuple[Evaluated, ...]) -> SmallestPe
         if found.peak_bytes >= best.peak_bytes:
             break
         best = found
-    chased = best
-    best = _refined(g, best)
+    chased = _least_peak_refined(g, best)
+    best = resave_descent(g, chased)
     above = _above_the_lowest(g, starts, best)
     if above is not best:      # refined on its own: the refinements are not monotone either
-        best = min((best, _refined(g, above)), key=lambda e: (e.peak_bytes, e.extra_time_s))
+        other = resave_descent(g, _least_peak_refined(g, above))
+        best = min((best, other), key=lambda e: (e.peak_bytes, e.extra_time_s))
     return SmallestPeak(best, chased)
 
 
-def _refined(g: SearchContext, lowest: Evaluated) -> Evaluated:
-    """A lowest-peak plan refined at its own peak: the polish (saving a value again can lower the peak,
-    per-use instances), the resave descent (the chase dropped values for bytes alone: save again what
-    removes the most recompute time without raising the peak, ``solve_resave.py``), then the local
-    search for the least peak (small graphs)."""
-    best = _polish(g, lowest, lowest.peak_bytes)
-    best = resave_descent(g, best)
-    return local_search(g, best, None)
+def _least_peak_refined(g: SearchContext, lowest: Evaluated) -> Evaluated:
+    """A lowest-peak plan refined for its peak: the polish at its own peak (saving a value again can
+    lower the peak, per-use instances), then the local search for the least peak (small graphs). The
+    plan ``smallest_peak`` gave before the resave descent (``solve_resave.py``) saved again what removes
+    the most recompute time without raising the peak."""
+    return local_search(g, _polish(g, lowest, lowest.peak_bytes), None)
 
 
 def _descend_and_polish(g: SearchContext, starts: tuple[Evaluated, ...], target_bytes: int, rungs: int
