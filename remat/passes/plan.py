@@ -373,18 +373,12 @@ def block_checkpoint_plan(facts: JointGraphFacts, budget_bytes: Optional[int], t
     check at a budget the simulator refused, whatever its simulated peak (on a drawn T5 the simulator
     put it at 2.48 MB and the search's smallest-peak plan at 1.93; Inductor's code peaked at 1.72 and
     1.85 MB)."""
-    t0 = time.perf_counter()
     saved = block_checkpoint_saved(facts)
     if saved is None:
         return None
-    with _cyclic_gc_paused():
-        save_all, mincut_saved = _save_all(facts), min_cut_saved(facts)
-        no_remat = evaluate(facts, save_all)
-        hold_intermediates(facts, partition_of(facts, saved)[1])   # as checkpointing runs it: each value built once
-        mincut, chosen = evaluate(facts, mincut_saved), evaluate(facts, saved)
-        dropped = tuple(n for n in facts.order if n in save_all - chosen.chosen)
-        return _plan_record(facts, budget_bytes, target_bytes, "per-block checkpointing (a candidate for Inductor's "
-                            "check)", chosen, no_remat, mincut, mincut_saved, dropped, mincut, False, t0)
+    hold_intermediates(facts, partition_of(facts, saved)[1])   # as checkpointing runs it: each value built once
+    return saved_set_plan(facts, saved, budget_bytes, target_bytes,
+                          "per-block checkpointing (a candidate for Inductor's check)")
 
 
 def saved_set_plan(facts: JointGraphFacts, saved: AbstractSet[str], budget_bytes: Optional[int],
