@@ -25,7 +25,8 @@ From each start it works in rounds, each ending in one simulation
    every start, the cheapest new one per rung polished at the target, while the rungs have spent
    no more simulations than steps 1-2 did (``_descend_and_polish``).
 4. Local search (``solve_local.py``), on small graphs only, once, from the least-time plan
-   the starts gave.
+   the starts gave; then the resave descent (``solve_resave.py``) up to the target: the
+   descent overshoots, and the polish gets one simulation on big graphs.
 
 Infeasible targets: ``smallest_peak`` descends from saving everything and from
 each of ``starts`` towards a peak 1/16 lower each round, independent of any
@@ -303,11 +304,12 @@ def _above_the_lowest(g: SearchContext, starts: tuple[Evaluated, ...], best: Eva
 @dataclass(frozen=True)
 class SmallestPeak:
     """``plan``: the smallest-peak plan; ``chased``: the chase's lowest plan refined for its peak
-    alone, before the resave descent and the rungs refined it for time (``plan`` itself when they
-    changed nothing; the plan ``smallest_peak`` gave before session 27). The simulator puts ``plan`` at or under ``chased``,
-    but its error is plan-specific: on the HF T5 of ``benchmarks/hf_models.py`` ``chased`` simulated
-    29.65 MB and Inductor's code peaked at 26.45, ``plan`` 28.27 and 27.68. Inductor's check ranks
-    them at a refused budget (``pipeline.CHASE_CANDIDATE``)."""
+    alone (``_least_peak_refined``), before the resave descent and the rungs refined it for time
+    (``plan`` itself when they changed nothing): the plan ``smallest_peak`` gave before session 27.
+    The simulator puts ``plan`` at or under ``chased``, but its error is plan-specific: on the HF T5
+    of ``benchmarks/hf_models.py`` the chase's plan (measured unpolished; on T5's 3,270 steps the
+    polish is one simulation) simulated 29.65 MB and Inductor's code peaked at 26.45, ``plan``
+    28.27 and 27.68. Inductor's check ranks them at a refused budget (``pipeline.CHASE_CANDIDATE``)."""
 
     plan: Evaluated
     chased: Evaluated
@@ -430,7 +432,7 @@ def solve_greedy(facts: JointGraphFacts, target_bytes: int, starts: tuple[Evalua
     _, _, _, plan, dropped = min(found, key=lambda f: f[:3])
     # one local search, from the best start's plan, with the whole budget: the starts' plans
     # tend to one neighbourhood, and searching each split the budget between near-copies
-    plan = local_search(g, plan, target_bytes)
+    plan = resave_descent(g, local_search(g, plan, target_bytes), target_bytes)
     return GreedyResult(plan, tuple(d for d in dropped if d not in plan.chosen), g.evaluations,
                         None if fallback is None else lowest)
 
