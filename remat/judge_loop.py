@@ -23,7 +23,7 @@ from .feedback_store import Correction
 from .pipeline import FREE_MINCUT_CANDIDATE, SMALLEST_PEAK_CANDIDATE, refusal_candidates
 from .inductor_check import CheckedPeak, checked_peak_of, trusted_peak_bytes
 from .inductor_verdict import Judgement, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
-from .units import format_bytes, format_gb_up
+from .units import format_bytes, format_gb_up, format_seconds
 
 if TYPE_CHECKING:
     from ._torch_compile import CodeCapture
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("remat")
 
 MAX_JUDGED_REPLANS = 3   # re-plans Inductor's verdict may ask for per compile (remat/inductor_check.py)
+ROOM_FRACTION = 0.02     # a corrected re-plan checked this far under its target searches the room for time
+MAX_ROOM_REPLANS = 2     # compiles that search (``faster_within_check``)
 
 
 def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: str, outputs_held: bool,
@@ -83,6 +85,9 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
         annotate_dump(record.dump_path, verdict)
         log.info("remat %s: %s on Inductor's check, %s", record.graph_id, verdict.action, verdict)
+        if verdict.action == "accepted" and rejected:
+            return faster_within_check(fn, compiled_graphs, functools.partial(
+                _checked_replan, recompile, compiled_graphs, device_type, outputs_held))
         if verdict.action != "re-plan":
             return fn
         assert verdict.new_target_bytes is not None and verdict.checked_peak_bytes is not None
@@ -112,6 +117,84 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
             # any refusal (``overrule_or_refuse``: then the free min-cut plan, then the refusal).
             fn, capture = recompile(correction, record.graph_key, SMALLEST_PEAK_CANDIDATE)
     raise AssertionError("unreachable")
+
+
+def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
+                        replan: Callable[[Correction], tuple[Callable[..., Any], Optional[int]]]) -> Callable[..., Any]:
+    """After a corrected re-plan that Inductor's check accepted with room under its target (at least
+    ``ROOM_FRACTION`` of it), look in that room for a faster plan. The correction assumed the
+    simulator errs on every plan as on the one it rejected; its error is plan-specific, so the
+    re-plan can recompute far more than the target needs. Between the accepted plan (simulated
+    ``s_lo``, checked ``c_lo``) and the lowest-simulated rejected one above it (``s_hi``, ``c_hi``,
+    over the target ``t``), the graph is planned again at the simulated target where the line
+    through the two points meets ``t``, compiled and checked (``replan(correction)``: appends its
+    record, returns its callable and trusted checked peak), up to ``MAX_ROOM_REPLANS`` times, each
+    try narrowing the interval on its checked peak. A try that checks at or under ``t`` and is
+    estimated faster replaces the accepted plan (its record carries the verdict, the replaced
+    verdicts in ``rejected``); any other try leaves ``compiled_graphs`` (its dump stays). So the plan
+    that runs always checked at or under ``t``. Found on the Hugging Face Llama of
+    ``benchmarks/hf_models.py`` at checkpointing's peak: the first plan simulated 35.30 MB and checked
+    39.88 (target 37.09), the corrected re-plan simulated 32.08, checked 35.84, and rebuilt one
+    layer's attention seven times (est. extra 57 ms; measured 1.52x plain Inductor's step)."""
+    accepted = compiled_graphs[-1]
+    verdict = accepted.judgement
+    if (verdict is None or verdict.checked_peak_bytes is None or verdict.target_bytes is None
+            or accepted.step_share is not None or accepted.base_target_bytes is None):
+        return fn
+    target = verdict.target_bytes
+    low = (verdict.simulated_peak_bytes, verdict.checked_peak_bytes)
+    above = [(r.simulated_peak_bytes, r.checked_peak_bytes) for r in verdict.rejected
+             if r.checked_peak_bytes is not None and r.checked_peak_bytes > target and r.simulated_peak_bytes > low[0]]
+    if not above:
+        return fn
+    high = min(above)
+    replaced: tuple[Judgement, ...] = ()
+    for _ in range(MAX_ROOM_REPLANS):
+        if low[1] > target * (1 - ROOM_FRACTION) or high[0] - low[0] < 2 or high[1] <= low[1]:
+            break
+        planning = low[0] + (target - low[1]) * (high[0] - low[0]) // (high[1] - low[1])
+        planning = min(max(planning, low[0] + 1), high[0] - 1)
+        correction = Correction(accepted.base_target_bytes / planning, accepted.plan.budget_bytes,
+                                verdict.simulated_peak_bytes, verdict.checked_peak_bytes, accepted.graph_id,
+                                f"Inductor-checked with room: {accepted.graph_id}'s code peaks at "
+                                f"{verdict.checked_peak_bytes} bytes against a target of {target}; planned again "
+                                f"for time at a simulated {planning} bytes")
+        try:
+            try_fn, checked = replan(correction)
+        except BudgetInfeasibleError:    # not expected (the accepted plan is under the aim): nothing to try
+            break
+        tried = compiled_graphs[-1]
+        faster = tried.plan.est_extra_time_s < accepted.plan.est_extra_time_s
+        if checked is not None and checked <= target and tried.refusal is None and faster:
+            replaced += (dataclasses.replace(verdict, action="accepted, then replaced by a faster plan"),)
+            verdict = Judgement(
+                f"accepted: a faster plan in the room Inductor's check left (the {accepted.graph_id} plan it "
+                f"replaces checked {accepted.judgement.checked_peak_bytes} bytes, est. extra "
+                f"{format_seconds(accepted.plan.est_extra_time_s)}; this one "
+                f"{format_seconds(tried.plan.est_extra_time_s)})", tried.plan.predicted_peak_bytes, checked,
+                target, verdict.budget_bytes, graph_id=tried.graph_id, rejected=verdict.rejected + replaced)
+            compiled_graphs.remove(accepted)
+            compiled_graphs[-1] = accepted = dataclasses.replace(tried, judgement=verdict)
+            annotate_dump(tried.dump_path, verdict)
+            log.info("remat %s: %s", tried.graph_id, verdict.action)
+            fn, low = try_fn, (tried.plan.predicted_peak_bytes, checked)
+            continue
+        compiled_graphs.pop()
+        log.info("remat %s: the re-plan for time at a simulated %d bytes checked %s (target %d), est. extra %s: "
+                 "not taken", tried.graph_id, planning, checked, target, format_seconds(tried.plan.est_extra_time_s))
+        if checked is None or checked <= target or tried.plan.predicted_peak_bytes <= low[0]:
+            break        # under the target yet no faster, or no reading: a tighter aim only recomputes more
+        high = (tried.plan.predicted_peak_bytes, checked)
+    return fn
+
+
+def _checked_replan(recompile: Callable[[Correction, str, Optional[str]], tuple[Callable[..., Any], "CodeCapture"]],
+                    compiled_graphs: list["CompiledGraph"], device_type: str, outputs_held: bool,
+                    correction: Correction) -> tuple[Callable[..., Any], Optional[int]]:
+    """Compile a re-plan of the last record's graph at ``correction``; its callable and trusted checked peak."""
+    fn, capture = recompile(correction, compiled_graphs[-1].graph_key, None)
+    return fn, trusted_peak_bytes(checked_peak_of(capture.graphs, device_type, outputs_held),
+                                  compiled_graphs[-1].plan.predicted_peak_bytes)
 
 
 def _checked_candidate(compile_candidate: Callable[["CompiledGraph", str], tuple[Callable[..., Any], "CodeCapture"]],
@@ -204,4 +287,5 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     raise passthrough_error_class(BudgetInfeasibleError)(error)
 
 
-__all__ = ["MAX_JUDGED_REPLANS", "judge_compiled", "overrule_or_refuse"]
+__all__ = ["MAX_JUDGED_REPLANS", "MAX_ROOM_REPLANS", "ROOM_FRACTION", "faster_within_check", "judge_compiled",
+           "overrule_or_refuse"]
