@@ -37,7 +37,7 @@ from .errors import BudgetInfeasibleError
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
 from .inductor_verdict import refusal_for, share_check_target
-from .judge_loop import judge_compiled, refused_at
+from .judge_loop import judge_compiled, refused_at, stop_if_not_faster
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
@@ -78,8 +78,7 @@ class RematBackend:
         return partitioner_uuid(self.options, dict(self._corrections), getattr(self._replan, "step_key", None))
 
     @property
-    def step_account(self) -> StepAccount:
-        """The account of the step's graphs (remat/step_budget.py)."""
+    def step_account(self) -> StepAccount:   # the account of the step's graphs (remat/step_budget.py)
         return self._step_hooks.account
 
     def new_graph_id(self) -> str:
@@ -174,13 +173,13 @@ class RematBackend:
                 args: list) -> Callable[..., Any]:
         """Inductor's verdict on the plan just compiled (``judge_loop.judge_compiled``); a re-plan is
         compiled from a copy of Dynamo's graph ``gm`` for the real inputs ``args``."""
-        def recompile(correction: Correction, key: str, candidate: Optional[str] = None) -> tuple[Callable[..., Any], CodeCapture]:
-            replanned = CodeCapture()
+        def recompile(correction: Correction, key: str, candidate: Optional[str] = None,
+                      faster_than_s: Optional[float] = None) -> tuple[Callable[..., Any], CodeCapture]:
+            replanned, self._replan.faster_than_s = CodeCapture(), faster_than_s   # judge_loop.faster_within_check's
             return self._recompile(gm, args, correction, key, replanned, candidate)[0], replanned
 
         def compile_candidate(refused: CompiledGraph, kind: str) -> tuple[Callable[..., Any], CodeCapture]:
-            # the refused graph again, planned as candidate ``kind`` at the refused target (the refusal's correction, if
-            # any), the refusal handed on (``judge_loop.refused_at``; ``_recompile`` clears it): no second search
+            # candidate ``kind`` at the refused target, the refusal handed on (judge_loop.refused_at): no second search
             same = refused.correction or Correction(1.0, self.options.budget_bytes, 0, 0, refused.graph_id, "a candidate plan")
             assert refused.refusal is not None
             self._replan.refused = (refused.plan.target_bytes, refused.refusal.error, refused.plan)
@@ -227,7 +226,7 @@ class RematBackend:
                 lambda cache: cache.restore(lambda: self._replan_id(correction), self.options.dump_dir,
                                             self.step_account, current_compile_id()))
         finally:
-            self._replan.correction, self._replan.candidate, self._replan.refused = None, None, None
+            self._replan.correction = self._replan.candidate = self._replan.refused = self._replan.faster_than_s = None
         if entry is not None and entry.record is not None:
             self.compiled_graphs.append(entry.record)
         return fn, self.compiled_graphs[-1], call_cache
@@ -308,6 +307,7 @@ class RematBackend:
                 plan = plan_at(target_bytes, best_effort=True)
             refusal = refusal_for(error, plan, share, held_of, lambda b: (self.options.check_target_for if share is None
                                   else self.options.planning_target_for)(b, device_type, modeled), self.options.budget_bytes)
+        stop_if_not_faster(plan, getattr(self._replan, "faster_than_s", None))   # before any code is generated
         cache = planner.source(plan)
         if not plan.fits_budget and refusal is None:
             warnings.warn(f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the smallest-"

@@ -38,7 +38,7 @@ MAX_ROOM_REPLANS = 2     # compiles that search (``faster_within_check``)
 
 def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: str, outputs_held: bool,
                    compiled_graphs: list["CompiledGraph"],
-                   recompile: Callable[[Correction, str, Optional[str]], tuple[Callable[..., Any], "CodeCapture"]],
+                   recompile: Callable[..., tuple[Callable[..., Any], "CodeCapture"]],
                    compile_candidate: Optional[Callable[["CompiledGraph", str], tuple[Callable[..., Any], "CodeCapture"]]] = None,
                    ) -> Callable[..., Any]:
     """Inductor judges the plan just compiled (the last of ``compiled_graphs``, its code in ``capture``),
@@ -119,17 +119,33 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     raise AssertionError("unreachable")
 
 
+class NoFasterPlan(Exception):
+    """A try of ``faster_within_check`` whose plan is estimated no faster than the plan it would
+    replace: raised by the partitioner (``stop_if_not_faster``) before Inductor generates its code."""
+
+
+def stop_if_not_faster(plan: Any, faster_than_s: Optional[float]) -> None:
+    """Raise ``NoFasterPlan`` when ``faster_than_s`` is set (a try of ``faster_within_check``) and
+    ``plan``'s estimated extra time is not under it: the try would not run, so its code is not generated."""
+    if faster_than_s is not None and plan.est_extra_time_s >= faster_than_s:
+        raise passthrough_error_class(NoFasterPlan)(NoFasterPlan(
+            f"the plan at this target is estimated at {format_seconds(plan.est_extra_time_s)} extra, not under "
+            f"{format_seconds(faster_than_s)}"))
+
+
 def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
-                        replan: Callable[[Correction], tuple[Callable[..., Any], Optional[int]]]) -> Callable[..., Any]:
+                        replan: Callable[[Correction, float], tuple[Callable[..., Any], Optional[int]]]
+                        ) -> Callable[..., Any]:
     """After a corrected re-plan that Inductor's check accepted with room under its target (at least
     ``ROOM_FRACTION`` of it), look in that room for a faster plan. The correction assumed the
     simulator errs on every plan as on the one it rejected; its error is plan-specific, so the
     re-plan can recompute far more than the target needs. Between the accepted plan (simulated
     ``s_lo``, checked ``c_lo``) and the lowest-simulated rejected one above it (``s_hi``, ``c_hi``,
     over the target ``t``), the graph is planned again at the simulated target where the line
-    through the two points meets ``t``, compiled and checked (``replan(correction)``: appends its
-    record, returns its callable and trusted checked peak), up to ``MAX_ROOM_REPLANS`` times, each
-    try narrowing the interval on its checked peak. A try that checks at or under ``t`` and is
+    through the two points meets ``t``, compiled and checked (``replan(correction, faster_than_s)``:
+    appends its record, returns its callable and trusted checked peak; raises ``NoFasterPlan``, before
+    generating code, when the plan is estimated no faster than the accepted one), up to
+    ``MAX_ROOM_REPLANS`` times, each try narrowing the interval on its checked peak. A try that checks at or under ``t`` and is
     estimated faster replaces the accepted plan (its record carries the verdict, the replaced
     verdicts in ``rejected``); any other try leaves ``compiled_graphs`` (its dump stays). So the plan
     that runs always checked at or under ``t``. Found on the Hugging Face Llama of
@@ -160,7 +176,11 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
                                 f"{verdict.checked_peak_bytes} bytes against a target of {target}; planned again "
                                 f"for time at a simulated {planning} bytes")
         try:
-            try_fn, checked = replan(correction)
+            try_fn, checked = replan(correction, accepted.plan.est_extra_time_s)
+        except NoFasterPlan as stopped:     # a looser aim gave no faster plan: a tighter one only recomputes more
+            log.info("remat %s: the re-plan for time at a simulated %d bytes: not compiled, %s", accepted.graph_id,
+                     planning, stopped)
+            break
         except BudgetInfeasibleError:    # not expected (the accepted plan is under the aim): nothing to try
             break
         tried = compiled_graphs[-1]
@@ -188,11 +208,12 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
     return fn
 
 
-def _checked_replan(recompile: Callable[[Correction, str, Optional[str]], tuple[Callable[..., Any], "CodeCapture"]],
+def _checked_replan(recompile: Callable[..., tuple[Callable[..., Any], "CodeCapture"]],
                     compiled_graphs: list["CompiledGraph"], device_type: str, outputs_held: bool,
-                    correction: Correction) -> tuple[Callable[..., Any], Optional[int]]:
-    """Compile a re-plan of the last record's graph at ``correction``; its callable and trusted checked peak."""
-    fn, capture = recompile(correction, compiled_graphs[-1].graph_key, None)
+                    correction: Correction, faster_than_s: float) -> tuple[Callable[..., Any], Optional[int]]:
+    """Compile a re-plan of the last record's graph at ``correction`` unless its plan is estimated no
+    faster than ``faster_than_s`` (``NoFasterPlan``); its callable and trusted checked peak."""
+    fn, capture = recompile(correction, compiled_graphs[-1].graph_key, None, faster_than_s)
     return fn, trusted_peak_bytes(checked_peak_of(capture.graphs, device_type, outputs_held),
                                   compiled_graphs[-1].plan.predicted_peak_bytes)
 
@@ -287,5 +308,5 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     raise passthrough_error_class(BudgetInfeasibleError)(error)
 
 
-__all__ = ["MAX_JUDGED_REPLANS", "MAX_ROOM_REPLANS", "ROOM_FRACTION", "faster_within_check", "judge_compiled",
-           "overrule_or_refuse"]
+__all__ = ["MAX_JUDGED_REPLANS", "MAX_ROOM_REPLANS", "NoFasterPlan", "ROOM_FRACTION", "faster_within_check",
+           "judge_compiled", "overrule_or_refuse", "stop_if_not_faster"]

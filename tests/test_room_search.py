@@ -12,7 +12,7 @@ import pytest
 from remat.compiled_graph import CompiledGraph
 from remat.errors import BudgetInfeasibleError
 from remat.inductor_verdict import judge_plan
-from remat.judge_loop import MAX_ROOM_REPLANS, ROOM_FRACTION, faster_within_check
+from remat.judge_loop import MAX_ROOM_REPLANS, ROOM_FRACTION, NoFasterPlan, faster_within_check, stop_if_not_faster
 
 TARGET = 1000      # the check's target (real bytes)
 BASE = 950         # the planning target before any correction (simulator units)
@@ -37,11 +37,13 @@ def _accepted_re_plan(first: tuple[int, int], accepted: tuple[int, int, float]) 
 
 
 def _replans(graphs: list[CompiledGraph], tries: list[tuple[int, int, float]], asked: list):
-    """Each call compiles the next of ``tries`` (simulated, checked, est. extra seconds) and records the
-    simulated target it was asked to plan at."""
-    def compile_and_check(correction):
+    """Each call plans the next of ``tries`` (simulated, checked, est. extra seconds), records the
+    simulated target it was asked to plan at, and compiles it unless it is estimated no faster than
+    asked (the partitioner's ``stop_if_not_faster``)."""
+    def compile_and_check(correction, faster_than_s):
         asked.append(round(BASE / correction.factor))   # the simulated target it plans at
         simulated, checked, extra_s = tries[len(asked) - 1]
+        stop_if_not_faster(SimpleNamespace(est_extra_time_s=extra_s), faster_than_s)
         graphs.append(CompiledGraph(f"graph_000_r{len(asked) + 1}", "0/0", _plan(simulated, extra_s), (), None))
         return f"callable {len(asked)}", checked
     return compile_and_check
@@ -74,7 +76,7 @@ def test_a_try_over_the_target_narrows_the_interval_and_never_runs():
     assert len(asked) <= MAX_ROOM_REPLANS
 
 
-@pytest.mark.parametrize(("tried", "calls"), [((850, 990, 0.050), 1),    # under the target, not faster: stop
+@pytest.mark.parametrize(("tried", "calls"), [((850, 990, 0.050), 1),    # estimated no faster: not compiled
                                               ((850, 1001, 0.010), 2),   # over the target: try again lower
                                               ((850, None, 0.010), 1)])  # the code could not be read
 def test_the_accepted_re_plan_stays_when_no_try_is_faster_under_the_target(tried, calls):
@@ -86,7 +88,7 @@ def test_the_accepted_re_plan_stays_when_no_try_is_faster_under_the_target(tried
 
 
 def test_no_room_or_no_plan_above_means_no_try():
-    never = lambda correction: pytest.fail("nothing to search")  # noqa: E731
+    never = lambda correction, faster_than_s: pytest.fail("nothing to search")  # noqa: E731
     tight = int(TARGET * (1 - ROOM_FRACTION)) + 1
     graphs = _accepted_re_plan((900, 1100), (800, tight, 0.050))
     assert faster_within_check("re-plan's callable", graphs, never) == "re-plan's callable"
@@ -102,8 +104,18 @@ def test_no_room_or_no_plan_above_means_no_try():
 def test_a_refused_try_keeps_the_accepted_re_plan():
     graphs = _accepted_re_plan((900, 1100), (800, 900, 0.050))
 
-    def refused(correction):
+    def refused(correction, faster_than_s):
         raise BudgetInfeasibleError("refused", budget_bytes=BUDGET, min_feasible_bytes=1, min_budget_bytes=1,
                                     reasons=())
     assert faster_within_check("re-plan's callable", graphs, refused) == "re-plan's callable"
     assert [g.graph_id for g in graphs] == ["graph_000_r1"]
+
+
+def test_a_plan_no_faster_is_stopped_before_its_code_is_generated():
+    """The partitioner's check: a try's plan estimated at or over the accepted plan's time raises
+    ``NoFasterPlan`` (through Dynamo unwrapped); any plan passes when no bound is set."""
+    plan = SimpleNamespace(est_extra_time_s=0.050)
+    with pytest.raises(NoFasterPlan, match="not under"):
+        stop_if_not_faster(plan, 0.050)
+    stop_if_not_faster(plan, 0.051)
+    stop_if_not_faster(plan, None)
