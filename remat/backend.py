@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -37,11 +38,11 @@ from .errors import BudgetInfeasibleError
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
 from .inductor_verdict import refusal_for, share_check_target
-from .judge_loop import judge_compiled, refused_at, stop_if_not_faster
+from .judge_loop import judge_compiled, refused_at
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
-from .pipeline import REFUSAL_CANDIDATE_KINDS, candidate_plan, plan_graph, prepare_graph, request_for
+from .pipeline import REFUSAL_CANDIDATE_KINDS, candidate_plan, plan_graph, prepare_graph, replan_estimate, request_for
 from .simulator.library_scratch import scratch_key
 from .step_budget import StepAccount, need_of, note_step_plan, slot_of
 from .step_fit import fit_in_step
@@ -173,20 +174,20 @@ class RematBackend:
                 args: list) -> Callable[..., Any]:
         """Inductor's verdict on the plan just compiled (``judge_loop.judge_compiled``); a re-plan is
         compiled from a copy of Dynamo's graph ``gm`` for the real inputs ``args``."""
-        def recompile(correction: Correction, key: str, candidate: Optional[str] = None,
-                      faster_than_s: Optional[float] = None) -> tuple[Callable[..., Any], CodeCapture]:
-            replanned, self._replan.faster_than_s = CodeCapture(), faster_than_s   # judge_loop.faster_within_check's
+        def recompile(correction: Correction, key: str, candidate: Optional[str] = None) -> tuple[Callable[..., Any], CodeCapture]:
+            replanned = CodeCapture()
             return self._recompile(gm, args, correction, key, replanned, candidate)[0], replanned
 
         def compile_candidate(refused: CompiledGraph, kind: str) -> tuple[Callable[..., Any], CodeCapture]:
-            # candidate ``kind`` at the refused target, the refusal handed on (judge_loop.refused_at): no second search
+            # candidate ``kind`` at the refused target, the refusal handed on (judge_loop.refused_at): no 2nd search
             same = refused.correction or Correction(1.0, self.options.budget_bytes, 0, 0, refused.graph_id, "a candidate plan")
             assert refused.refusal is not None
             self._replan.refused = (refused.plan.target_bytes, refused.refusal.error, refused.plan)
             return recompile(same, refused.graph_key, kind)
 
-        return judge_compiled(fn, capture, device_of(args).type, self.options.outputs_held, self.compiled_graphs,
-                              recompile, compile_candidate)
+        device = device_of(args).type    # a try of the room search is estimated before it is compiled
+        return judge_compiled(fn, capture, device, self.options.outputs_held, self.compiled_graphs, recompile,
+                              compile_candidate, partial(replan_estimate, self.options, device))
 
     def _check_may_overrule(self, share: Optional[GraphShare], joint: fx.GraphModule, joint_inputs: Sequence[object],
                             error: BudgetInfeasibleError) -> bool:
@@ -226,7 +227,7 @@ class RematBackend:
                 lambda cache: cache.restore(lambda: self._replan_id(correction), self.options.dump_dir,
                                             self.step_account, current_compile_id()))
         finally:
-            self._replan.correction = self._replan.candidate = self._replan.refused = self._replan.faster_than_s = None
+            self._replan.correction, self._replan.candidate, self._replan.refused = None, None, None
         if entry is not None and entry.record is not None:
             self.compiled_graphs.append(entry.record)
         return fn, self.compiled_graphs[-1], call_cache
@@ -307,7 +308,6 @@ class RematBackend:
                 plan = plan_at(target_bytes, best_effort=True)
             refusal = refusal_for(error, plan, share, held_of, lambda b: (self.options.check_target_for if share is None
                                   else self.options.planning_target_for)(b, device_type, modeled), self.options.budget_bytes)
-        stop_if_not_faster(plan, getattr(self._replan, "faster_than_s", None))   # before any code is generated
         cache = planner.source(plan)
         if not plan.fits_budget and refusal is None:
             warnings.warn(f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the smallest-"

@@ -25,8 +25,10 @@ class Judgement:
     budget, and no further re-plan is allowed), "over budget" (over the budget and no further
     re-plan is allowed) or "unchecked" (the code could not be read: the simulated peak stands);
     for the smallest-peak plan of a budget the simulator refused (``overrule_refusal``): "accepted:
-    Inductor's check overrules the simulator" or "refused". ``factor`` = checked / simulated peak
-    of this plan."""
+    Inductor's check overrules the simulator" or "refused"; for a plan found in the room the check left
+    under an accepted one (``judge_loop.faster_within_check``): "accepted: a faster plan in the room ...",
+    the plan it replaced "accepted, then replaced by a faster plan". ``factor`` = checked / simulated
+    peak of this plan."""
 
     action: str
     simulated_peak_bytes: int

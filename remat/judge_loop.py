@@ -32,15 +32,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("remat")
 
 MAX_JUDGED_REPLANS = 3   # re-plans Inductor's verdict may ask for per compile (remat/inductor_check.py)
-ROOM_FRACTION = 0.02     # a corrected re-plan checked this far under its target searches the room for time
-MAX_ROOM_REPLANS = 2     # compiles that search (``faster_within_check``)
+ROOM_FRACTION = 0.02     # an accepted plan checked this far under its target searches the room for time
+MAX_ROOM_REPLANS = 2     # re-plans that search (``faster_within_check``)
+ROOM_MIN_GAIN = 0.01     # a try is compiled only if estimated faster by this fraction of the graph's compute
 
 
 def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: str, outputs_held: bool,
                    compiled_graphs: list["CompiledGraph"],
                    recompile: Callable[..., tuple[Callable[..., Any], "CodeCapture"]],
                    compile_candidate: Optional[Callable[["CompiledGraph", str], tuple[Callable[..., Any], "CodeCapture"]]] = None,
-                   ) -> Callable[..., Any]:
+                   estimate: Optional[Callable[[Any, Correction], Any]] = None) -> Callable[..., Any]:
     """Inductor judges the plan just compiled (the last of ``compiled_graphs``, its code in ``capture``),
     before any step runs: its peak is read from the generated forward and backward; over its target
     (``record.check_target_bytes``: for a graph alone in its step the budget less the check's headroom,
@@ -59,7 +60,9 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     A budget the simulator refused is judged by ``overrule_or_refuse`` (with ``compile_candidate(record, kind)``
     for each of the graph's ``pipeline.refusal_candidates``, except for a graph sharing a step at graph
     breaks: its refusal's plan is the one the share's named budget rests on, judged against the largest
-    peak the share admits, ``inductor_verdict.refusal_for``)."""
+    peak the share admits, ``inductor_verdict.refusal_for``). An accepted plan with room under its target
+    is then searched for a faster one (``faster_within_check``; ``estimate(facts, correction)`` plans a
+    try before it is compiled)."""
     rejected: tuple[Judgement, ...] = ()
     for round_ in itertools.count():
         record = compiled_graphs.pop()
@@ -75,8 +78,10 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
                 kinds = (FREE_MINCUT_CANDIDATE,) if record.facts is None else refusal_candidates(record.facts, record.plan)
                 candidates = tuple((kind, functools.partial(_checked_candidate, compile_candidate, record, kind,
                                                             device_type, outputs_held)) for kind in kinds)
-            return overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
-                                      candidates, rejected)
+            fn = overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
+                                    candidates, rejected)
+            return faster_within_check(fn, compiled_graphs, functools.partial(
+                _checked_replan, recompile, compiled_graphs, device_type, outputs_held), estimate)
         target = record.base_target_bytes if record.check_target_bytes is None else record.check_target_bytes
         verdict = judge_plan(record.plan.predicted_peak_bytes, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                              target, record.plan.budget_bytes,
@@ -85,9 +90,9 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
         annotate_dump(record.dump_path, verdict)
         log.info("remat %s: %s on Inductor's check, %s", record.graph_id, verdict.action, verdict)
-        if verdict.action == "accepted" and rejected:
+        if verdict.action == "accepted":
             return faster_within_check(fn, compiled_graphs, functools.partial(
-                _checked_replan, recompile, compiled_graphs, device_type, outputs_held))
+                _checked_replan, recompile, compiled_graphs, device_type, outputs_held), estimate)
         if verdict.action != "re-plan":
             return fn
         assert verdict.new_target_bytes is not None and verdict.checked_peak_bytes is not None
@@ -120,76 +125,83 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
 
 
 class NoFasterPlan(Exception):
-    """A try of ``faster_within_check`` whose plan is estimated no faster than the plan it would
-    replace: raised by the partitioner (``stop_if_not_faster``) before Inductor generates its code."""
+    """A try of ``faster_within_check`` whose plan is estimated no faster than the plan it would replace."""
 
 
-def stop_if_not_faster(plan: Any, faster_than_s: Optional[float]) -> None:
-    """Raise ``NoFasterPlan`` when ``faster_than_s`` is set (a try of ``faster_within_check``) and
-    ``plan``'s estimated extra time is not under it: the try would not run, so its code is not generated."""
-    if faster_than_s is not None and plan.est_extra_time_s >= faster_than_s:
-        raise passthrough_error_class(NoFasterPlan)(NoFasterPlan(
-            f"the plan at this target is estimated at {format_seconds(plan.est_extra_time_s)} extra, not under "
-            f"{format_seconds(faster_than_s)}"))
+def stop_if_not_faster(plan: Any, faster_than_s: float) -> None:
+    """Raise ``NoFasterPlan`` unless ``plan``'s estimated extra time is under ``faster_than_s``."""
+    if plan.est_extra_time_s >= faster_than_s:
+        raise NoFasterPlan(f"the plan at this target is estimated at {format_seconds(plan.est_extra_time_s)} extra, "
+                           f"not under {format_seconds(faster_than_s)}")
 
 
 def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
-                        replan: Callable[[Correction, float], tuple[Callable[..., Any], Optional[int]]]
-                        ) -> Callable[..., Any]:
-    """After a corrected re-plan that Inductor's check accepted with room under its target (at least
-    ``ROOM_FRACTION`` of it), look in that room for a faster plan. The correction assumed the
-    simulator errs on every plan as on the one it rejected; its error is plan-specific, so the
-    re-plan can recompute far more than the target needs. Between the accepted plan (simulated
-    ``s_lo``, checked ``c_lo``) and the lowest-simulated rejected one above it (``s_hi``, ``c_hi``,
-    over the target ``t``), the graph is planned again at the simulated target where the line
-    through the two points meets ``t``, compiled and checked (``replan(correction, faster_than_s)``:
-    appends its record, returns its callable and trusted checked peak; raises ``NoFasterPlan``, before
-    generating code, when the plan is estimated no faster than the accepted one), up to
-    ``MAX_ROOM_REPLANS`` times, each try narrowing the interval on its checked peak. A try that checks at or under ``t`` and is
-    estimated faster replaces the accepted plan (its record carries the verdict, the replaced
-    verdicts in ``rejected``); any other try leaves ``compiled_graphs`` (its dump stays). So the plan
-    that runs always checked at or under ``t``. Found on the Hugging Face Llama of
-    ``benchmarks/hf_models.py`` at checkpointing's peak: the first plan simulated 35.30 MB and checked
-    39.88 (target 37.09), the corrected re-plan simulated 32.08, checked 35.84, and rebuilt one
-    layer's attention seven times (est. extra 57 ms; measured 1.52x plain Inductor's step)."""
+                        replan: Callable[[Correction], tuple[Callable[..., Any], Optional[int]]],
+                        estimate: Optional[Callable[[Any, Correction], Any]] = None) -> Callable[..., Any]:
+    """Look for a faster plan in the room Inductor's check left under an accepted plan's target (at
+    least ``ROOM_FRACTION`` of it). The planner aimed at the budget less its headroom, or at a target
+    corrected for the simulator's error on another plan; the error is plan-specific, so the accepted
+    plan can recompute far more than the target needs. From the accepted plan (simulated ``s_lo``,
+    checked ``c_lo``, target ``t``) the graph is planned again at a simulated target: where the line
+    through it and the lowest-simulated rejected plan above it (``s_hi``, ``c_hi`` over ``t``) meets
+    ``t``, or, with none, at ``s_lo x t / c_lo`` (this plan's error taken as uniform; above the
+    planning target, a correction that ``loosens``). A try must be estimated faster by ``ROOM_MIN_GAIN``
+    of the graph's estimated compute: ``estimate(facts, correction)`` (the plan the partitioner would
+    make, without tracing; the backend's ``pipeline.replan_estimate``) says so before anything is
+    compiled; then ``replan(correction)`` compiles it (appending its record) and returns its callable
+    and trusted checked peak. Up to ``MAX_ROOM_REPLANS`` tries, each narrowing the
+    interval on its checked peak. A try that checks at or under ``t`` replaces the accepted plan (its
+    record carries the verdict, the replaced verdicts in ``rejected``); any other leaves
+    ``compiled_graphs`` (its dump stays). So the plan that runs always checked at or under ``t``.
+    Found on the Hugging Face Llama of ``benchmarks/hf_models.py`` at checkpointing's peak: the first
+    plan simulated 35.30 MB and checked 39.88 (target 37.09), the corrected re-plan simulated 32.08,
+    checked 35.84, and rebuilt one layer's attention seven times (est. extra 57 ms; measured 1.52x
+    plain Inductor's step); the try at 33.07 checked 32.13 (est. 29 ms; 1.24x)."""
     accepted = compiled_graphs[-1]
     verdict = accepted.judgement
-    if (verdict is None or verdict.checked_peak_bytes is None or verdict.target_bytes is None
-            or accepted.step_share is not None or accepted.base_target_bytes is None):
+    if (verdict is None or not verdict.action.startswith("accepted") or verdict.checked_peak_bytes is None
+            or verdict.target_bytes is None or accepted.step_share is not None or accepted.base_target_bytes is None):
         return fn
+    min_gain_s = ROOM_MIN_GAIN * graph_compute_s(accepted.facts)
     target = verdict.target_bytes
     low = (verdict.simulated_peak_bytes, verdict.checked_peak_bytes)
     above = [(r.simulated_peak_bytes, r.checked_peak_bytes) for r in verdict.rejected
              if r.checked_peak_bytes is not None and r.checked_peak_bytes > target and r.simulated_peak_bytes > low[0]]
-    if not above:
-        return fn
-    high = min(above)
+    high = min(above) if above else None
     replaced: tuple[Judgement, ...] = ()
     for _ in range(MAX_ROOM_REPLANS):
-        if low[1] > target * (1 - ROOM_FRACTION) or high[0] - low[0] < 2 or high[1] <= low[1]:
+        if (low[1] > target * (1 - ROOM_FRACTION) or accepted.plan.est_extra_time_s <= min_gain_s
+                or (high is not None and (high[0] - low[0] < 2 or high[1] <= low[1]))):
             break
-        planning = low[0] + (target - low[1]) * (high[0] - low[0]) // (high[1] - low[1])
-        planning = min(max(planning, low[0] + 1), high[0] - 1)
+        if high is None:
+            planning = max(low[0] * target // max(low[1], 1), low[0] + 1)
+        else:
+            planning = low[0] + (target - low[1]) * (high[0] - low[0]) // (high[1] - low[1])
+            planning = min(max(planning, low[0] + 1), high[0] - 1)
         correction = Correction(accepted.base_target_bytes / planning, accepted.plan.budget_bytes,
                                 verdict.simulated_peak_bytes, verdict.checked_peak_bytes, accepted.graph_id,
                                 f"Inductor-checked with room: {accepted.graph_id}'s code peaks at "
                                 f"{verdict.checked_peak_bytes} bytes against a target of {target}; planned again "
-                                f"for time at a simulated {planning} bytes")
+                                f"for time at a simulated {planning} bytes",
+                                loosens=planning > accepted.base_target_bytes)
+        faster_than_s = accepted.plan.est_extra_time_s - min_gain_s
         try:
-            try_fn, checked = replan(correction, accepted.plan.est_extra_time_s)
+            if estimate is not None and accepted.facts is not None:
+                stop_if_not_faster(estimate(accepted.facts, correction), faster_than_s)
+            try_fn, checked = replan(correction)
         except NoFasterPlan as stopped:     # a looser aim gave no faster plan: a tighter one only recomputes more
             log.info("remat %s: the re-plan for time at a simulated %d bytes: not compiled, %s", accepted.graph_id,
                      planning, stopped)
             break
-        except BudgetInfeasibleError:    # not expected (the accepted plan is under the aim): nothing to try
+        except BudgetInfeasibleError:    # the planner refused the aim (a refusal's graph): nothing to try
             break
         tried = compiled_graphs[-1]
-        faster = tried.plan.est_extra_time_s < accepted.plan.est_extra_time_s
+        faster = tried.plan.est_extra_time_s < faster_than_s     # as estimated (the compile planned it again)
         if checked is not None and checked <= target and tried.refusal is None and faster:
             replaced += (dataclasses.replace(verdict, action="accepted, then replaced by a faster plan"),)
             verdict = Judgement(
                 f"accepted: a faster plan in the room Inductor's check left (the {accepted.graph_id} plan it "
-                f"replaces checked {accepted.judgement.checked_peak_bytes} bytes, est. extra "
+                f"replaces checked {verdict.checked_peak_bytes} bytes, est. extra "
                 f"{format_seconds(accepted.plan.est_extra_time_s)}; this one "
                 f"{format_seconds(tried.plan.est_extra_time_s)})", tried.plan.predicted_peak_bytes, checked,
                 target, verdict.budget_bytes, graph_id=tried.graph_id, rejected=verdict.rejected + replaced)
@@ -203,17 +215,24 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
         log.info("remat %s: the re-plan for time at a simulated %d bytes checked %s (target %d), est. extra %s: "
                  "not taken", tried.graph_id, planning, checked, target, format_seconds(tried.plan.est_extra_time_s))
         if checked is None or checked <= target or tried.plan.predicted_peak_bytes <= low[0]:
-            break        # under the target yet no faster, or no reading: a tighter aim only recomputes more
+            break        # no reading, no faster, or a refusal's plan: no interval to narrow
         high = (tried.plan.predicted_peak_bytes, checked)
     return fn
 
 
+def graph_compute_s(facts: Any) -> float:
+    """The estimated time of a graph's forward and backward nodes (``NodeCost.est_time_s``); 0 without facts
+    (a record an AOTAutograd cache hit restored)."""
+    if facts is None:
+        return 0.0
+    return sum(node.cost.est_time_s for node in facts.nodes.values() if node.role in ("forward", "backward"))
+
+
 def _checked_replan(recompile: Callable[..., tuple[Callable[..., Any], "CodeCapture"]],
                     compiled_graphs: list["CompiledGraph"], device_type: str, outputs_held: bool,
-                    correction: Correction, faster_than_s: float) -> tuple[Callable[..., Any], Optional[int]]:
-    """Compile a re-plan of the last record's graph at ``correction`` unless its plan is estimated no
-    faster than ``faster_than_s`` (``NoFasterPlan``); its callable and trusted checked peak."""
-    fn, capture = recompile(correction, compiled_graphs[-1].graph_key, None, faster_than_s)
+                    correction: Correction) -> tuple[Callable[..., Any], Optional[int]]:
+    """Compile a re-plan of the last record's graph at ``correction``; its callable and trusted checked peak."""
+    fn, capture = recompile(correction, compiled_graphs[-1].graph_key, None)
     return fn, trusted_peak_bytes(checked_peak_of(capture.graphs, device_type, outputs_held),
                                   compiled_graphs[-1].plan.predicted_peak_bytes)
 
@@ -308,5 +327,5 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     raise passthrough_error_class(BudgetInfeasibleError)(error)
 
 
-__all__ = ["MAX_JUDGED_REPLANS", "MAX_ROOM_REPLANS", "NoFasterPlan", "ROOM_FRACTION", "faster_within_check",
-           "judge_compiled", "overrule_or_refuse", "stop_if_not_faster"]
+__all__ = ["MAX_JUDGED_REPLANS", "MAX_ROOM_REPLANS", "NoFasterPlan", "ROOM_FRACTION", "ROOM_MIN_GAIN",
+           "faster_within_check", "graph_compute_s", "judge_compiled", "overrule_or_refuse", "stop_if_not_faster"]

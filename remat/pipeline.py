@@ -155,10 +155,22 @@ def request_for(options: RematOptions, graph: PreparedGraph, correction: Optiona
     """The request the backend's ``options`` make for ``graph``: at ``budget_bytes`` (default: the
     options' budget), less the headroom of the graph's device (``RematOptions.headroom_for``), less
     ``correction``; the options' solver and best effort."""
+    return device_request(options, graph.device_type, graph.modeled, correction, budget_bytes)
+
+
+def device_request(options: RematOptions, device_type: str, modeled: bool, correction: Optional[Correction] = None,
+                   budget_bytes: Optional[int] = None) -> PlanningRequest:
+    """``request_for`` a graph on ``device_type`` whose code the simulator does (``modeled``) or does not model."""
     budget = options.budget_bytes if budget_bytes is None else budget_bytes
-    request = PlanningRequest(budget, None, options.headroom_for(graph.device_type, graph.modeled), correction,
+    request = PlanningRequest(budget, None, options.headroom_for(device_type, modeled), correction,
                               options.best_effort, options.solver, options.milp_time_limit_s)
     return request if budget is None else dataclasses.replace(request, target_bytes=request.target_for(budget))
+
+
+def replan_estimate(options: RematOptions, device_type: str, facts: JointGraphFacts, correction: Correction) -> Plan:
+    """The plan the backend's partitioner would make for a graph of ``facts`` re-planned at ``correction``,
+    without tracing or compiling it (``judge_loop.faster_within_check`` reads its estimated time first)."""
+    return plan_graph(facts, device_request(options, device_type, simulator_models(facts, device_type), correction))
 
 
 def plan_graph(facts: JointGraphFacts, request: PlanningRequest) -> Plan:
@@ -232,6 +244,6 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
 
 
 __all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "CHASE_CANDIDATE", "FREE_MINCUT_CANDIDATE", "SMALLEST_PEAK_CANDIDATE",
-           "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "free_mincut_candidate",
+           "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "device_request", "free_mincut_candidate",
            "refusal_candidates", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
-           "request_for", "simulator_models", "trace_joint_facts"]
+           "replan_estimate", "request_for", "simulator_models", "trace_joint_facts"]
