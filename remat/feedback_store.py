@@ -49,15 +49,11 @@ class Correction:
     measured_peak_bytes: int
     graph_id: str
     source: str
-    # above the target too (a factor under 1): only a try of Inductor's room search, which the check
-    # judges before it runs (``judge_loop.faster_within_check``); a measured correction never raises it
-    loosens: bool = False
 
     def corrected_target(self, target_bytes: int) -> int:
         """The planning target once the simulator's error is known: ``target / factor``, floored,
-        never above ``target_bytes`` unless the correction ``loosens``."""
-        corrected = math.floor(Fraction(target_bytes) / Fraction(self.factor))   # exact: any budget
-        return corrected if self.loosens else min(target_bytes, corrected)
+        never above ``target_bytes``."""
+        return min(target_bytes, math.floor(Fraction(target_bytes) / Fraction(self.factor)))  # exact: any budget
 
 
 def store_dir() -> Path:

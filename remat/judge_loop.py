@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("remat")
 
 MAX_JUDGED_REPLANS = 3   # re-plans Inductor's verdict may ask for per compile (remat/inductor_check.py)
-ROOM_FRACTION = 0.02     # an accepted plan checked this far under its target searches the room for time
+ROOM_PERCENT, ROOM_PERCENT_BASE = 2, 100   # an accepted plan checked 2% under its target searches the room
+ROOM_FRACTION = ROOM_PERCENT / ROOM_PERCENT_BASE
 MAX_ROOM_REPLANS = 2     # re-plans that search (``faster_within_check``)
 ROOM_MIN_GAIN = 0.01     # a try is compiled only if estimated faster by this fraction of the graph's compute
 
@@ -64,6 +65,9 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     is then searched for a faster one (``faster_within_check``; ``estimate(facts, correction)`` plans a
     try before it is compiled)."""
     rejected: tuple[Judgement, ...] = ()
+    # a plan made under the feedback loop's correction (measured over its budget, here or in an earlier
+    # process) is not searched for room: the search would loosen what a measured step tightened
+    searched = compiled_graphs[-1].correction is None
     for round_ in itertools.count():
         record = compiled_graphs.pop()
         if rejected:
@@ -80,7 +84,7 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
                                                             device_type, outputs_held)) for kind in kinds)
             fn = overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                                     candidates, rejected)
-            return faster_within_check(fn, compiled_graphs, functools.partial(
+            return fn if not searched else faster_within_check(fn, compiled_graphs, functools.partial(
                 _checked_replan, recompile, compiled_graphs, device_type, outputs_held), estimate)
         target = record.base_target_bytes if record.check_target_bytes is None else record.check_target_bytes
         verdict = judge_plan(record.plan.predicted_peak_bytes, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
@@ -90,7 +94,7 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
         annotate_dump(record.dump_path, verdict)
         log.info("remat %s: %s on Inductor's check, %s", record.graph_id, verdict.action, verdict)
-        if verdict.action == "accepted":
+        if verdict.action == "accepted" and searched:
             return faster_within_check(fn, compiled_graphs, functools.partial(
                 _checked_replan, recompile, compiled_graphs, device_type, outputs_held), estimate)
         if verdict.action != "re-plan":
@@ -144,8 +148,9 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
     plan can recompute far more than the target needs. From the accepted plan (simulated ``s_lo``,
     checked ``c_lo``, target ``t``) the graph is planned again at a simulated target: where the line
     through it and the lowest-simulated rejected plan above it (``s_hi``, ``c_hi`` over ``t``) meets
-    ``t``, or, with none, at ``s_lo x t / c_lo`` (this plan's error taken as uniform; above the
-    planning target, a correction that ``loosens``). A try must be estimated faster by ``ROOM_MIN_GAIN``
+    ``t``, or, with none, at ``s_lo x t / c_lo`` (this plan's error taken as uniform), never above the
+    planning target (its headroom guards the check's blind spots), so a refusal the check overruled,
+    whose plan simulates above it, is not searched. A try must be estimated faster by ``ROOM_MIN_GAIN``
     of the graph's estimated compute: ``estimate(facts, correction)`` (the plan the partitioner would
     make, without tracing; the backend's ``pipeline.replan_estimate``) says so before anything is
     compiled; then ``replan(correction)`` compiles it (appending its record) and returns its callable
@@ -162,7 +167,10 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
     if (verdict is None or not verdict.action.startswith("accepted") or verdict.checked_peak_bytes is None
             or verdict.target_bytes is None or accepted.step_share is not None or accepted.base_target_bytes is None):
         return fn
+    base_target = accepted.base_target_bytes     # the planning target (simulator units), before any correction
     min_gain_s = ROOM_MIN_GAIN * graph_compute_s(accepted.facts)
+    if accepted.plan.est_extra_time_s <= min_gain_s:
+        return fn          # nothing to gain (a plan with no recompute: any budget above its peak, 1e308 too)
     target = verdict.target_bytes
     low = (verdict.simulated_peak_bytes, verdict.checked_peak_bytes)
     above = [(r.simulated_peak_bytes, r.checked_peak_bytes) for r in verdict.rejected
@@ -170,20 +178,24 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
     high = min(above) if above else None
     replaced: tuple[Judgement, ...] = ()
     for _ in range(MAX_ROOM_REPLANS):
-        if (low[1] > target * (1 - ROOM_FRACTION) or accepted.plan.est_extra_time_s <= min_gain_s
+        if (low[1] * ROOM_PERCENT_BASE > target * (ROOM_PERCENT_BASE - ROOM_PERCENT)      # integers: any budget
+                or accepted.plan.est_extra_time_s <= min_gain_s
                 or (high is not None and (high[0] - low[0] < 2 or high[1] <= low[1]))):
             break
         if high is None:
-            planning = max(low[0] * target // max(low[1], 1), low[0] + 1)
+            planning = low[0] * target // max(low[1], 1)
         else:
-            planning = low[0] + (target - low[1]) * (high[0] - low[0]) // (high[1] - low[1])
-            planning = min(max(planning, low[0] + 1), high[0] - 1)
-        correction = Correction(accepted.base_target_bytes / planning, accepted.plan.budget_bytes,
+            planning = min(low[0] + (target - low[1]) * (high[0] - low[0]) // (high[1] - low[1]), high[0] - 1)
+        # never above the planning target: its headroom is what guards the check's own blind spots (an
+        # MLP's plan aimed above it checked 2,752,512 B against 2,782,395 and measured 2,883,592)
+        planning = min(planning, base_target)
+        if planning <= low[0]:
+            break
+        correction = Correction(base_target / planning, accepted.plan.budget_bytes,
                                 verdict.simulated_peak_bytes, verdict.checked_peak_bytes, accepted.graph_id,
                                 f"Inductor-checked with room: {accepted.graph_id}'s code peaks at "
                                 f"{verdict.checked_peak_bytes} bytes against a target of {target}; planned again "
-                                f"for time at a simulated {planning} bytes",
-                                loosens=planning > accepted.base_target_bytes)
+                                f"for time at a simulated {planning} bytes")
         faster_than_s = accepted.plan.est_extra_time_s - min_gain_s
         try:
             if estimate is not None and accepted.facts is not None:
@@ -198,7 +210,7 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
         tried = compiled_graphs[-1]
         faster = tried.plan.est_extra_time_s < faster_than_s     # as estimated (the compile planned it again)
         if checked is not None and checked <= target and tried.refusal is None and faster:
-            replaced += (dataclasses.replace(verdict, action="accepted, then replaced by a faster plan"),)
+            replaced += (dataclasses.replace(verdict, action=f"{verdict.action}; then replaced by a faster plan"),)
             verdict = Judgement(
                 f"accepted: a faster plan in the room Inductor's check left (the {accepted.graph_id} plan it "
                 f"replaces checked {verdict.checked_peak_bytes} bytes, est. extra "

@@ -362,12 +362,15 @@ def test_a_budget_the_simulator_refuses_runs_when_inductors_check_fits_it(tmp_pa
 
     backend = remat.backend(budget_gb, dump_dir=str(tmp_path / "dump"))
     _, graph, event = _one_mlp_step(backend)
-    assert graph.judgement.action == "accepted: Inductor's check overrules the simulator", graph.judgement
+    # the overruled plan runs, or a faster one the room search found under the check's target replaced it
+    overruled = [v for v in (graph.judgement, *graph.judgement.rejected)
+                 if v.action.startswith("accepted: Inductor's check overrules the simulator")]
+    assert len(overruled) == 1, graph.judgement
     assert graph.judgement.checked_peak_bytes <= graph.judgement.target_bytes \
         == backend.options.check_target_for(backend.options.budget_bytes, "cpu")
-    assert graph.base_target_bytes < graph.plan.predicted_peak_bytes
+    assert overruled[0].checked_peak_bytes <= overruled[0].target_bytes < overruled[0].simulated_peak_bytes
     assert event.measured_peak_bytes <= backend.options.budget_bytes, event
-    assert "overrules the simulator" in (tmp_path / "dump" / graph.graph_id / "report.md").read_text()
+    assert "overrules the simulator" in (tmp_path / "dump" / overruled[0].graph_id / "report.md").read_text()
 
     torch._dynamo.reset()
     model, inputs = make_mlp()

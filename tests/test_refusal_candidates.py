@@ -27,8 +27,9 @@ def _target_for(budget_bytes: int) -> int:
 def _record(graph_id: str, simulated: int) -> CompiledGraph:
     error = BudgetInfeasibleError("refused", budget_bytes=BUDGET, min_feasible_bytes=1200, min_budget_bytes=1264,
                                   reasons=("saved activations",))
-    return CompiledGraph(graph_id, "0/0", SimpleNamespace(predicted_peak_bytes=simulated), (), None,
-                         base_target_bytes=TARGET, refusal=Refusal(error, _target_for, TARGET))
+    plan = SimpleNamespace(predicted_peak_bytes=simulated, est_extra_time_s=0.0)   # nothing for the room search
+    return CompiledGraph(graph_id, "0/0", plan, (), None, base_target_bytes=TARGET,
+                         refusal=Refusal(error, _target_for, TARGET))
 
 
 def _candidate(graphs: list, checked: int):
