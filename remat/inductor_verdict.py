@@ -27,8 +27,8 @@ class Judgement:
     for the smallest-peak plan of a budget the simulator refused (``overrule_refusal``): "accepted:
     Inductor's check overrules the simulator" or "refused"; for a plan found in the room the check left
     under an accepted one (``judge_loop.faster_within_check``): "accepted: a faster plan in the room ...",
-    the plan it replaced "accepted, then replaced by a faster plan". ``factor`` = checked / simulated
-    peak of this plan."""
+    the plan it replaced keeps its own action with "; then replaced by a faster plan" added.
+    ``factor`` = checked / simulated peak of this plan."""
 
     action: str
     simulated_peak_bytes: int

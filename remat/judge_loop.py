@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from fractions import Fraction
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -32,8 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("remat")
 
 MAX_JUDGED_REPLANS = 3   # re-plans Inductor's verdict may ask for per compile (remat/inductor_check.py)
-ROOM_PERCENT, ROOM_PERCENT_BASE = 2, 100   # an accepted plan checked 2% under its target searches the room
-ROOM_FRACTION = ROOM_PERCENT / ROOM_PERCENT_BASE
+ROOM_FRACTION = Fraction(2, 100)   # an accepted plan checked this far under its target searches the room (exact)
 MAX_ROOM_REPLANS = 2     # re-plans that search (``faster_within_check``)
 ROOM_MIN_GAIN = 0.01     # a try is compiled only if estimated faster by this fraction of the graph's compute
 
@@ -68,6 +68,11 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     # a plan made under the feedback loop's correction (measured over its budget, here or in an earlier
     # process) is not searched for room: the search would loosen what a measured step tightened
     searched = compiled_graphs[-1].correction is None
+
+    def room_searched(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return fn if not searched else faster_within_check(fn, compiled_graphs, functools.partial(
+            _checked_replan, recompile, compiled_graphs, device_type, outputs_held), estimate)
+
     for round_ in itertools.count():
         record = compiled_graphs.pop()
         if rejected:
@@ -82,10 +87,8 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
                 kinds = (FREE_MINCUT_CANDIDATE,) if record.facts is None else refusal_candidates(record.facts, record.plan)
                 candidates = tuple((kind, functools.partial(_checked_candidate, compile_candidate, record, kind,
                                                             device_type, outputs_held)) for kind in kinds)
-            fn = overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
-                                    candidates, rejected)
-            return fn if not searched else faster_within_check(fn, compiled_graphs, functools.partial(
-                _checked_replan, recompile, compiled_graphs, device_type, outputs_held), estimate)
+            return room_searched(overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(
+                checked, record.plan.predicted_peak_bytes), candidates, rejected))
         target = record.base_target_bytes if record.check_target_bytes is None else record.check_target_bytes
         verdict = judge_plan(record.plan.predicted_peak_bytes, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                              target, record.plan.budget_bytes,
@@ -94,9 +97,8 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         compiled_graphs[-1] = dataclasses.replace(record, judgement=verdict)
         annotate_dump(record.dump_path, verdict)
         log.info("remat %s: %s on Inductor's check, %s", record.graph_id, verdict.action, verdict)
-        if verdict.action == "accepted" and searched:
-            return faster_within_check(fn, compiled_graphs, functools.partial(
-                _checked_replan, recompile, compiled_graphs, device_type, outputs_held), estimate)
+        if verdict.action == "accepted":
+            return room_searched(fn)
         if verdict.action != "re-plan":
             return fn
         assert verdict.new_target_bytes is not None and verdict.checked_peak_bytes is not None
@@ -169,8 +171,6 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
         return fn
     base_target = accepted.base_target_bytes     # the planning target (simulator units), before any correction
     min_gain_s = ROOM_MIN_GAIN * graph_compute_s(accepted.facts)
-    if accepted.plan.est_extra_time_s <= min_gain_s:
-        return fn          # nothing to gain (a plan with no recompute: any budget above its peak, 1e308 too)
     target = verdict.target_bytes
     low = (verdict.simulated_peak_bytes, verdict.checked_peak_bytes)
     above = [(r.simulated_peak_bytes, r.checked_peak_bytes) for r in verdict.rejected
@@ -178,10 +178,9 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
     high = min(above) if above else None
     replaced: tuple[Judgement, ...] = ()
     for _ in range(MAX_ROOM_REPLANS):
-        if (low[1] * ROOM_PERCENT_BASE > target * (ROOM_PERCENT_BASE - ROOM_PERCENT)      # integers: any budget
-                or accepted.plan.est_extra_time_s <= min_gain_s
-                or (high is not None and (high[0] - low[0] < 2 or high[1] <= low[1]))):
-            break
+        if (low[1] > target * (1 - ROOM_FRACTION) or accepted.plan.est_extra_time_s <= min_gain_s
+                or (high is not None and high[1] <= low[1])):
+            break        # no room, nothing to gain (no recompute), or no slope to follow
         if high is None:
             planning = low[0] * target // max(low[1], 1)
         else:
@@ -190,7 +189,7 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
         # MLP's plan aimed above it checked 2,752,512 B against 2,782,395 and measured 2,883,592)
         planning = min(planning, base_target)
         if planning <= low[0]:
-            break
+            break        # no simulated peak left between the accepted plan and the aim
         correction = Correction(base_target / planning, accepted.plan.budget_bytes,
                                 verdict.simulated_peak_bytes, verdict.checked_peak_bytes, accepted.graph_id,
                                 f"Inductor-checked with room: {accepted.graph_id}'s code peaks at "
@@ -205,7 +204,7 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
             log.info("remat %s: the re-plan for time at a simulated %d bytes: not compiled, %s", accepted.graph_id,
                      planning, stopped)
             break
-        except BudgetInfeasibleError:    # the planner refused the aim (a refusal's graph): nothing to try
+        except BudgetInfeasibleError:    # not expected (a plan simulates under the aim: the accepted one)
             break
         tried = compiled_graphs[-1]
         faster = tried.plan.est_extra_time_s < faster_than_s     # as estimated (the compile planned it again)
@@ -227,7 +226,7 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
         log.info("remat %s: the re-plan for time at a simulated %d bytes checked %s (target %d), est. extra %s: "
                  "not taken", tried.graph_id, planning, checked, target, format_seconds(tried.plan.est_extra_time_s))
         if checked is None or checked <= target or tried.plan.predicted_peak_bytes <= low[0]:
-            break        # no reading, no faster, or a refusal's plan: no interval to narrow
+            break        # no reading, under the target yet slower, or a plan below the interval: nothing to narrow
         high = (tried.plan.predicted_peak_bytes, checked)
     return fn
 

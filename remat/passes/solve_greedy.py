@@ -345,9 +345,9 @@ def smallest_peak(g: SearchContext, starts: tuple[Evaluated, ...]) -> SmallestPe
 
 def _least_peak_refined(g: SearchContext, lowest: Evaluated) -> Evaluated:
     """A lowest-peak plan refined for its peak: the polish at its own peak (saving a value again can
-    lower the peak, per-use instances), then the local search for the least peak (small graphs). The
-    plan ``smallest_peak`` gave before the resave descent (``solve_resave.py``) saved again what removes
-    the most recompute time without raising the peak."""
+    lower the peak, per-use instances), then the local search for the least peak (small graphs): the
+    plan ``smallest_peak`` gave before session 27, which ``smallest_peak`` then refines for time with
+    the resave descent (``solve_resave.py``)."""
     return local_search(g, _polish(g, lowest, lowest.peak_bytes), None)
 
 
