@@ -38,7 +38,8 @@ STORE_SCHEMA = 1
 class Correction:
     """How much a graph's simulated peaks must be scaled to match what was measured.
 
-    A plan for the graph is made at ``target / factor`` (never above the target). ``source``
+    A plan for the graph is made at ``target / factor`` (never above the target unless the correction
+    ``loosens``: only a try of the room search, which Inductor's check judges before it runs). ``source``
     says where the factor comes from, e.g. "measured in this process: graph_000 step 0" or
     "stored: /root/.cache/remat/feedback/ab12.json".
     """
@@ -49,11 +50,15 @@ class Correction:
     measured_peak_bytes: int
     graph_id: str
     source: str
+    # above the target too (a factor under 1): only a try of Inductor's room search, which the check
+    # judges before it runs (``judge_loop.faster_within_check``); a measured correction never raises it
+    loosens: bool = False
 
     def corrected_target(self, target_bytes: int) -> int:
         """The planning target once the simulator's error is known: ``target / factor``, floored,
-        never above ``target_bytes``."""
-        return min(target_bytes, math.floor(Fraction(target_bytes) / Fraction(self.factor)))  # exact: any budget
+        never above ``target_bytes`` unless the correction ``loosens``."""
+        corrected = math.floor(Fraction(target_bytes) / Fraction(self.factor))   # exact: any budget
+        return corrected if self.loosens else min(target_bytes, corrected)
 
 
 def store_dir() -> Path:

@@ -26,7 +26,7 @@ import torch
 import remat
 from remat.testing.steps import (  # noqa: F401  (the tests import these from conftest too)
     GRAD_REL_TOL, LOSS_SEED, STEP_SEED, ZERO_GRAD_FRACTION, assert_grads_close, assert_tensors_close, buffers_of,
-    grads_of, loss_weights, relative_error, run_step, zero_grads,
+    grads_of, loss_weights, prime_loss_weights, relative_error, run_step, zero_grads,
 )
 from remat.testing.zoo import ZOO
 

@@ -18,7 +18,7 @@ from remat.simulator.kernel_lowering import EXTERN
 from remat.simulator.schedule import memory_steps, partition_nodes
 from remat.wrapper_text import call_body
 from remat.inductor_verdict import judge_plan
-from conftest import assert_grads_close, grads_of, run_step, scale_simulated_peaks
+from conftest import assert_grads_close, grads_of, prime_loss_weights, run_step, scale_simulated_peaks
 from remat.testing.zoo import MLP
 
 MiB = 1 << 20
@@ -330,9 +330,11 @@ def test_a_library_output_of_unstated_size_leaves_the_plan_on_its_simulated_peak
 
 def _one_mlp_step(backend):
     """A fresh MLP's first step compiled with ``backend``, measured: ``((model, inputs), its one
-    record, its one feedback event)``."""
+    record, its one feedback event)``. ``run_step``'s loss weights are made first, outside the step, as
+    every later step finds them (``prime_loss_weights``)."""
     torch._dynamo.reset()
     model, inputs = make_mlp()
+    prime_loss_weights(model, inputs)
     run_step(torch.compile(model, backend=backend), model, inputs)
     close_open_window()
     (graph,) = backend.compiled_graphs
@@ -370,6 +372,9 @@ def test_a_budget_the_simulator_refuses_runs_when_inductors_check_fits_it(tmp_pa
         == backend.options.check_target_for(backend.options.budget_bytes, "cpu")
     assert overruled[0].checked_peak_bytes <= overruled[0].target_bytes < overruled[0].simulated_peak_bytes
     assert event.measured_peak_bytes <= backend.options.budget_bytes, event
+    # the first step in the process measures what the check said (the room search's tries plan above the
+    # planning target and rely on that): the 8 bytes are the eager loss's scalar
+    assert 0 <= event.measured_peak_bytes - graph.judgement.checked_peak_bytes <= 64, (graph.judgement, event)
     assert "overrules the simulator" in (tmp_path / "dump" / overruled[0].graph_id / "report.md").read_text()
 
     torch._dynamo.reset()
@@ -485,13 +490,11 @@ def test_a_cnn_with_pooling_is_checked_and_its_check_is_what_the_step_measures(t
 
 def test_with_no_budget_the_check_reports_the_plans_peak(tmp_path, monkeypatch):
     """No budget: nothing to accept or refuse, but the plan's record and report.md carry the peak read
-    from Inductor's code, the number the step then measures (less the eager loss's bytes)."""
+    from Inductor's code, the number the step then measures (but for the eager loss's scalar)."""
     monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
     (model, inputs), graph, event = _one_mlp_step(remat.backend(None, dump_dir=str(tmp_path / "dump")))
     assert graph.judgement is not None and graph.judgement.action == "accepted" and graph.judgement.target_bytes is None
-    loss_weights_bytes = model(*inputs).numel() * 4        # run_step's eager loss: one output-sized tensor
-    assert graph.judgement.checked_peak_bytes <= event.measured_peak_bytes \
-        <= graph.judgement.checked_peak_bytes + loss_weights_bytes + 64, (graph.judgement, event)
+    assert 0 <= event.measured_peak_bytes - graph.judgement.checked_peak_bytes <= 64, (graph.judgement, event)
     assert "accepted on the Inductor-checked peak" in (tmp_path / "dump" / "graph_000" / "report.md").read_text()
 
 

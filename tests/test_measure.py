@@ -50,3 +50,26 @@ def test_peak_counts_temporaries_freed_inside_the_window():
     measured = remat.measure_peak_bytes(step, "cpu")
     assert 2 * MIB <= measured.peak_bytes < 2 * MIB + 64 * 1024, measured
     assert measured.foreign_freed_bytes == 0
+
+
+def test_a_primed_first_step_measures_what_every_later_step_does(monkeypatch):
+    """``run_step`` keeps its loss weights once made: unprimed, the first step of a process counts them (an
+    output-sized fp32 tensor) where later steps find them resident; primed, the first step is as any other."""
+    from remat.testing import steps
+    from remat.testing.zoo import MLP
+
+    torch.manual_seed(0)
+    model, inputs = MLP(d_in=16, d_hidden=32, n_layers=2), (torch.randn(64, 16),)
+    monkeypatch.setattr(steps, "_LOSS_WEIGHTS", {})
+
+    def step_peaks() -> tuple[int, int]:
+        first, later = (remat.measure_peak_bytes(lambda: steps.run_step(model, model, inputs)).peak_bytes
+                        for _ in range(2))
+        return first, later
+    first, later = step_peaks()
+    assert first - later == 64 * 16 * 4, (first, later)
+    monkeypatch.setattr(steps, "_LOSS_WEIGHTS", {})
+    weights = steps.prime_loss_weights(model.train(), inputs)
+    assert model.training and weights.shape == (64, 16)
+    first, later = step_peaks()
+    assert first == later, (first, later)

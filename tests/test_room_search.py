@@ -124,30 +124,31 @@ def _accepted_first_plan(simulated: int, checked: int, extra_s: float, facts=NO_
 
 
 def test_with_no_plan_over_the_target_the_aim_takes_the_accepted_plans_error_as_uniform():
-    """A first plan simulated 880 and checked 900 against 1000: planned again at 880 x 1000 / 900 = 977 in the
-    simulator's units, which is above the planning target (950): the aim stops at 950, whose headroom guards
-    what the check cannot see."""
-    graphs, corrections = _accepted_first_plan(880, 900, 0.050), []
-    asked, replan, estimate = _search(graphs, [(940, 975, 0.010)])
+    """A first plan simulated 900 and checked 800 against 1000 (the simulator over-predicted it): planned again
+    at 900 x 1000 / 800 = 1125 in the simulator's units, above the planning target (950): the correction
+    loosens it, which a measured correction never does, and the check judges the try before it runs."""
+    graphs, corrections = _accepted_first_plan(900, 800, 0.050), []
+    asked, replan, estimate = _search(graphs, [(1100, 990, 0.010)])
 
     def compile_and_check(correction):
         corrections.append(correction)
         return replan(correction)
     assert faster_within_check("first plan's callable", graphs, compile_and_check, estimate) == "callable 1"
-    assert asked == [950] and corrections[0].corrected_target(BASE) == BASE
-    assert graphs[-1].judgement.checked_peak_bytes == 975
-    graphs = _accepted_first_plan(800, 700, 0.050)
-    asked, replan, estimate = _search(graphs, [(940, 975, 0.010)])
-    faster_within_check("first plan's callable", graphs, replan, estimate)
-    assert asked[0] == 950          # 800 x 1000 / 700 = 1142, capped
+    assert asked == [1125] and corrections[0].loosens and corrections[0].corrected_target(BASE) == 1125
+    assert graphs[-1].judgement.checked_peak_bytes == 990
+    measured = replace(corrections[0], loosens=False)       # the same factor from a measured step: capped
+    assert measured.corrected_target(BASE) == BASE
 
 
-def test_a_refusal_the_check_overruled_is_not_searched():
-    """The smallest-peak plan of a refused budget simulates above the planning target: no aim under that
-    target lies above it, so nothing is planned."""
-    never = lambda correction, *rest: pytest.fail("no room under the planning target")  # noqa: E731
+def test_a_refusal_the_check_overruled_is_searched_above_the_planning_target():
+    """The smallest-peak plan of a refused budget simulates above the planning target (960 > 950) and checks
+    at 800 against 1000: the aim is 960 x 1000 / 800 = 1200; the try checks at 1040, over the target, so it
+    does not run and the second try aims on the line through (960, 800) and (1150, 1040): 1118."""
     graphs = _accepted_first_plan(960, 800, 0.050)
-    assert faster_within_check("smallest plan's callable", graphs, never, never) == "smallest plan's callable"
+    asked, replan, estimate = _search(graphs, [(1150, 1040, 0.010), (1100, 985, 0.012)])
+    assert faster_within_check("smallest plan's callable", graphs, replan, estimate) == "callable 2"
+    assert asked == [1200, 960 + (1000 - 800) * (1150 - 960) // (1040 - 800)]
+    assert [g.graph_id for g in graphs] == ["graph_000_r3"] and graphs[-1].judgement.checked_peak_bytes == 985
 
 
 def test_a_try_must_gain_a_share_of_the_graphs_compute():

@@ -2,6 +2,7 @@
 
 - ``run_step``: one training step (grads set to None, the output dotted with fixed random weights,
   backward), reseeding the global generator first so random ops draw the same numbers;
+  ``prime_loss_weights`` creates those weights before a first step that is measured;
 - ``grads_of`` / ``buffers_of``: copies to compare; ``assert_grads_close`` / ``assert_tensors_close``:
   every tensor within ``GRAD_REL_TOL`` relative error, with ``relative_error``.
 """
@@ -35,6 +36,22 @@ def loss_weights(shape: torch.Size) -> torch.Tensor:
         generator = torch.Generator().manual_seed(LOSS_SEED)
         _LOSS_WEIGHTS[key] = torch.randn(key, generator=generator)
     return _LOSS_WEIGHTS[key]
+
+
+def prime_loss_weights(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Create ``run_step``'s loss weights for ``model``'s output now, outside any measured step.
+
+    ``run_step`` creates them on its first call per output shape, inside that step, and keeps them: a
+    measured first step in a process would count them as the step's own allocation (an output-sized fp32
+    tensor, e.g. 131,072 B on a 512x64 output) where every later step finds them resident. One eager forward
+    in eval mode without autograd (no dropout drawn, no BatchNorm statistics updated) gives the shape."""
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            out = model.eval()(*inputs)
+    finally:
+        model.train(was_training)
+    return loss_weights(out.shape)
 
 
 def run_step(compiled: Callable[..., torch.Tensor], model: torch.nn.Module, inputs: Sequence[torch.Tensor],
