@@ -62,14 +62,12 @@ def test_a_primed_first_step_measures_what_every_later_step_does(monkeypatch):
     model, inputs = MLP(d_in=16, d_hidden=32, n_layers=2), (torch.randn(64, 16),)
     monkeypatch.setattr(steps, "_LOSS_WEIGHTS", {})
 
-    def step_peaks() -> tuple[int, int]:
-        first, later = (remat.measure_peak_bytes(lambda: steps.run_step(model, model, inputs)).peak_bytes
-                        for _ in range(2))
-        return first, later
-    first, later = step_peaks()
+    def step_peak() -> int:
+        return remat.measure_peak_bytes(lambda: steps.run_step(model, model, inputs)).peak_bytes
+    first, later = step_peak(), step_peak()
     assert first - later == 64 * 16 * 4, (first, later)
     monkeypatch.setattr(steps, "_LOSS_WEIGHTS", {})
     weights = steps.prime_loss_weights(model.train(), inputs)
     assert model.training and weights.shape == (64, 16)
-    first, later = step_peaks()
+    first, later = step_peak(), step_peak()
     assert first == later, (first, later)
