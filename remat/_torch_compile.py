@@ -33,6 +33,7 @@ through, in one place (verified on torch 2.13.0; see README "Torch versions").
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -41,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
+from ._torch_deferred import deferred_loading, load_deferred
 from .graph_code import GraphCode, activation_itemsize, graph_code
 from .wrapper_call_scratch import call_inputs, with_scratch_at_generated_layouts
 
@@ -49,17 +51,25 @@ log = logging.getLogger(__name__)
 
 class CodeCapture:
     """An ``inner_compile`` for ``compile_fx``: compiles each graph as Inductor does and keeps its
-    generated wrapper with the FX names it was handed (one capture per ``compile_fx`` call)."""
+    generated wrapper with the FX names it was handed (one capture per ``compile_fx`` call). With
+    ``defer_loading`` the generated modules are not loaded (no kernel is built) until ``load()``: a
+    compile only Inductor's check reads until it is kept (``_torch_deferred.py``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, defer_loading: bool = False) -> None:
         self.graphs: list[tuple[bool, GraphCode, int]] = []   # (is_backward, code, activation item size)
+        self.deferred: Optional[list] = [] if defer_loading else None    # its modules not loaded yet
+
+    def load(self) -> None:
+        """Load the modules this capture's compile deferred (``defer_loading``): their kernels are built now."""
+        load_deferred(self.deferred or [])
 
     def inner_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx_inner
 
         # before Inductor's post-grad passes change gm:
         names, itemsize, inputs = graph_code(gm, ""), activation_itemsize(gm), call_inputs(gm)
-        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        with deferred_loading(self.deferred) if self.deferred is not None else contextlib.nullcontext():
+            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
         source = getattr(compiled, "source_code", None)
         if isinstance(source, str):
             code = with_scratch_at_generated_layouts(dataclasses.replace(names, source_code=source), inputs)

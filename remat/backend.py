@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 import warnings
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -42,7 +41,8 @@ from .judge_loop import judge_compiled, refused_at
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
-from .pipeline import REFUSAL_CANDIDATE_KINDS, candidate_plan, plan_graph, prepare_graph, replan_estimate, request_for
+from .pipeline import (REFUSAL_CANDIDATE_KINDS, candidate_plan, estimated_plan_for, plan_graph, prepare_graph,
+                       replan_estimate, request_for)
 from .simulator.library_scratch import scratch_key
 from .step_budget import StepAccount, need_of, note_step_plan, slot_of
 from .step_fit import fit_in_step
@@ -52,10 +52,8 @@ log = logging.getLogger("remat")
 
 
 class RematBackend:
-    """A ``torch.compile`` backend that plans every joint graph under one budget.
-
-    ``compiled_graphs`` lists, in compile order, the plan remat made for each graph it partitioned
-    (inference graphs have none)."""
+    """A ``torch.compile`` backend that plans every joint graph under one budget. ``compiled_graphs`` lists,
+    in compile order, the plan remat made for each graph it partitioned (inference graphs have none)."""
 
     def __init__(self, options: RematOptions) -> None:
         self.options = options
@@ -73,31 +71,25 @@ class RematBackend:
         self._replan_rounds: dict[str, int] = {}           # re-plans made so far, by first graph id (ids _r1, _r2, ...)
 
     def cache_key(self) -> str:
-        """The partitioner's uuid: changes whenever the budget, options, hardware profile, planner source,
-        a feedback correction or the dump's settings change (``compile_cache.partitioner_uuid``), and, in a
-        compile keyed by a step's share (``compile_cache.StepKey``), with that share and the graphs before it."""
+        """The partitioner's uuid (``compile_cache.partitioner_uuid``: the budget, options, profile, planner
+        source, feedback corrections, dump settings; in a compile keyed by a step's share, ``StepKey``)."""
         return partitioner_uuid(self.options, dict(self._corrections), getattr(self._replan, "step_key", None))
 
-    @property
-    def step_account(self) -> StepAccount:   # the account of the step's graphs (remat/step_budget.py)
-        return self._step_hooks.account
+    step_account = property(lambda self: self._step_hooks.account)   # the step's graphs (remat/step_budget.py)
 
-    def new_graph_id(self) -> str:
-        """The next graph id of this backend: ``graph_000``, ``graph_001``, ..."""
+    def new_graph_id(self) -> str:     # graph_000, graph_001, ...
         with self._lock:
             return f"graph_{next(self._counter):03d}"
 
     def _partition_at_planned_sizes(self, joint: fx.GraphModule, joint_inputs: Sequence[object],
                                     kwargs: dict[str, Any]) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """The partitioner Inductor calls: ``partition``, with dynamic shapes read at the sizes they are
-        planned at and no guard added (``dynamic.partition_at_planned_sizes``)."""
+        """``partition`` at the sizes dynamic shapes are planned at, no guard added (``dynamic.py``)."""
         from .dynamic import partition_at_planned_sizes
 
         return partition_at_planned_sizes(self.partition, self.options, self.compiled_graphs, joint, joint_inputs, kwargs)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        # a graph Dynamo compiled at a graph break: while the step's graphs are unknown, it takes its
-        # leanest plan (remat/step_budget.py); read by partition for this compile, not for later re-plans
+        # a graph at a graph break takes its leanest plan while the step's graphs are unknown (step_budget.py)
         self._replan.follows = graph_break_follows(gm)
         try:
             return self._compile(gm, example_inputs)
@@ -108,16 +100,15 @@ class RematBackend:
         verify = self.options.verify_peak > 0
         judge = self.options.inductor_check   # with no budget, the check only reports the plan's peak
         budget = self.options.budget_bytes is not None   # the step's account re-plans graphs (remat/step_budget.py)
-        # AOTAutograd's cache skips the partitioner on a hit: its record and dump are restored from the
-        # entry stored with the compile that made them (remat/compile_cache.py), where that is safe: a graph
-        # alone in its step, or one a remembered step gives a share (keyed by it: StepKey)
+        # AOTAutograd's cache skips the partitioner on a hit: record and dump restored from the entry (compile_cache.py),
+        # where that is safe: a graph alone in its step, or one a remembered step gives a share (keyed by it: StepKey)
         identity = graph_identity(gm, example_inputs)
         step_key = self._step_hooks.key_at_compile(identity) if budget and cache_possible(example_inputs) else None
         call_cache = (CallCache(identity, partitioner_uuid(self.options, dict(self._corrections), step_key))
                       if call_cacheable(self.options, len(self.compiled_graphs), example_inputs, self._replan.follows,
                                         step_key) else None)
         pristine = copy_dynamo_graph_or_none(gm) if verify or judge or budget or call_cache else None   # compile_fx's pre-grad passes rewrite gm in place
-        before, capture, graphs = len(self.compiled_graphs), CodeCapture(), [gm]
+        before, capture, graphs = len(self.compiled_graphs), CodeCapture(defer_loading=judge), [gm]
         # The backward is compiled now, not at its first call, so a measured step's window holds no
         # compilation and Inductor can judge the plan (and a re-plan's cache key is the first compile's).
         fn, entry, call_cache = compile_cached(
@@ -132,7 +123,9 @@ class RematBackend:
         if len(records) != 1:
             if call_cache is not None:
                 call_cache.store(None, None)
+            capture.load()
             return fn       # an inference graph (no plan)
+        first = fn
         in_place = pristine is not None and not has_symbolic_shapes(example_inputs) and records[0].distributed is None
         if not restored:    # a restored record is final: judged (and any refusal overruled) when it was made
             if records[0].refusal is not None and not (judge and in_place):
@@ -142,6 +135,8 @@ class RematBackend:
                 fn = self._judged(fn, capture, pristine, list(example_inputs))
             if call_cache is not None:
                 store_call(call_cache, self.compiled_graphs[-1], records[0].graph_id, self.step_account)
+        if fn is first:     # its kernels built now: the check kept it (a refusal that stands builds none)
+            capture.load()
         in_step = budget and records[0].distributed is None   # DDP / FSDP2 pieces: their own ledger
         if not verify and not in_step:
             return fn
@@ -172,11 +167,14 @@ class RematBackend:
 
     def _judged(self, fn: Callable[..., Any], capture: CodeCapture, gm: fx.GraphModule,
                 args: list) -> Callable[..., Any]:
-        """Inductor's verdict on the plan just compiled (``judge_loop.judge_compiled``); a re-plan is
-        compiled from a copy of Dynamo's graph ``gm`` for the real inputs ``args``."""
+        """Inductor's verdict on the plan just compiled (``judge_loop.judge_compiled``); a re-plan is compiled
+        from a copy of Dynamo's graph ``gm`` for the real inputs ``args``, loaded only if it is kept."""
+        compiled: list[tuple[Callable[..., Any], CodeCapture]] = []    # loaded only if kept (_torch_deferred.py)
+
         def recompile(correction: Correction, key: str, candidate: Optional[str] = None) -> tuple[Callable[..., Any], CodeCapture]:
-            replanned = CodeCapture()
-            return self._recompile(gm, args, correction, key, replanned, candidate)[0], replanned
+            replanned = CodeCapture(defer_loading=True)
+            compiled.append((self._recompile(gm, args, correction, key, replanned, candidate)[0], replanned))
+            return compiled[-1]
 
         def compile_candidate(refused: CompiledGraph, kind: str) -> tuple[Callable[..., Any], CodeCapture]:
             # candidate ``kind`` at the refused target, the refusal handed on (judge_loop.refused_at): no 2nd search
@@ -185,18 +183,25 @@ class RematBackend:
             self._replan.refused = (refused.plan.target_bytes, refused.refusal.error, refused.plan)
             return recompile(same, refused.graph_key, kind)
 
-        device = device_of(args).type    # a try of the room search is estimated before it is compiled
-        return judge_compiled(fn, capture, device, self.options.outputs_held, self.compiled_graphs, recompile,
-                              compile_candidate, partial(replan_estimate, self.options, device))
+        key = self.compiled_graphs[-1].graph_key     # the graph judged: every re-plan of it compiles under this key
+        def estimate(facts: Any, correction: Correction) -> Plan:   # a room-search try: its compile takes this plan
+            self._replan.estimated = replan_estimate(self.options, device_of(args).type, key, facts, correction)
+            return self._replan.estimated.plan
+
+        kept = judge_compiled(fn, capture, device_of(args).type, self.options.outputs_held, self.compiled_graphs, recompile,
+                              compile_candidate, estimate)
+        for made, replanned in compiled:
+            if made is kept:
+                replanned.load()      # the kept plan's kernels are built now, before its first call
+        return kept
 
     def _check_may_overrule(self, share: Optional[GraphShare], joint: fx.GraphModule, joint_inputs: Sequence[object],
                             error: BudgetInfeasibleError) -> bool:
-        """Whether a budget the simulator refused goes to Inductor's check first (the plan the refusal
-        rests on is compiled and judged in ``__call__``, or by the re-planning caller): the check is on,
-        the user did not ask for best effort, shapes are static (the graphs ``_judged`` judges), and
-        either the graph is alone in its step and this is not a re-plan (whose refusal the re-planning
-        caller handles), or it shares a step at graph breaks and the refusal names the plan it rests on
-        (``ShareInfeasibleError``: the budget named is then read off that plan's generated code)."""
+        """Whether a budget the simulator refused goes to Inductor's check first (the plan the refusal rests on
+        is compiled and judged in ``__call__``, or by the re-planning caller): the check is on, no best effort,
+        static shapes (the graphs ``_judged`` judges), and either the graph is alone in its step and this is not
+        a re-plan (whose refusal the re-planning caller handles), or it shares a step at graph breaks and the
+        refusal names the plan it rests on (``ShareInfeasibleError``: the budget named is read off its code)."""
         shared = share is not None and share.kind == "break" and isinstance(error, ShareInfeasibleError)
         return (self.options.inductor_check and self.options.budget_bytes is not None and not self.options.best_effort
                 and not has_symbolic_shapes(joint_inputs)
@@ -211,13 +216,13 @@ class RematBackend:
     def _recompile(self, gm: fx.GraphModule, args: list, correction: Correction, key: str,
                    capture: Optional[CodeCapture] = None, candidate: Optional[str] = None, identity: str = "",
                    step_key: Optional[StepKey] = None) -> tuple[Callable[..., Any], CompiledGraph, Optional[CallCache]]:
-        """Compile a copy of Dynamo's graph ``gm`` for the real inputs ``args`` (static shapes, as it was
-        traced), planning at the target ``correction`` gives (or, with ``candidate``, planning that candidate
-        when the target is refused: ``partition``); returns the callable, its record (which keeps the graph's
-        store ``key``: the next process's) and the call cache to store the record in once judged (or None).
-        With ``step_key`` (its share of the known step: ``StepHooks.key_at_replan``) AOTAutograd's cache is on,
-        keyed as the graph's compile in a later process recalling the step is (with its call ``identity``):
-        a hit restores the stored record (its ``cache`` says so; judged when made)."""
+        """Compile a copy of Dynamo's graph ``gm`` for the real inputs ``args`` (static shapes, as traced),
+        planning at the target ``correction`` gives (or, with ``candidate``, that candidate when the target is
+        refused: ``partition``); returns the callable, its record (which keeps the graph's store ``key``: the
+        next process's) and the call cache to store the record in once judged (or None). With ``step_key`` (its
+        share of the known step: ``StepHooks.key_at_replan``) AOTAutograd's cache is on, keyed as the graph's
+        compile in a later process recalling the step is (with its call ``identity``): a hit restores the
+        stored record (its ``cache`` says so; judged when made)."""
         self._replan.correction, self._replan.key, self._replan.candidate = correction, key, candidate
         try:
             fn, entry, call_cache = compile_cached(
@@ -227,15 +232,14 @@ class RematBackend:
                 lambda cache: cache.restore(lambda: self._replan_id(correction), self.options.dump_dir,
                                             self.step_account, current_compile_id()))
         finally:
-            self._replan.correction, self._replan.candidate, self._replan.refused = None, None, None
+            self._replan.correction, self._replan.candidate, self._replan.refused, self._replan.estimated = (None,) * 4
         if entry is not None and entry.record is not None:
             self.compiled_graphs.append(entry.record)
         return fn, self.compiled_graphs[-1], call_cache
 
     def _correction_for_code(self, code: str, joint_inputs: Sequence[object]) -> tuple[str, str, Optional[Correction]]:
-        """The graph id, feedback-store key and correction of a joint graph (its ``code``) about to be
-        planned: a re-plan's (``VerifiedGraph``; the id is the first plan's with ``_r1``, ``_r2``, ...),
-        else one this backend or an earlier process measured (``feedback_store``)."""
+        """The graph id, feedback-store key and correction of a joint graph (its ``code``) about to be planned:
+        a re-plan's (the id ``<first>_r1``, ...), else one this backend or an earlier process measured."""
         correction = getattr(self._replan, "correction", None)
         key = self._replan.key if correction is not None else graph_key(code, joint_inputs, self.options)
         if correction is None:
@@ -287,8 +291,9 @@ class RematBackend:
         try:
             if share is None and candidate in REFUSAL_CANDIDATE_KINDS and refused_at(self._replan, target_bytes):
                 raise self._replan.refused[1]   # the refusal the candidate is for: known, not searched again
-            if share is None:   # alone in its step
-                plan = plan_at(target_bytes)
+            if share is None:   # alone in its step (a room-search try estimated moments ago is not planned again)
+                plan = estimated_plan_for(getattr(self._replan, "estimated", None), key, request.at(target_bytes)) \
+                    or plan_at(target_bytes)
             else:  # the largest target the step's ledger admits (remat/distributed.py)
                 plan, share = fit_in_step(share, lambda share: fit_plan(share, held_of, plan_at, self.options.budget_bytes,
                     request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at, held_of)
@@ -385,29 +390,26 @@ def backend(
     and falls back to "greedy" on failure, and ``Plan.solver`` says which answered and why).
     """
     needs_free = isinstance(budget_gb, str) and budget_gb.strip().lower() == "auto"
-    options = make_options(
+    return RematBackend(make_options(
         budget_gb, dump_dir=dump_dir, hardware=hardware, solver=solver, milp_time_limit_s=milp_time_limit_s,
-        best_effort=best_effort,
-        headroom_fraction=headroom_fraction, pareto_points=pareto_points, estimator=estimator, free_bytes_for_auto=free_device_bytes() if needs_free else None,
-        verify_peak=verify_peak, inductor_check=inductor_check, outputs_held=outputs_held,
-    )
-    return RematBackend(options)
+        best_effort=best_effort, headroom_fraction=headroom_fraction, pareto_points=pareto_points, estimator=estimator,
+        free_bytes_for_auto=free_device_bytes() if needs_free else None, verify_peak=verify_peak,
+        inductor_check=inductor_check, outputs_held=outputs_held))
 
 
 class _EnvBackends:
-    """The backends ``backend="remat"`` made, one per configuration (the values of
-    ``REMAT_BUDGET_GB`` and ``REMAT_DUMP_DIR``): while the environment is unchanged every graph
-    goes to the same ``RematBackend``, so its dump numbers graphs across the whole run
-    (``graph_000``, ``graph_001``, ...) and its step ledger (DDP pieces) is kept. Per
-    configuration, not per graph: one small entry per distinct environment the process used."""
+    """The backends ``backend="remat"`` made, one per configuration (the values of ``REMAT_BUDGET_GB`` and
+    ``REMAT_DUMP_DIR``): while the environment is unchanged every graph goes to the same ``RematBackend``, so
+    its dump numbers graphs across the whole run and its step ledger (DDP pieces) is kept. Per configuration,
+    not per graph: one small entry per distinct environment the process used."""
 
     def __init__(self) -> None:
         self._by_config: dict[tuple[str, str], RematBackend] = {}
         self._lock = threading.Lock()
 
     def for_environment(self, environ: Optional[dict[str, str]] = None) -> RematBackend:
-        """The backend for the environment's current configuration, made on first use.
-        Raises ValueError naming the variable and its value for a bad one."""
+        """The backend for the environment's current configuration, made on first use (ValueError naming a
+        bad variable and its value)."""
         from .options import BUDGET_ENV_VAR, DUMP_DIR_ENV_VAR, dump_dir_from_env
 
         env = os.environ if environ is None else environ
@@ -438,11 +440,9 @@ def remat_backend_from_env(gm: fx.GraphModule, example_inputs: Sequence[Any]) ->
 def register() -> None:
     """Make ``torch.compile(backend="remat")`` work (idempotent).
 
-    An installed package declares the ``torch_dynamo_backends`` entry point and
-    Dynamo loads it on first lookup; registering here as well would make that
-    load fail as a duplicate, so this registers only when no entry point exists
-    (e.g. running from a source checkout on ``PYTHONPATH``).
-    """
+    An installed package declares the ``torch_dynamo_backends`` entry point and Dynamo loads it on first
+    lookup; registering here as well would make that load fail as a duplicate, so this registers only when
+    no entry point exists (e.g. running from a source checkout on ``PYTHONPATH``)."""
     from importlib.metadata import entry_points
 
     if any(ep.name == "remat" for ep in entry_points(group="torch_dynamo_backends")):

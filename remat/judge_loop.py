@@ -154,9 +154,9 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
     target too (a correction that ``loosens``; the check judges every try before it runs), so a refusal
     the check overruled, whose plan simulates above that target, is searched. A try must be estimated
     faster by ``ROOM_MIN_GAIN`` of the graph's estimated compute: ``estimate(facts, correction)`` (the plan
-    the partitioner would make, without tracing; the backend's ``pipeline.replan_estimate``) says so before
-    anything is compiled; then ``replan(correction)`` compiles it (appending its record) and returns its
-    callable and trusted checked peak. Up to ``MAX_ROOM_REPLANS`` tries, each narrowing the interval on its
+    the partitioner would make, without tracing; the backend's ``pipeline.replan_estimate``, whose plan the
+    compile then takes) says so before anything is compiled; then ``replan(correction)`` compiles it
+    (appending its record) and returns its callable and trusted checked peak. Up to ``MAX_ROOM_REPLANS`` tries, each narrowing the interval on its
     checked peak. A try that checks at or under ``t`` replaces the accepted plan (its
     record carries the verdict, the replaced verdicts in ``rejected``); any other leaves
     ``compiled_graphs`` (its dump stays). So the plan that runs always checked at or under ``t``.
@@ -206,7 +206,7 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
         except BudgetInfeasibleError:    # not expected (a plan simulates under the aim: the accepted one)
             break
         tried = compiled_graphs[-1]
-        faster = tried.plan.est_extra_time_s < faster_than_s     # as estimated (the compile planned it again)
+        faster = tried.plan.est_extra_time_s < faster_than_s     # the estimated plan (the compile took it, unplanned)
         if checked is not None and checked <= target and tried.refusal is None and faster:
             replaced += (dataclasses.replace(verdict, action=f"{verdict.action}; then replaced by a faster plan"),)
             verdict = Judgement(

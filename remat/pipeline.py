@@ -167,10 +167,32 @@ def device_request(options: RematOptions, device_type: str, modeled: bool, corre
     return request if budget is None else dataclasses.replace(request, target_bytes=request.target_for(budget))
 
 
-def replan_estimate(options: RematOptions, device_type: str, facts: JointGraphFacts, correction: Correction) -> Plan:
-    """The plan the backend's partitioner would make for a graph of ``facts`` re-planned at ``correction``,
-    without tracing or compiling it (``judge_loop.faster_within_check`` reads its estimated time first)."""
-    return plan_graph(facts, device_request(options, device_type, simulator_models(facts, device_type), correction))
+@dataclass(frozen=True)
+class EstimatedPlan:
+    """A plan made for a graph's ``facts`` without tracing it (``replan_estimate``), with the graph's store
+    key and the request it answers (``PlanningRequest.cache_repr``): the partitioner that then compiles the
+    same graph for the same request takes it instead of planning again (``estimated_plan_for``)."""
+
+    graph_key: str
+    request_repr: str
+    plan: Plan
+
+
+def replan_estimate(options: RematOptions, device_type: str, graph_key: str, facts: JointGraphFacts,
+                    correction: Correction) -> EstimatedPlan:
+    """The plan the backend's partitioner would make for the graph of ``facts`` (store key ``graph_key``)
+    re-planned at ``correction``, without tracing or compiling it (``judge_loop.faster_within_check`` reads
+    its estimated time first)."""
+    request = device_request(options, device_type, simulator_models(facts, device_type), correction)
+    return EstimatedPlan(graph_key, request.cache_repr(), plan_graph(facts, request))
+
+
+def estimated_plan_for(estimated: Optional[EstimatedPlan], graph_key: str, request: PlanningRequest) -> Optional[Plan]:
+    """``estimated``'s plan where it is of the graph ``graph_key`` and answers ``request`` (the same target,
+    cap, headroom, correction factor, solver and best effort), else None: the caller plans."""
+    if estimated is None or estimated.graph_key != graph_key or estimated.request_repr != request.cache_repr():
+        return None
+    return estimated.plan
 
 
 def plan_graph(facts: JointGraphFacts, request: PlanningRequest) -> Plan:
@@ -246,4 +268,4 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
 __all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "CHASE_CANDIDATE", "FREE_MINCUT_CANDIDATE", "SMALLEST_PEAK_CANDIDATE",
            "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "device_request", "free_mincut_candidate",
            "refusal_candidates", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
-           "replan_estimate", "request_for", "simulator_models", "trace_joint_facts"]
+           "replan_estimate", "EstimatedPlan", "estimated_plan_for", "request_for", "simulator_models", "trace_joint_facts"]

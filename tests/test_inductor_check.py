@@ -4,6 +4,7 @@ and a plan over its target repaired before the first step runs."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import re
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import remat
+from remat._torch_deferred import DeferredModule
 from remat.measure import close_open_window
 from remat.graph_code import GraphCode
 from remat.inductor_check import InputStorage, checked_step_peak, replay_wrapper
@@ -362,8 +364,28 @@ def test_a_budget_the_simulator_refuses_runs_when_inductors_check_fits_it(tmp_pa
     with pytest.raises(remat.BudgetInfeasibleError):
         run_step(torch.compile(model, backend=remat.backend(budget_gb, inductor_check=False)), model, inputs)
 
+    planned = {"estimated": [], "partitioned": []}     # the requests each planned, as PlanningRequest.cache_repr
+
+    def counted(where, plan_graph):
+        return lambda facts, request: planned[where].append(request.cache_repr()) or plan_graph(facts, request)
+    pipeline, backend_module = importlib.import_module("remat.pipeline"), importlib.import_module("remat.backend")
+    monkeypatch.setattr(pipeline, "plan_graph", counted("estimated", pipeline.plan_graph))
+    monkeypatch.setattr(backend_module, "plan_graph", counted("partitioned", backend_module.plan_graph))
+    deferred, loaded = [], []      # the judged compiles' wrapper modules, and those loaded (kernels built)
+    real_init = DeferredModule.__init__
+
+    def counted_init(module, source, path, load):
+        real_init(module, source, path, lambda: loaded.append(module) or load())
+        deferred.append(module)
+    monkeypatch.setattr(DeferredModule, "__init__", counted_init)
     backend = remat.backend(budget_gb, dump_dir=str(tmp_path / "dump"))
     _, graph, event = _one_mlp_step(backend)
+    # a room-search try estimated before its compile is not planned again by the compile's partitioner
+    assert "a faster plan in the room" in graph.judgement.action and planned["estimated"], graph.judgement
+    assert not set(planned["estimated"]) & set(planned["partitioned"]), planned
+    # the first compile (the overruled plan) and the room-search try that replaced it were generated without
+    # loading; only the try's forward and backward were loaded (kernels built), before the step
+    assert len(deferred) == 4 and loaded == deferred[2:], (deferred, loaded)
     # the overruled plan runs, or a faster one the room search found under the check's target replaced it
     overruled = [v for v in (graph.judgement, *graph.judgement.rejected)
                  if v.action.startswith("accepted: Inductor's check overrules the simulator")]
@@ -379,9 +401,11 @@ def test_a_budget_the_simulator_refuses_runs_when_inductors_check_fits_it(tmp_pa
 
     torch._dynamo.reset()
     model, inputs = make_mlp()
+    deferred.clear(), loaded.clear()
     with pytest.raises(remat.BudgetInfeasibleError) as refused:
         run_step(torch.compile(model, backend=remat.backend(1e-6)), model, inputs)
     assert "as Inductor compiled it" in str(refused.value)
+    assert deferred and not loaded     # the candidates the check refused: none of their kernels built
     assert refused.value.min_budget_gb <= real_floor.value.min_budget_gb * 1.01
     torch._dynamo.reset()
     model, inputs = make_mlp()

@@ -1,0 +1,75 @@
+"""Inductor's generated wrapper modules loaded only for the plan that runs (``remat/_torch_deferred.py``):
+a compile the check judges keeps its source at once and builds its kernels only when loaded."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch._inductor.codecache import PyCodeCache
+from torch._inductor.compile_fx import compile_fx
+
+from remat._torch_compile import CodeCapture
+from remat._torch_deferred import DeferredModule, _local, deferred_loading
+
+
+def _compiled_with(capture: CodeCapture, scale: float):
+    torch._dynamo.reset()
+
+    def f(x):
+        return (x.sin() * scale).cos() + x
+
+    def backend(gm, inputs):     # AOTAutograd's cache off: a hit would not call ``inner_compile``
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, inputs, inner_compile=capture.inner_compile)
+    return f, torch.compile(f, backend=backend)
+
+
+def test_a_deferred_compile_keeps_its_source_and_builds_nothing_until_loaded():
+    capture = CodeCapture(defer_loading=True)
+    f, compiled = _compiled_with(capture, 3.0)
+    x = torch.randn(257)
+    # the first call compiles (the source is captured, the module deferred), then runs, loading the module
+    loads = []
+    original_load = DeferredModule.load
+
+    def counted(module):
+        loads.append(module._module is None)
+        return original_load(module)
+    DeferredModule.load = counted
+    try:
+        out = compiled(x)
+    finally:
+        DeferredModule.load = original_load
+    (is_backward, code, _), = capture.graphs
+    assert not is_backward and "def call(" in code.source_code
+    (module,) = capture.deferred
+    assert isinstance(module, DeferredModule) and module.__file__.endswith(".py")
+    assert loads and loads[0] is True and module._module is not None      # loaded at its first call, once
+    torch.testing.assert_close(out, f(x))
+    assert getattr(module, "no_such_name", None) is None            # what the source does not define is missing
+    capture.load()                                                  # loading again is a no-op
+    assert module._module is not None
+
+
+def test_a_module_never_called_is_never_loaded_and_the_patch_is_scoped_to_its_thread():
+    original = PyCodeCache.__dict__["load_by_key_path"]
+    capture = CodeCapture(defer_loading=True)
+    x = torch.randn(33)
+    gm = torch.fx.symbolic_trace(lambda x: (x * 7.0).exp() - x)
+    compiled = compile_fx(gm, [x], inner_compile=capture.inner_compile)    # compiled, not called
+    (module,) = capture.deferred
+    assert module._module is None                   # its kernels were never built
+    assert PyCodeCache.__dict__["load_by_key_path"] is original      # Inductor's own again after the compile
+    torch.testing.assert_close(compiled(x)[0] if isinstance(compiled(x), (list, tuple)) else compiled(x),
+                               (x * 7.0).exp() - x)
+    assert module._module is not None
+
+    seen_elsewhere: list = []
+    with deferred_loading([]):
+        assert PyCodeCache.__dict__["load_by_key_path"] is not original
+        thread = threading.Thread(target=lambda: seen_elsewhere.append(getattr(_local, "deferred", None)))
+        thread.start()
+        thread.join()
+    assert seen_elsewhere == [None]                 # another thread's loads go to Inductor's function unchanged
+    assert PyCodeCache.__dict__["load_by_key_path"] is original
