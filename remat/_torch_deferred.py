@@ -1,7 +1,7 @@
 """Inductor's generated wrapper modules loaded only for the plan that runs.
 
-A plan Inductor's check judges (a refused budget's candidate plans, a corrected re-plan, a try of the
-room search: ``judge_loop.py``) needs Inductor's generated *source*, the wrapper the check reads
+A plan Inductor's check judges (a graph's first plan, a refused budget's candidate plans, a corrected
+re-plan, a try of the room search: ``judge_loop.py``) needs Inductor's generated *source*, the wrapper the check reads
 (``inductor_check.py``); it needs the *module* only if it is the plan that runs. Loading a wrapper
 module is what builds its kernels: its top level calls ``async_compile.cpp_pybinding(...)`` once per
 kernel and ``async_compile.wait(globals())``, the C++ compiles of a cold compile. Inside
@@ -35,7 +35,7 @@ _installed = {"count": 0, "original": None}
 class DeferredModule:
     """A generated wrapper module not loaded yet. A name its source defines at its top level (``call``,
     ``runner``, ``recursively_apply_fns``) is a ``_DeferredAttribute`` that loads the module when it is
-    called or read into; another name is missing, as it is on the module."""
+    called; another name is missing, as it is on the module."""
 
     def __init__(self, source: str, path: str, load: Callable[[], Any]) -> None:
         self._source, self._load, self._module = source, load, None
