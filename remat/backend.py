@@ -75,7 +75,9 @@ class RematBackend:
         source, feedback corrections, dump settings; in a compile keyed by a step's share, ``StepKey``)."""
         return partitioner_uuid(self.options, dict(self._corrections), getattr(self._replan, "step_key", None))
 
-    step_account = property(lambda self: self._step_hooks.account)   # the step's graphs (remat/step_budget.py)
+    @property
+    def step_account(self) -> StepAccount:   # the account of the step's graphs (remat/step_budget.py)
+        return self._step_hooks.account
 
     def new_graph_id(self) -> str:     # graph_000, graph_001, ...
         with self._lock:
@@ -438,11 +440,9 @@ def remat_backend_from_env(gm: fx.GraphModule, example_inputs: Sequence[Any]) ->
 
 
 def register() -> None:
-    """Make ``torch.compile(backend="remat")`` work (idempotent).
-
-    An installed package declares the ``torch_dynamo_backends`` entry point and Dynamo loads it on first
-    lookup; registering here as well would make that load fail as a duplicate, so this registers only when
-    no entry point exists (e.g. running from a source checkout on ``PYTHONPATH``)."""
+    """Make ``torch.compile(backend="remat")`` work (idempotent). An installed package declares the
+    ``torch_dynamo_backends`` entry point, which Dynamo loads on first lookup (registering here as well would
+    make that load fail as a duplicate), so this registers only without one (a source checkout on PYTHONPATH)."""
     from importlib.metadata import entry_points
 
     if any(ep.name == "remat" for ep in entry_points(group="torch_dynamo_backends")):
