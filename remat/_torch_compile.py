@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
-from ._torch_deferred import deferred_loading, load_deferred
+from ._torch_deferred import deferral_supported, deferred_loading, load_deferred
 from .graph_code import GraphCode, activation_itemsize, graph_code
 from .wrapper_call_scratch import call_inputs, with_scratch_at_generated_layouts
 
@@ -57,7 +57,7 @@ class CodeCapture:
 
     def __init__(self, defer_loading: bool = False) -> None:
         self.graphs: list[tuple[bool, GraphCode, int]] = []   # (is_backward, code, activation item size)
-        self.deferred: Optional[list] = [] if defer_loading else None    # its modules not loaded yet
+        self.deferred: Optional[list] = [] if defer_loading and deferral_supported() else None   # not loaded yet
 
     def load(self) -> None:
         """Load the modules this capture's compile deferred (``defer_loading``): their kernels are built now."""

@@ -17,7 +17,8 @@ Private torch API (torch 2.13): ``torch._inductor.codecache.PyCodeCache.load_by_
 ``CompiledFxGraph.after_deserialization`` on an FX-graph-cache hit; both read ``call`` of the module,
 and ``runner`` and ``recursively_apply_fns`` with a default. Only wrapper modules (a top-level
 ``call``) are deferred, and only on the thread inside ``deferred_loading()``; every other load (a kernel
-module, another thread's compile) goes to Inductor's function unchanged.
+module, another thread's compile) goes to Inductor's function unchanged. Verified on torch 2.13 only
+(``deferral_supported``): on 2.11-2.12, which ``pyproject.toml`` allows, every module loads as Inductor loads it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ import contextlib
 import re
 import threading
 from typing import Any, Callable, Iterator, Optional
+
+VERIFIED_TORCH = ((2, 13),)      # (major, minor) versions whose load path the deferral was checked against
+
+
+def deferral_supported() -> bool:
+    """Whether this torch is one ``deferred_loading`` was verified on (``VERIFIED_TORCH``)."""
+    import torch
+
+    return tuple(int(part) for part in torch.__version__.split(".")[:2]) in VERIFIED_TORCH
+
 
 _local = threading.local()        # .deferred: the list the compiles inside deferred_loading() append to
 _lock = threading.Lock()

@@ -67,3 +67,16 @@ def test_a_module_never_called_is_never_loaded_and_the_patch_is_scoped_to_its_th
         thread.join()
     assert seen_elsewhere == [None]                 # another thread's loads go to Inductor's function unchanged
     assert PyCodeCache.__dict__["load_by_key_path"] is original
+
+
+def test_on_a_torch_the_deferral_was_not_checked_against_every_module_loads_as_inductor_loads_it(monkeypatch):
+    import remat._torch_deferred as deferred
+
+    assert deferred.deferral_supported()          # the torch the suite runs on (2.13) is verified
+    monkeypatch.setattr(deferred, "VERIFIED_TORCH", ())
+    capture = CodeCapture(defer_loading=True)
+    f, compiled = _compiled_with(capture, 11.0)
+    x = torch.randn(19)
+    torch.testing.assert_close(compiled(x), f(x))
+    assert capture.deferred is None and len(capture.graphs) == 1     # checked as before, nothing deferred
+    capture.load()                                                   # nothing to load
