@@ -185,12 +185,12 @@ class RematBackend:
             self._replan.refused = (refused.plan.target_bytes, refused.refusal.error, refused.plan)
             return recompile(same, refused.graph_key, kind)
 
-        key = self.compiled_graphs[-1].graph_key     # the graph judged: every re-plan of it compiles under this key
+        device, key = device_of(args).type, self.compiled_graphs[-1].graph_key   # every re-plan compiles under key
         def estimate(facts: Any, correction: Correction) -> Plan:   # a room-search try: its compile takes this plan
-            self._replan.estimated = replan_estimate(self.options, device_of(args).type, key, facts, correction)
+            self._replan.estimated = replan_estimate(self.options, device, key, facts, correction)
             return self._replan.estimated.plan
 
-        kept = judge_compiled(fn, capture, device_of(args).type, self.options.outputs_held, self.compiled_graphs, recompile,
+        kept = judge_compiled(fn, capture, device, self.options.outputs_held, self.compiled_graphs, recompile,
                               compile_candidate, estimate)
         for made, replanned in compiled:
             if made is kept:

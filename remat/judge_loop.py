@@ -156,9 +156,9 @@ def faster_within_check(fn: Callable[..., Any], compiled_graphs: list["CompiledG
     faster by ``ROOM_MIN_GAIN`` of the graph's estimated compute: ``estimate(facts, correction)`` (the plan
     the partitioner would make, without tracing; the backend's ``pipeline.replan_estimate``, whose plan the
     compile then takes) says so before anything is compiled; then ``replan(correction)`` compiles it
-    (appending its record) and returns its callable and trusted checked peak. Up to ``MAX_ROOM_REPLANS`` tries, each narrowing the interval on its
-    checked peak. A try that checks at or under ``t`` replaces the accepted plan (its
-    record carries the verdict, the replaced verdicts in ``rejected``); any other leaves
+    (appending its record) and returns its callable and trusted checked peak. Up to ``MAX_ROOM_REPLANS``
+    tries, each narrowing the interval on its checked peak. A try that checks at or under ``t`` replaces the
+    accepted plan (its record carries the verdict, the replaced verdicts in ``rejected``); any other leaves
     ``compiled_graphs`` (its dump stays). So the plan that runs always checked at or under ``t``.
     Found on the Hugging Face Llama of ``benchmarks/hf_models.py`` at checkpointing's peak: the first
     plan simulated 35.30 MB and checked 39.88 (target 37.09), the corrected re-plan simulated 32.08,

@@ -268,4 +268,5 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
 __all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "CHASE_CANDIDATE", "FREE_MINCUT_CANDIDATE", "SMALLEST_PEAK_CANDIDATE",
            "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "device_request", "free_mincut_candidate",
            "refusal_candidates", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
-           "replan_estimate", "EstimatedPlan", "estimated_plan_for", "request_for", "simulator_models", "trace_joint_facts"]
+           "replan_estimate", "EstimatedPlan", "estimated_plan_for", "request_for", "simulator_models",
+           "trace_joint_facts"]
