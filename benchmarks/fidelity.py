@@ -25,6 +25,14 @@ built fresh from the entry's seed (same parameters and inputs) and run for three
 - ``checkpoint``: full per-block checkpointing (``entry.build(checkpoint_blocks=True)``, non-
   reentrant ``torch.utils.checkpoint``) under plain Inductor, for models with repeated blocks.
 
+With ``--autocast bf16`` every variant runs its forward and loss under
+``torch.autocast("cpu", dtype=torch.bfloat16)`` (the backward outside it, as mixed-precision training
+does), and one more variant runs first: ``plain-fp32``, plain Inductor without autocast, whose step-1
+gradients are the reference for the accuracy of every bf16 variant. In bf16 no two compiled
+variants agree to 1e-4 (eager and plain Inductor do not: they round different intermediates), so
+each point also records its gradient error against the fp32 reference (``grad_rel_err_fp32``),
+which the report puts next to plain Inductor's own under autocast.
+
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
 ``max_k(held by graphs before k + k's activation inputs + later graphs' gradients + peak of k)``,
@@ -63,6 +71,7 @@ DEFAULT_OUT = RESULTS / "fidelity-cpu.jsonl"
 FRACTIONS = (0.9, 0.7, 0.5)
 PROBE_BUDGET_GB = 1e-6          # 1 kB: below any model's floor
 STEP_SEED = 1234
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
 WORKER_TIMEOUT_S = 3600
 # The environment of the committed run of 9da0372, whose header predates "environment" (run from a
 # `git archive` snapshot of that commit in /tmp/snap).
@@ -189,8 +198,9 @@ def fresh_caches() -> None:
 
 
 def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_blocks: bool = False,
-                measure_first: bool = True) -> dict[str, Any]:
-    """Compile a fresh copy of ``entry`` with ``backend`` and run three steps; see the module docstring."""
+                measure_first: bool = True, autocast_dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
+    """Compile a fresh copy of ``entry`` with ``backend`` and run three steps, the forward and loss under
+    CPU autocast to ``autocast_dtype`` when given; see the module docstring."""
     fresh_caches()
     torch._dynamo.reset()
     built = entry.build(checkpoint_blocks)
@@ -201,7 +211,8 @@ def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_block
         torch.manual_seed(STEP_SEED)
 
     def step() -> float:
-        loss = built.loss(compiled)
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            loss = built.loss(compiled)
         loss.backward()
         return float(loss.detach())
 
@@ -229,9 +240,10 @@ def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_block
 class ModelRun:
     """Every point of one corpus model, each written as a JSON line the moment it is known."""
 
-    def __init__(self, entry: corpus_mod.CorpusEntry, out: Path) -> None:
-        self.entry, self.out = entry, out
-        self.reference: Optional[dict[str, torch.Tensor]] = None
+    def __init__(self, entry: corpus_mod.CorpusEntry, out: Path, autocast_dtype: Optional[torch.dtype] = None) -> None:
+        self.entry, self.out, self.autocast_dtype = entry, out, autocast_dtype
+        self.reference: Optional[dict[str, torch.Tensor]] = None        # plain Inductor's step-1 gradients
+        self.fp32_reference: Optional[dict[str, torch.Tensor]] = None   # plain-fp32's, under --autocast
         self.plain_peak: Optional[int] = None
 
     def write(self, point: str, **fields: Any) -> dict[str, Any]:
@@ -243,10 +255,16 @@ class ModelRun:
     def _grad_error(self, record: dict[str, Any]) -> dict[str, Any]:
         errors = [max_relative_grad_error(record[k], self.reference) for k in ("grads_first", "grads_later")]
         worst = max(errors, key=lambda e: (e[0] != e[0], e[0]))   # NaN counts as the worst
-        return {"grad_rel_err": worst[0], "grad_worst_param": worst[1]}
+        fields = {"grad_rel_err": worst[0], "grad_worst_param": worst[1]}
+        if self.fp32_reference is not None:
+            errors = [max_relative_grad_error(record[k], self.fp32_reference) for k in ("grads_first", "grads_later")]
+            worst = max(errors, key=lambda e: (e[0] != e[0], e[0]))
+            fields.update(grad_rel_err_fp32=worst[0], grad_worst_param_fp32=worst[1])
+        return fields
 
     def measure(self, point: str, backend: Any, budget_bytes: Optional[int], **kwargs: Any) -> dict[str, Any]:
         start = time.perf_counter()
+        kwargs.setdefault("autocast_dtype", self.autocast_dtype)
         try:
             record = run_variant(self.entry, backend, **kwargs)
         except remat.BudgetInfeasibleError as error:
@@ -256,7 +274,9 @@ class ModelRun:
         except Exception as error:  # noqa: BLE001 - a failing point is recorded, the others go on
             return self.write(point, budget_bytes=budget_bytes, error=f"failed: {type(error).__name__}: {str(error)[:600]}",
                               traceback=traceback.format_exc()[-2000:])
-        if self.reference is None:      # the first point measured is plain Inductor's: the reference
+        if point == "plain-fp32":
+            self.fp32_reference = record["grads_first"]
+        if point == "plain":
             self.reference = record["grads_first"]
         fields = {k: v for k, v in record.items() if not k.startswith("grads_")}
         fields.update(self._grad_error(record))
@@ -276,7 +296,10 @@ class ModelRun:
         try:
             for _ in range(2):
                 built.model.zero_grad(set_to_none=True)
-                built.loss(compiled).backward()
+                with torch.autocast("cpu", dtype=self.autocast_dtype or torch.bfloat16,
+                                    enabled=self.autocast_dtype is not None):
+                    loss = built.loss(compiled)
+                loss.backward()
         except remat.BudgetInfeasibleError as error:
             named = getattr(error, "min_budget_bytes", None)
             floor = int(named if named is not None else error.min_feasible_bytes)
@@ -291,6 +314,11 @@ class ModelRun:
 
     def run(self, fractions: tuple[float, ...], floor_point: bool) -> None:
         loop = loop_supported()
+        if self.autocast_dtype is not None:
+            reference = self.measure("plain-fp32", "inductor", None, autocast_dtype=None)
+            if reference.get("error"):
+                self.write("done", error="plain Inductor without autocast failed")
+                return
         plain = self.measure("plain", "inductor", None)
         if plain.get("error"):
             self.write("done", error="plain Inductor failed")
@@ -309,7 +337,8 @@ class ModelRun:
         if self.entry.has_repeated_blocks:
             self.measure("checkpoint", "inductor", None, checkpoint_blocks=True)
         self.write("done", plain_peak_bytes=self.plain_peak, floor_bytes=floor, loop_supported=loop,
-                   description=self.entry.description, seed=self.entry.seed)
+                   description=self.entry.description, seed=self.entry.seed,
+                   autocast=str(self.autocast_dtype) if self.autocast_dtype is not None else None)
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -351,6 +380,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--md", type=Path, default=None, help="the table (default: the .jsonl's name with .md)")
     parser.add_argument("--floor-point", action="store_true", help="also compile and measure at the floor itself")
     parser.add_argument("--jobs", type=int, default=1, help="models run at once (each in its own worker process)")
+    parser.add_argument("--autocast", choices=sorted(AUTOCAST_DTYPES), default=None,
+                        help="run every variant's forward under CPU autocast to this dtype (plus a plain-fp32 reference)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -359,7 +390,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     md = args.md or args.out.with_suffix(".md")
     if args.worker is not None:
         entry = next(e for e in entries if e.name == args.worker)
-        ModelRun(entry, args.out).run(FRACTIONS, args.floor_point)
+        ModelRun(entry, args.out, AUTOCAST_DTYPES.get(args.autocast)).run(FRACTIONS, args.floor_point)
         return 0
     if not args.report_only:
         run_all(args, entries)
@@ -385,6 +416,7 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
         _append(args.out, {"model": "_run", "family": "", "point": "done", "source": source_info(),
                            "machine": machine_info(torch.device("cpu")), "loop_supported": loop_supported(),
                            "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "autocast": args.autocast,
                            "environment": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ}})
     todo = interleave_families([e for e in chosen if e.name not in finished])
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -415,7 +447,8 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
     print(f"[{time.strftime('%H:%M:%S')}] {entry.name}: {entry.description}", flush=True)
     command = [sys.executable, "-X", "faulthandler", __file__, "--worker", entry.name, "--out", str(args.out),
                "--seeds", ",".join(map(str, args.seeds)), "--cnn-seeds", ",".join(map(str, args.cnn_seeds)),
-               "--hf-seeds", ",".join(map(str, args.hf_seeds))] + (["--floor-point"] if args.floor_point else [])
+               "--hf-seeds", ",".join(map(str, args.hf_seeds))] + (["--floor-point"] if args.floor_point else []) \
+        + (["--autocast", args.autocast] if args.autocast else [])
     try:
         status: Any = subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False).returncode
     except subprocess.TimeoutExpired:

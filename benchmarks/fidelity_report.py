@@ -7,7 +7,11 @@ Definitions used in the tables:
   measured peak (negative: the simulator under-predicted);
 - over budget = step 3's measured peak above the budget (step 1's is counted separately: with the
   closed loop it is the step that may discover an overshoot);
-- a gradient mismatch = the largest per-parameter relative error against plain Inductor > 1e-4.
+- a gradient mismatch = the largest per-parameter relative error against plain Inductor > 1e-4;
+- under ``--autocast`` (bf16), where compiled variants differ from one another at bf16's rounding,
+  accuracy = a point's gradient error against plain Inductor without autocast (the fp32 reference)
+  divided by plain Inductor's own under autocast; a point is less accurate than plain Inductor when
+  that ratio exceeds ``ACCURACY_RATIO_TOL``.
 """
 
 from __future__ import annotations
@@ -19,11 +23,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 GRAD_TOL = 1e-4
+ACCURACY_RATIO_TOL = 2.0
 BUDGET_POINTS = ("0.9", "0.7", "0.5", "floor")
 
 
 def _mb(value: Optional[float]) -> str:
     return "" if value is None else f"{value / 1e6:.3f}"
+
+
+def _sci(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:.1e}"
 
 
 def _pct(value: Optional[float]) -> str:
@@ -104,12 +113,16 @@ def quantile(values: list[float], q: float) -> float:
 
 def _point_rows(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     lines = ["| model | point | budget MB | simulated MB | accepted MB | step 1 MB | step 3 MB | step 3 / budget | error (accepted) "
-             "| error (simulated) | grad err | loop | note |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| error (simulated) | grad err | grad err vs fp32 | loop | note |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, points in models.items():
-        plain = points.get("plain", {})
-        lines.append(f"| {name} | plain | | | | {_mb(plain.get('measured_first_bytes'))} | {_mb(plain.get('measured_later_bytes'))} "
-                     f"| | | | | | | {(plain.get('error') or '')[:80]} |")
+        for base in ("plain-fp32", "plain"):
+            plain = points.get(base)
+            if plain is None:
+                continue
+            lines.append(f"| {name} | {base} | | | | {_mb(plain.get('measured_first_bytes'))} "
+                         f"| {_mb(plain.get('measured_later_bytes'))} | | | | | {_sci(plain.get('grad_rel_err_fp32'))} | "
+                         f"| {(plain.get('error') or '')[:80]} |")
         for point in ("none",) + BUDGET_POINTS:
             row = points.get(point)
             if row is None:
@@ -122,7 +135,7 @@ def _point_rows(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
             lines.append(f"| {name} | {point} | {_mb(budget)} | {_mb(plans.get('predicted_peak_bytes'))} "
                          f"| {_mb(plans.get('accepted_peak_bytes'))} | {_mb(row.get('measured_first_bytes'))} | {_mb(later)} | {ratio} "
                          f"| {_pct(error_of(row))} | {_pct(error_of(row, 'predicted_peak_bytes'))} "
-                         f"| {'' if grad is None else f'{grad:.1e}'} | {row.get('loop_events', '')} | {note} |")
+                         f"| {_sci(grad)} | {_sci(row.get('grad_rel_err_fp32'))} | {row.get('loop_events', '')} | {note} |")
     return lines
 
 
@@ -174,6 +187,34 @@ def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         "grad_mismatch": sum(1 for g in grads if g is None or not g <= GRAD_TOL),
         "failed_points": len(failed),
     }
+
+
+def accuracy_ratios(models: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[float, str, str]]:
+    """Under autocast: ``(ratio, model, point)`` for every compiled remat point, the ratio being its gradient
+    error against the fp32 reference over plain Inductor's under autocast; largest first. Empty for a run
+    without autocast."""
+    out = []
+    for name, points in models.items():
+        base = (points.get("plain") or {}).get("grad_rel_err_fp32")
+        for point, row in points.items():
+            err = row.get("grad_rel_err_fp32")
+            if point in ("none",) + BUDGET_POINTS and not row.get("error") and err is not None and base:
+                out.append((err / base, name, point))
+    return sorted(out, reverse=True)
+
+
+def _accuracy_lines(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    ratios = accuracy_ratios(models)
+    if not ratios:
+        return []
+    values = [r[0] for r in ratios]
+    plain = [p["plain"]["grad_rel_err_fp32"] for p in models.values() if (p.get("plain") or {}).get("grad_rel_err_fp32")]
+    return ["## Gradients under autocast: accuracy against the fp32 reference", "",
+            f"Plain Inductor under autocast, gradient error against the fp32 reference: median {statistics.median(plain):.1e}, "
+            f"max {max(plain):.1e} over {len(plain)} models. remat's error over plain Inductor's, per point ({len(values)}): "
+            f"median {statistics.median(values):.2f}, p95 {quantile(values, 0.95):.2f}, max {max(values):.2f}; "
+            f"above {ACCURACY_RATIO_TOL:g}x: {sum(1 for v in values if v > ACCURACY_RATIO_TOL)}. The largest:", ""] \
+        + [f"- {name} at {point}: {ratio:.2f}x" for ratio, name, point in ratios[:5]] + [""]
 
 
 def check_misses(models: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[float, str, str, int, int]]:
@@ -230,7 +271,8 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"{header.get('command', '?')}` (see `benchmarks/fidelity.py`). Commit {source.get('commit', '?')}"
         f"{'; remat files modified from it: ' + ', '.join(source.get('remat_files_modified_from_commit', [])) if source.get('remat_files_modified_from_commit') else ''}. "
         f"torch {machine.get('torch', '?')}, {machine.get('torch_threads', '?')} torch threads, {machine.get('cpu_count', '?')} CPUs. "
-        f"Closed loop (`verify_peak`) available: {header.get('loop_supported')}.",
+        f"Closed loop (`verify_peak`) available: {header.get('loop_supported')}."
+        + (f" Forward and loss under CPU autocast to {header['autocast']} (the backward outside it)." if header.get("autocast") else ""),
         "",
         f"Models finished: {len(finished)} of the {len(models)} started ({sum(1 for m in finished if m.startswith('rand-'))} random nets, "
         f"{sum(1 for m in finished if m.startswith('cnn-'))} CNNs, {sum(1 for m in finished if m.startswith('hf-'))} Hugging Face models"
@@ -260,10 +302,13 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"- over budget at step 3: {s['over_budget_step3']} of {s['budgeted']} (worst measured / budget "
         f"{'-' if s['worst_ratio'] is None else format(s['worst_ratio'], '.3f')}); "
         f"over budget at step 1: {s['over_budget_step1']}; points where the closed loop acted: {s['needed_loop']}",
-        f"- gradient mismatch > {GRAD_TOL:g} vs plain Inductor: {s['grad_mismatch']} of {s['points']}",
+        f"- gradient mismatch > {GRAD_TOL:g} vs plain Inductor: {s['grad_mismatch']} of {s['points']}"
+        + (" (under autocast every compiled variant differs at bf16's rounding: see the accuracy section)"
+           if accuracy_ratios(models) else ""),
         f"- floor above plain Inductor's measured peak: {floors['floor_above_plain']} of {floors['models']} models; "
         f"above full per-block checkpointing's: {floors['floor_above_checkpoint']} of {floors['with_checkpoint']}",
         "",
+        *_accuracy_lines(models),
         *_check_lines(models),
         "## Worst points (step 3 measured / budget)",
         "",
