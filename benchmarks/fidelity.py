@@ -253,13 +253,15 @@ class ModelRun:
         return row
 
     def _grad_error(self, record: dict[str, Any]) -> dict[str, Any]:
-        errors = [max_relative_grad_error(record[k], self.reference) for k in ("grads_first", "grads_later")]
-        worst = max(errors, key=lambda e: (e[0] != e[0], e[0]))   # NaN counts as the worst
-        fields = {"grad_rel_err": worst[0], "grad_worst_param": worst[1]}
-        if self.fp32_reference is not None:
-            errors = [max_relative_grad_error(record[k], self.fp32_reference) for k in ("grads_first", "grads_later")]
-            worst = max(errors, key=lambda e: (e[0] != e[0], e[0]))
-            fields.update(grad_rel_err_fp32=worst[0], grad_worst_param_fp32=worst[1])
+        """The largest gradient error of steps 1 and 3 against plain Inductor's (none before plain ran: the
+        plain-fp32 reference) and, under autocast, against the plain-fp32 reference."""
+        fields: dict[str, Any] = {}
+        for reference, suffix in ((self.reference, ""), (self.fp32_reference, "_fp32")):
+            if reference is None:
+                continue
+            errors = [max_relative_grad_error(record[k], reference) for k in ("grads_first", "grads_later")]
+            worst = max(errors, key=lambda e: (e[0] != e[0], e[0]))   # NaN counts as the worst
+            fields.update({f"grad_rel_err{suffix}": worst[0], f"grad_worst_param{suffix}": worst[1]})
         return fields
 
     def measure(self, point: str, backend: Any, budget_bytes: Optional[int], **kwargs: Any) -> dict[str, Any]:
