@@ -32,7 +32,11 @@ Then ``judge`` compares the measured peak with the plan's budget:
   If no plan meets the corrected target, that next call raises ``BudgetInfeasibleError`` naming
   the budget that would pass under the correction, or with ``best_effort=True`` warns and runs
   the smallest-peak plan;
-- over it with a best-effort plan (already the smallest peak found): nothing smaller to try;
+- over it with a best-effort plan (already the smallest peak found): nothing smaller to try. A plan
+  Inductor's check accepted where the simulator refused (``inductor_verdict.overrule_refusal``) is not
+  best effort: it was accepted as meeting the budget, and a measured overshoot re-plans it like any
+  other (measured on a drawn LM under bf16 autocast, rand-1385, whose eager loss allocates 1.5 MB the
+  graphs cannot see: 2.3x its budget on every step while the loop took it for best effort);
 - over it on a graph with dynamic shapes, or one planned under DDP/FSDP2's step ledger: the
   correction is stored and applies from the next compile of that graph ("stored for the next
   compile"), since recompiling in place would bypass Dynamo's guards or the step's ledger.
@@ -124,6 +128,14 @@ def judge(budget_bytes: Optional[int], base_target_bytes: Optional[int], predict
     if replans_done >= MAX_REPLANS:
         return Verdict(f"over budget after {replans_done} re-plans", factor)
     return Verdict("re-planned", factor, new_target)
+
+
+def accepted_as_fitting(record: Any) -> bool:
+    """Whether the graph's plan was accepted as meeting its budget: by the simulator (``fits_budget``) or
+    by Inductor's check (a ``Judgement`` whose action starts with "accepted", an overruled refusal
+    among them); else it runs as best effort."""
+    judgement = getattr(record, "judgement", None)
+    return record.plan.fits_budget or (judgement is not None and judgement.action.startswith("accepted"))
 
 
 Recompile = Callable[[list, Correction], tuple[Callable[..., Any], Any]]
@@ -286,7 +298,7 @@ class VerifiedGraph:
         self._unmeasured = 0
         self._verify_left -= 1
         verdict = judge(plan.budget_bytes, record.base_target_bytes, plan.predicted_peak_bytes, peak_bytes,
-                        plan.fits_budget, self._replans, self._recompile is not None)
+                        accepted_as_fitting(record), self._replans, self._recompile is not None)
         self._events.append(FeedbackEvent(record.graph_id, step, plan.budget_bytes, plan.predicted_peak_bytes,
                                           peak_bytes, verdict.factor, verdict.action, verdict.new_target_bytes))
         if verdict.action == "within budget":

@@ -14,6 +14,7 @@ import json
 import os
 import warnings
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -49,6 +50,25 @@ def test_judge_table(args, action, new_target):
     assert (verdict.action, verdict.new_target_bytes) == (action, new_target)
     if action != "within budget":
         assert verdict.factor == pytest.approx(args[3] / args[2])
+
+
+def test_a_plan_inductors_check_accepted_is_re_planned_when_it_measures_over_not_left_as_best_effort():
+    """A plan the simulator refused and Inductor's check accepted (an overruled refusal: ``fits_budget`` False)
+    was accepted as meeting the budget; only a plan no verdict accepted runs as best effort. (A drawn LM under
+    bf16 autocast, whose eager loss the graphs cannot see, ran 2.3x its budget on every step while the loop
+    took its overruled plan for best effort.)"""
+    from remat.feedback import accepted_as_fitting
+    from remat.inductor_verdict import Judgement
+
+    def record(fits: bool, action: Optional[str]) -> SimpleNamespace:
+        judgement = None if action is None else Judgement(action, 1100, 940, 950, 1000)
+        return SimpleNamespace(plan=SimpleNamespace(fits_budget=fits), judgement=judgement)
+
+    assert accepted_as_fitting(record(True, None)) and accepted_as_fitting(record(True, "re-plan"))
+    assert accepted_as_fitting(record(False, "accepted: Inductor's check overrules the simulator"))
+    assert accepted_as_fitting(record(False, "accepted over target"))
+    assert not accepted_as_fitting(record(False, None)) and not accepted_as_fitting(record(False, "refused"))
+    assert not accepted_as_fitting(record(False, "over budget"))
 
 
 def test_a_new_target_is_below_the_target_the_over_budget_plan_met():
