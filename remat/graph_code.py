@@ -12,6 +12,7 @@ from typing import Mapping
 
 import torch
 
+from .cost_model.inductor_rules import allocates_nothing
 from .simulator.library_scratch import SCRATCH_META
 from .wrapper_text import ints_or_none
 
@@ -113,13 +114,17 @@ def library_scratch(gm: torch.fx.GraphModule) -> dict[tuple[str, int, tuple[int,
 
 def measured_calls(gm: torch.fx.GraphModule) -> tuple[frozenset[str], frozenset[str]]:
     """The ops of ``gm`` by short name (``aten.x.default`` -> "x") every node of which carries its
-    measured working memory (``SCRATCH_META``, 0 included), and those some node of which does not."""
+    measured working memory (``SCRATCH_META``, 0 included) or is known to allocate nothing
+    (``inductor_rules.allocates_nothing``: a float32 matrix product), and those some node of which
+    is neither (a bfloat16 matrix product the probe did not measure)."""
     measured: set[str] = set()
     unmeasured: set[str] = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             short = str(node.target).split(".")[1]
-            (measured if SCRATCH_META in node.meta else unmeasured).add(short)
+            value = node.meta.get("val")
+            exact = allocates_nothing(short, value.dtype if isinstance(value, torch.Tensor) else None)
+            (measured if SCRATCH_META in node.meta or exact else unmeasured).add(short)
     return frozenset(measured - unmeasured), frozenset(unmeasured)
 
 

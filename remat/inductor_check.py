@@ -107,17 +107,21 @@ class CheckedPeak:
     library_calls: frozenset[str] = frozenset()
     # those whose every call had its working memory measured and counted (``GraphCode.measured_calls``)
     measured_calls: frozenset[str] = frozenset()
+    # those some call of which was neither measured nor known to allocate nothing (a bfloat16 matrix product)
+    unmeasured_calls: frozenset[str] = frozenset()
 
 
 def trusted_peak_bytes(checked: Optional["CheckedPeak"], simulated_peak_bytes: int) -> Optional[int]:
     """The checked peak a verdict may rest on. The check can always raise the number (its code peaks
     above the simulator's figure); it may lower it only where it sees every allocation, i.e. every
-    library call the graphs make is one of ``EXACT_LIBRARY_CALLS`` or had its working memory measured
-    (``simulator/library_scratch.py``). Otherwise None: the simulated peak stands, as for code the
+    library call the graphs make had its working memory measured (``simulator/library_scratch.py``) or
+    allocates nothing (``EXACT_LIBRARY_CALLS``, none of whose calls is known to be in another dtype than
+    ``inductor_rules.EXACT_MATMUL_DTYPES``). Otherwise None: the simulated peak stands, as for code the
     check cannot read."""
     if checked is None:
         return None
-    if checked.peak_bytes >= simulated_peak_bytes or checked.library_calls <= EXACT_LIBRARY_CALLS | checked.measured_calls:
+    exact = EXACT_LIBRARY_CALLS - checked.unmeasured_calls
+    if checked.peak_bytes >= simulated_peak_bytes or checked.library_calls <= exact | checked.measured_calls:
         return checked.peak_bytes
     return None
 
@@ -323,7 +327,7 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
                        len(fw.unsized) + len(bw.unsized), sum(fw.storage_bytes[s] for s in held & user_storages),
                        fw.library_calls | bw.library_calls,
                        ((forward.measured_calls | backward.measured_calls) - (forward.unmeasured_calls | backward.unmeasured_calls))
-                       | remeasured)
+                       | remeasured, (forward.unmeasured_calls | backward.unmeasured_calls) - remeasured)
 
 
 def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str,

@@ -48,10 +48,11 @@ import torch
 from .cost_model.hardware import real_tensors
 from .graph_code import GraphCode, activation_dtype
 from .simulator.library_scratch import scratch_of_prepared
-from .cost_model.inductor_rules import COLLECTIVE_NAMESPACES, EXACT_LIBRARY_CALLS
+from .cost_model.inductor_rules import COLLECTIVE_NAMESPACES, EXACT_LIBRARY_CALLS, allocates_nothing
 from .wrapper_text import ALLOC, ASSERT_SIZE, LIBRARY_CALL, call_body, ints_or_none
 
 ATEN_CALL = re.compile(r"\b(?:torch\.ops\.)?aten\.(\w+)\.\w+\(")     # ``aten.op.overload(`` -> op
+EXTERN_MATMUL = re.compile(r"\bextern_kernels\.(mm|addmm|bmm|baddbmm)\(")  # ``extern_kernels.mm(`` -> "mm"
 
 log = logging.getLogger(__name__)
 
@@ -122,20 +123,28 @@ def _dotted(node: ast.AST) -> str:
 
 def _library_op(func: ast.AST) -> Optional[str]:
     """``ns.op.overload`` of a call to ``torch.ops.ns.op.overload`` or to ``aten.op.overload`` (the wrapper's
-    alias of ``torch.ops.aten``), else None."""
+    alias of ``torch.ops.aten``), and the overload taking the same arguments of an extern kernel the wrapper
+    calls by its own name: a matrix product ``extern_kernels.mm(..., out=buf)`` (``aten.mm.out``), a
+    convolution ``extern_kernels.convolution(x, w, stride=..., bias=...)`` (``aten.convolution.default``,
+    ``torch.convolution``'s keywords: a forward convolution recomputed in a backward, whose inputs come in
+    the layouts the backward gives them); else None."""
     dotted = _dotted(func)
     if dotted.startswith("torch.ops."):
         return dotted[len("torch.ops."):]
     if dotted.startswith("aten."):
         return dotted
-    return None
+    name = dotted.split(".")[1] if dotted.startswith("extern_kernels.") else ""
+    if name in EXACT_LIBRARY_CALLS - {"randint"}:
+        return f"aten.{name}.out"
+    return "aten.convolution.default" if name == "convolution" else None
 
 
 def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], ops: frozenset[str],
                   fallback_dtype: torch.dtype) -> list[WrapperCall]:
     """The calls of ``body`` (a wrapper's ``call`` statements) to ``torch.ops`` overloads (or ``aten.``,
-    the wrapper's alias), bound to a name or in place, whose short names are in ``ops`` (collectives
-    never), with their tensor arguments' layouts, in order. A layout comes from the
+    the wrapper's alias, or the extern kernels ``_library_op`` maps to one), bound to a name or in place,
+    whose short names are in ``ops`` (collectives never; a matrix product in float32 never: it allocates
+    nothing), with their tensor arguments' layouts, in order. A layout comes from the
     buffer's ``empty_strided``, a view's ``reinterpret_tensor``, or the ``assert_size_stride`` of an
     input (dtype: ``input_dtypes``) or of a library call's output (dtype not stated: ``fallback_dtype``,
     the graph's activation dtype). A call with an argument the text does not state is left out."""
@@ -184,6 +193,9 @@ def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], 
             except _Unreadable as unreadable:
                 log.debug("library call not re-measured (%s unreadable): %s", unreadable, statement[:200])
                 continue
+            out = kwargs.get("out")
+            if allocates_nothing(op.split(".")[1], out.dtype if isinstance(out, Layout) else None):
+                continue    # a float32 matrix product: nothing to measure
             calls.append(WrapperCall(target.id if target is not None else statement, op, args, kwargs))
     return calls
 
@@ -210,7 +222,7 @@ def _prepared(call: WrapperCall, device: torch.device) -> Optional[Callable[[], 
     except Exception as error:  # noqa: BLE001 - an op may refuse random inputs: the joint graph's measure stands
         log.debug("library call %s not re-measured: %s: %s", call.op, type(error).__name__, str(error)[:200])
         return None
-    return lambda: target(*args, **kwargs)
+    return functools.partial(target, *args, **kwargs)   # a partial: its arguments' storages are not its outputs
 
 
 def scratch_at_wrapper_layouts(source_code: str, input_dtypes: Mapping[str, torch.dtype], ops: frozenset[str],
@@ -268,7 +280,8 @@ def with_scratch_at_generated_layouts(code: GraphCode, inputs: CallInputs) -> Gr
     body = call_body(code.source_code)
     if body is None:
         return code
-    ops = code.measured_calls | (frozenset(ATEN_CALL.findall(" ".join(body))) - EXACT_LIBRARY_CALLS)
+    matmuls = frozenset(op for statement in body for op in EXTERN_MATMUL.findall(statement))   # measured if not float32
+    ops = code.measured_calls | (frozenset(ATEN_CALL.findall(" ".join(body))) - EXACT_LIBRARY_CALLS) | matmuls
     measured = _measured_calls(body, inputs.dtypes, ops, inputs.device, inputs.activation_dtype)
     if not measured:
         return code

@@ -563,6 +563,10 @@ def test_the_check_lowers_a_plans_number_only_where_it_sees_every_allocation():
     measured = CheckedPeak(900, 900, 900, 0, 0, 0, library_calls=frozenset({"mm", "convolution"}),
                            measured_calls=frozenset({"convolution"}))
     assert trusted_peak_bytes(measured, 1000) == 900
+    # a matrix product allocates nothing in float32 only: one in bfloat16 that was not measured (some node of
+    # it in ``unmeasured_calls``) leaves the simulated peak standing
+    unmeasured_bf16 = dataclasses.replace(measured, unmeasured_calls=frozenset({"mm"}))
+    assert trusted_peak_bytes(unmeasured_bf16, 1000) is None
 
 
 class _TiedLM(torch.nn.Module):

@@ -124,3 +124,43 @@ def test_a_call_in_place_that_only_generated_code_makes_is_measured_and_counted_
     counted = replay_wrapper(averaged.source_code, {}, "cpu", call_scratch=averaged.call_scratch)
     assert plain is not None and counted is not None and "scatter_reduce_" in counted.library_calls
     assert counted.peak_bytes == plain.peak_bytes + averaged.call_scratch[statement]
+
+
+MATMUL_OUT = '''
+def call(args):
+    a, b = args
+    args.clear()
+    assert_size_stride(a, (512, 192), (192, 1), 'input')
+    assert_size_stride(b, (576, 192), (192, 1), 'input')
+    buf0 = empty_strided_cpu((512, 576), (576, 1), torch.{dtype})
+    extern_kernels.mm(a, reinterpret_tensor(b, (192, 576), (1, 192), 0), out=buf0)
+    del a
+    return (buf0, )
+'''
+
+
+def _matmul_code(dtype: torch.dtype) -> tuple[GraphCode, CallInputs]:
+    name = str(dtype).split(".")[1]
+    code = GraphCode(MATMUL_OUT.format(dtype=name), ("a", "b"), ("buf0",),
+                     (512 * 192 * dtype.itemsize, 576 * 192 * dtype.itemsize))
+    return code, CallInputs({"a": dtype, "b": dtype}, torch.device("cpu"), dtype)
+
+
+def test_a_reduced_precision_matrix_product_is_measured_and_a_float32_one_is_not():
+    """``extern_kernels.mm(..., out=buf)`` is the ``aten.mm.out`` overload on the wrapper's layouts: in bfloat16
+    (oneDNN packs its operands; 231 kB for these shapes on the 2-core VM) it is measured and the check counts
+    it at its statement; in float32 it allocates nothing (``inductor_rules.allocates_nothing``) and is not run."""
+    bf16, bf16_inputs = _matmul_code(torch.bfloat16)
+    (call,) = wrapper_calls(call_body(bf16.source_code), bf16_inputs.dtypes, frozenset({"mm"}), torch.bfloat16)
+    assert call.op == "aten.mm.out" and call.kwargs["out"] == Layout((512, 576), (576, 1), torch.bfloat16)
+    assert call.args[1] == Layout((192, 576), (1, 192), torch.bfloat16)
+    measured = with_scratch_at_generated_layouts(bf16, bf16_inputs)
+    (statement,) = measured.call_scratch
+    assert statement.startswith("extern_kernels.mm(a, ") and measured.remeasured_calls == frozenset({"mm"})
+    plain = replay_wrapper(measured.source_code, {}, "cpu")
+    counted = replay_wrapper(measured.source_code, {}, "cpu", call_scratch=measured.call_scratch)
+    assert plain is not None and counted is not None
+    assert counted.peak_bytes == plain.peak_bytes + measured.call_scratch[statement]
+    fp32, fp32_inputs = _matmul_code(torch.float32)
+    assert wrapper_calls(call_body(fp32.source_code), fp32_inputs.dtypes, frozenset({"mm"}), torch.float32) == []
+    assert with_scratch_at_generated_layouts(fp32, fp32_inputs).call_scratch == {}

@@ -23,9 +23,10 @@ are restored afterwards, so probing changes no draw the step makes.
 
 Which calls are probed: the graph's extern kernels (``kernel_facts.kernel_kind``), ops
 (``namespace.op.overload``) that may be recomputed (no collectives, mutations, random draws or
-side effects: ``NodeFacts.recompute_ban``), except the matrix
-products and the seed draw, which write into buffers the generated code allocates and allocate
-nothing themselves (``EXACT_LIBRARY_CALLS``). Only when the graph is planned with a profile of the
+side effects: ``NodeFacts.recompute_ban``), except the seed draw and the float32/float64 matrix
+products, which write into buffers the generated code allocates and allocate nothing themselves
+(``inductor_rules.allocates_nothing``; a bfloat16 or float16 matrix product is measured: oneDNN
+packs its operands). Only when the graph is planned with a profile of the
 device it runs on (``probes_apply``): a datasheet GPU profile on a CPU-traced graph (the plan-hash
 tests) gets no CPU library's numbers. A call that cannot run on random inputs, or that runs while
 another measurement is open on the thread, keeps 0, and the reason is logged. The result is cached
@@ -47,7 +48,7 @@ from torch import fx
 from ..cost_model.calibrate import describe, graph_hash, real_args
 from ..cost_model.hardware import cache_dir, real_tensors, write_atomically
 from ..cost_model.tensors import node_val
-from ..cost_model.inductor_rules import EXACT_LIBRARY_CALLS
+from ..cost_model.inductor_rules import allocates_nothing
 from ..cost_model.profiles import DATASHEET_PROFILES, HardwareProfile
 from ..measure import calls_peak_bytes
 from ..passes.joint_graph import JointGraphFacts
@@ -69,19 +70,34 @@ def probes_apply(profile: HardwareProfile, device: torch.device) -> bool:
     return profile_device == device.type
 
 
-def probed_calls(facts: JointGraphFacts) -> tuple[str, ...]:
-    """The nodes whose scratch is measured (see the module docstring), in graph order. (Whether a node is
-    a library call does not depend on Inductor's reduction unrolling: ``unroll_below=0``.)"""
+def probed_calls(facts: JointGraphFacts, output_dtypes: Mapping[str, torch.dtype]) -> tuple[str, ...]:
+    """The nodes whose scratch is measured (see the module docstring), in graph order; ``output_dtypes``:
+    each node's output dtype (``output_dtypes``; a node missing counts as a dtype not known to be exact).
+    (Whether a node is a library call does not depend on Inductor's reduction unrolling: ``unroll_below=0``.)"""
     return tuple(name for name in facts.order
                  if facts.nodes[name].op.count(".") == 2 and not facts.nodes[name].is_getitem
                  and facts.nodes[name].recompute_ban is None and kernel_kind(facts, name, unroll_below=0) == EXTERN
-                 and op_short_name(facts.nodes[name]) not in EXACT_LIBRARY_CALLS)
+                 and not allocates_nothing(op_short_name(facts.nodes[name]), output_dtypes.get(name)))
 
 
-def _output_bytes(value: object) -> int:
+def output_dtypes(graph: fx.Graph) -> dict[str, torch.dtype]:
+    """Each node's output dtype, for the nodes whose traced value is one tensor."""
+    return {node.name: node.meta["val"].dtype for node in graph.nodes if isinstance(node.meta.get("val"), torch.Tensor)}
+
+
+def _storages(value: object) -> dict[int, int]:
+    """The storages of the tensors in ``value`` (nested): data pointer -> bytes."""
     leaves = torch.utils._pytree.tree_leaves(value)
-    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor)}
-    return sum(storages.values())
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor)}
+
+
+def _output_bytes(value: object, call: Callable[[], Any]) -> int:
+    """The bytes of the storages ``call`` returned that it allocated: not those of its arguments (when
+    ``call`` is a ``functools.partial``: an ``out=`` buffer or a tensor written in place is allocated
+    before the call, and its peak does not include it; subtracting it, a bfloat16 ``mm(out=)`` whose
+    oneDNN packing allocates 173,824 B measured 118,528, its 288 x 96 output's bytes less)."""
+    given = _storages((call.args, call.keywords)) if isinstance(call, functools.partial) else {}
+    return sum(nbytes for pointer, nbytes in _storages(value).items() if pointer not in given)
 
 
 def _prepared(node: fx.Node, device: torch.device) -> tuple[Optional[Callable[[], Any]], str]:
@@ -98,9 +114,9 @@ def _prepared(node: fx.Node, device: torch.device) -> tuple[Optional[Callable[[]
 def scratch_of_prepared(prepares: Sequence[Callable[[], Optional[Callable[[], Any]]]],
                         device: torch.device) -> Optional[list[Optional[int]]]:
     """Each call's scratch: the largest over ``PROBE_RUNS`` runs of its peak beyond the outputs it
-    returns. The calls are made and measured one at a time: ``prepares[i]()`` makes call i's random
-    inputs and runs it once (warm) and returns the call (None: it cannot run, and its scratch is None);
-    its measured runs follow, each output dropped once sized, then the call and its inputs are dropped
+    returns and allocated (``_output_bytes``). The calls are made and measured one at a time:
+    ``prepares[i]()`` makes call i's random inputs and runs it once (warm) and returns the call (None: it
+    cannot run, and its scratch is None); its measured runs follow, each output dropped once sized, then the call and its inputs are dropped
     before the next is prepared. So a probe holds one call's inputs, outputs and working memory at a
     time, about what the step holds at that call, never every call's inputs at once: a probe made while
     a graph compiles inside a step (its first, or a re-plan) counts in that step's peak (measured on a
@@ -117,7 +133,7 @@ def scratch_of_prepared(prepares: Sequence[Callable[[], Optional[Callable[[], An
 
     def run(i: int) -> None:
         if i in made:
-            output_bytes.setdefault(i, []).append(_output_bytes(made[i]()))
+            output_bytes.setdefault(i, []).append(_output_bytes(made[i](), made[i]))
 
     steps: list[Callable[[], Any]] = []
     measured: list[bool] = []
@@ -165,7 +181,8 @@ def measure_library_scratch(graph: fx.Graph, facts: JointGraphFacts, device: tor
     """Scratch bytes per probed node of ``graph`` (whose facts are ``facts``) on ``device``: the nodes
     ``probed_calls`` names that could be measured (0 included; a node not measured is absent)."""
     by_name = {node.name: node for node in graph.nodes}
-    names = [name for name in probed_calls(facts) if isinstance(by_name[name].target, torch._ops.OpOverload)]
+    names = [name for name in probed_calls(facts, output_dtypes(graph))
+             if isinstance(by_name[name].target, torch._ops.OpOverload)]
     if not names:
         return {}
     key = graph_hash(graph, device, 0, purpose=f"scratch{SCRATCH_SCHEMA}")
@@ -217,5 +234,5 @@ def scratch_key(facts: JointGraphFacts) -> str:
     return repr(sorted((name, node.scratch_bytes) for name, node in facts.nodes.items() if node.scratch_bytes))
 
 
-__all__ = ["SCRATCH_META", "scratch_key", "measure_library_scratch", "probed_calls", "probes_apply", "scratch_of_prepared",
-           "with_library_scratch"]
+__all__ = ["SCRATCH_META", "scratch_key", "measure_library_scratch", "output_dtypes", "probed_calls", "probes_apply",
+           "scratch_of_prepared", "with_library_scratch"]
