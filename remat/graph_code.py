@@ -85,13 +85,26 @@ def library_itemsizes(gm: torch.fx.GraphModule) -> dict[tuple[str, int], int]:
     ``assert_size_stride``) but not the dtype of what it returns; Inductor keeps a library call's
     output dtypes as the FX graph states them, so this table gives them. An op whose nodes disagree
     (e.g. one call in float32 and one in bfloat16) is left out: its outputs stay of unknown dtype."""
-    seen: dict[tuple[str, int], set[int]] = {}
+    seen = _output_dtypes(gm)
+    sizes = {key: {dtype.itemsize for dtype in dtypes} for key, dtypes in seen.items()}
+    return {key: size.pop() for key, size in sizes.items() if len(size) == 1}
+
+
+def library_dtypes(gm: torch.fx.GraphModule) -> dict[tuple[str, int], torch.dtype]:
+    """As ``library_itemsizes``, the dtypes themselves: what a re-measured call's outputs are made of
+    (``wrapper_call_scratch``; under bf16 autocast most of a backward's library outputs are bfloat16 where
+    the graph's most common dtype, the fallback, is float32)."""
+    return {key: next(iter(dtypes)) for key, dtypes in _output_dtypes(gm).items() if len(dtypes) == 1}
+
+
+def _output_dtypes(gm: torch.fx.GraphModule) -> dict[tuple[str, int], set[torch.dtype]]:
+    seen: dict[tuple[str, int], set[torch.dtype]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         for index, output in _tensor_outputs(node):
-            seen.setdefault((str(node.target), index), set()).add(output.element_size())
-    return {key: sizes.pop() for key, sizes in seen.items() if len(sizes) == 1}
+            seen.setdefault((str(node.target), index), set()).add(output.dtype)
+    return seen
 
 
 def library_scratch(gm: torch.fx.GraphModule) -> dict[tuple[str, int, tuple[int, ...]], int]:
@@ -143,5 +156,6 @@ def graph_code(gm: torch.fx.GraphModule, source_code: str) -> GraphCode:
                      measured_calls=measured[0], unmeasured_calls=measured[1])
 
 
-__all__ = ["GraphCode", "activation_dtype", "activation_itemsize", "graph_code", "library_itemsizes", "library_scratch",
+__all__ = ["GraphCode", "activation_dtype", "activation_itemsize", "graph_code", "library_dtypes", "library_itemsizes",
+           "library_scratch",
            "measured_calls"]

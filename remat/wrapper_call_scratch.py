@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from .cost_model.hardware import real_tensors
-from .graph_code import GraphCode, activation_dtype
+from .graph_code import GraphCode, activation_dtype, library_dtypes
 from .simulator.library_scratch import scratch_of_prepared
 from .cost_model.inductor_rules import COLLECTIVE_NAMESPACES, EXACT_LIBRARY_CALLS, allocates_nothing
 from .wrapper_text import ALLOC, ASSERT_SIZE, LIBRARY_CALL, call_body, ints_or_none
@@ -140,15 +140,19 @@ def _library_op(func: ast.AST) -> Optional[str]:
 
 
 def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], ops: frozenset[str],
-                  fallback_dtype: torch.dtype) -> list[WrapperCall]:
+                  fallback_dtype: torch.dtype,
+                  library_dtypes: Mapping[tuple[str, int], torch.dtype] = {}) -> list[WrapperCall]:
     """The calls of ``body`` (a wrapper's ``call`` statements) to ``torch.ops`` overloads (or ``aten.``,
     the wrapper's alias, or the extern kernels ``_library_op`` maps to one), bound to a name or in place,
     whose short names are in ``ops`` (collectives never; a matrix product in float32 never: it allocates
     nothing), with their tensor arguments' layouts, in order. A layout comes from the
     buffer's ``empty_strided``, a view's ``reinterpret_tensor``, or the ``assert_size_stride`` of an
-    input (dtype: ``input_dtypes``) or of a library call's output (dtype not stated: ``fallback_dtype``,
-    the graph's activation dtype). A call with an argument the text does not state is left out."""
+    input (dtype: ``input_dtypes``) or of a library call's output (dtype not stated: the FX graph's, by the
+    op the assert names and the output's place in its tuple, ``graph_code.library_dtypes``, else
+    ``fallback_dtype``, the graph's activation dtype). A call with an argument the text does not state is
+    left out."""
     layouts: dict[str, Layout] = {}
+    element_index: dict[str, int] = {}          # ``buf3 = buf2[1]``: buf3 is element 1 of a library call's tuple
     calls: list[WrapperCall] = []
     for statement in body:
         if (match := ALLOC.match(statement)):
@@ -160,7 +164,9 @@ def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], 
         if (match := ASSERT_SIZE.match(statement)):
             name, sizes, steps = match.group(1), ints_or_none(match.group(2)), ints_or_none(match.group(3))
             if sizes is not None and steps is not None:
-                layouts[name] = Layout(tuple(sizes), tuple(steps), input_dtypes.get(name, fallback_dtype))
+                output_of = (match.group(4) or "", element_index.get(name, -1))
+                dtype = input_dtypes.get(name) or library_dtypes.get(output_of) or fallback_dtype
+                layouts[name] = Layout(tuple(sizes), tuple(steps), dtype)
             continue
         try:
             tree = ast.parse(statement)
@@ -178,6 +184,9 @@ def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], 
             continue
         if target is not None and isinstance(value, ast.Name) and value.id in layouts:   # another name for a value
             layouts[target.id] = layouts[value.id]
+        elif (target is not None and isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant)
+              and isinstance(value.slice.value, int)):
+            element_index[target.id] = value.slice.value
         elif (target is not None and isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
               and value.func.id == "reinterpret_tensor"):
             try:
@@ -238,10 +247,11 @@ def scratch_at_wrapper_layouts(source_code: str, input_dtypes: Mapping[str, torc
 
 
 def _measured_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], ops: frozenset[str],
-                    device: torch.device, fallback_dtype: torch.dtype) -> list[tuple[WrapperCall, int]]:
+                    device: torch.device, fallback_dtype: torch.dtype,
+                    library_dtypes: Mapping[tuple[str, int], torch.dtype] = {}) -> list[tuple[WrapperCall, int]]:
     """The library calls of ``body`` (of ops in ``ops``) that could run on random tensors of their
     layouts, each with its measured scratch; empty when no measurement can be made here now."""
-    calls = wrapper_calls(body, input_dtypes, ops, fallback_dtype) if ops else []
+    calls = wrapper_calls(body, input_dtypes, ops, fallback_dtype, library_dtypes) if ops else []
     if not calls:
         return []
     devices = [device] if device.type == "cuda" else []
@@ -255,18 +265,20 @@ def _measured_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype]
 @dataclass(frozen=True)
 class CallInputs:
     """What re-measuring a generated wrapper's library calls needs of its graph (read before Inductor's
-    post-grad passes change it): the inputs' dtypes by name, the device, the activation dtype."""
+    post-grad passes change it): the inputs' dtypes by name, the device, the activation dtype, and the
+    library calls' output dtypes (``graph_code.library_dtypes``)."""
 
     dtypes: Mapping[str, torch.dtype]
     device: torch.device
     activation_dtype: torch.dtype
+    library_dtypes: Mapping[tuple[str, int], torch.dtype] = dataclasses.field(default_factory=dict)
 
 
 def call_inputs(gm: torch.fx.GraphModule) -> CallInputs:
     values = {n.name: n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"}
     tensors = {name: v for name, v in values.items() if isinstance(v, torch.Tensor)}
     device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    return CallInputs({name: v.dtype for name, v in tensors.items()}, device, activation_dtype(gm))
+    return CallInputs({name: v.dtype for name, v in tensors.items()}, device, activation_dtype(gm), library_dtypes(gm))
 
 
 def with_scratch_at_generated_layouts(code: GraphCode, inputs: CallInputs) -> GraphCode:
@@ -282,7 +294,7 @@ def with_scratch_at_generated_layouts(code: GraphCode, inputs: CallInputs) -> Gr
         return code
     matmuls = frozenset(op for statement in body for op in EXTERN_MATMUL.findall(statement))   # measured if not float32
     ops = code.measured_calls | (frozenset(ATEN_CALL.findall(" ".join(body))) - EXACT_LIBRARY_CALLS) | matmuls
-    measured = _measured_calls(body, inputs.dtypes, ops, inputs.device, inputs.activation_dtype)
+    measured = _measured_calls(body, inputs.dtypes, ops, inputs.device, inputs.activation_dtype, inputs.library_dtypes)
     if not measured:
         return code
     # an op is measured throughout when every statement calling it is among the calls measured
