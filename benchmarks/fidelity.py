@@ -30,8 +30,9 @@ With ``--autocast bf16`` every variant runs its forward and loss under
 does), and one more variant runs first: ``plain-fp32``, plain Inductor without autocast, whose step-1
 gradients are the reference for the accuracy of every bf16 variant. In bf16 no two compiled
 variants agree to 1e-4 (eager and plain Inductor do not: they round different intermediates), so
-each point also records its gradient error against the fp32 reference (``grad_rel_err_fp32``),
-which the report puts next to plain Inductor's own under autocast.
+each point also records its gradient error against the fp32 reference (``grad_rel_err_fp32``, the
+largest per parameter; ``grad_global_err_fp32``, over all parameters at once), which the report puts next
+to plain Inductor's own under autocast.
 
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
@@ -80,7 +81,7 @@ RUN_ENVIRONMENT_BEFORE_IT_WAS_RECORDED = {"REMAT_SOURCE_COMMIT": "9da0372", "TOR
 ENV_RECORDED = ("PYTHONHASHSEED", "TORCHINDUCTOR_COMPILE_THREADS", "REMAT_SOURCE_COMMIT", "PYTHONPATH", "OMP_NUM_THREADS")
 
 import remat  # noqa: E402
-from common import grads_of, machine_info, max_relative_grad_error, source_info  # noqa: E402  (run as a script: benchmarks/ is sys.path[0])
+from common import global_relative_grad_error, grads_of, machine_info, max_relative_grad_error, source_info  # noqa: E402  (run as a script: benchmarks/ is sys.path[0])
 from remat.testing import corpus as corpus_mod  # noqa: E402
 
 
@@ -262,6 +263,9 @@ class ModelRun:
             errors = [max_relative_grad_error(record[k], reference) for k in ("grads_first", "grads_later")]
             worst = max(errors, key=lambda e: (e[0] != e[0], e[0]))   # NaN counts as the worst
             fields.update({f"grad_rel_err{suffix}": worst[0], f"grad_worst_param{suffix}": worst[1]})
+        if self.fp32_reference is not None:
+            fields["grad_global_err_fp32"] = max(global_relative_grad_error(record[k], self.fp32_reference)
+                                                 for k in ("grads_first", "grads_later"))
         return fields
 
     def measure(self, point: str, backend: Any, budget_bytes: Optional[int], **kwargs: Any) -> dict[str, Any]:
