@@ -18,7 +18,8 @@ from remat.simulator.kernel_lowering import EXTERN, POINTWISE, REDUCTION, GraphO
 from remat.simulator.kernel_schedule import schedule_kernels
 
 MIB = 1 << 20
-OP_FAMILIES = [name for name in rules.__all__ if name != "COLLECTIVE_NAMESPACES"]
+NOT_OP_FAMILIES = ("COLLECTIVE_NAMESPACES", "EXACT_MATMUL_DTYPES", "allocates_nothing")   # namespaces, dtypes, a rule
+OP_FAMILIES = [name for name in rules.__all__ if name not in NOT_OP_FAMILIES]
 
 
 @pytest.mark.parametrize("family", OP_FAMILIES)
@@ -27,6 +28,16 @@ def test_every_family_names_real_ops(family):
     missing = [n for n in getattr(rules, family)
                if not any(hasattr(getattr(torch.ops, ns), n) for ns in ("aten", "prims"))]
     assert not missing, f"{family} names ops torch does not have: {missing}"
+
+
+def test_a_matrix_product_allocates_nothing_in_float32_only():
+    """oneDNN packs reduced-precision operands (a bfloat16 ``mm`` allocates working memory); the seed draw
+    never allocates; other library calls are always measured."""
+    assert rules.allocates_nothing("mm", torch.float32) and rules.allocates_nothing("baddbmm", torch.float64)
+    assert not rules.allocates_nothing("mm", torch.bfloat16) and not rules.allocates_nothing("addmm", torch.float16)
+    assert not rules.allocates_nothing("bmm", None)
+    assert rules.allocates_nothing("randint", torch.int64) and rules.allocates_nothing("randint", None)
+    assert not rules.allocates_nothing("convolution", torch.float32)
 
 
 def test_how_a_loop_is_lowered_is_decided_once():
