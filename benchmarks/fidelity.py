@@ -198,6 +198,11 @@ def fresh_caches() -> None:
     os.environ.pop("REMAT_FEEDBACK_DIR", None)      # the corrections under the new directory: none
 
 
+def autocast_to(dtype: Optional[torch.dtype]) -> Any:
+    """CPU autocast to ``dtype`` for a step's forward and loss; with None, a context that changes nothing."""
+    return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
 def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_blocks: bool = False,
                 measure_first: bool = True, autocast_dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
     """Compile a fresh copy of ``entry`` with ``backend`` and run three steps, the forward and loss under
@@ -212,7 +217,7 @@ def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_block
         torch.manual_seed(STEP_SEED)
 
     def step() -> float:
-        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        with autocast_to(autocast_dtype):
             loss = built.loss(compiled)
         loss.backward()
         return float(loss.detach())
@@ -302,8 +307,7 @@ class ModelRun:
         try:
             for _ in range(2):
                 built.model.zero_grad(set_to_none=True)
-                with torch.autocast("cpu", dtype=self.autocast_dtype or torch.bfloat16,
-                                    enabled=self.autocast_dtype is not None):
+                with autocast_to(self.autocast_dtype):
                     loss = built.loss(compiled)
                 loss.backward()
         except remat.BudgetInfeasibleError as error:

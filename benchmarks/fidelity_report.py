@@ -196,7 +196,7 @@ def accuracy_ratios(models: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[
     without autocast."""
     out = []
     for name, points in models.items():
-        key = "grad_global_err_fp32" if "grad_global_err_fp32" in (points.get("plain") or {}) else "grad_rel_err_fp32"
+        key = _accuracy_key(points.get("plain") or {})
         base = (points.get("plain") or {}).get(key)
         for point, row in points.items():
             err = row.get(key)
@@ -205,12 +205,18 @@ def accuracy_ratios(models: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[
     return sorted(out, reverse=True)
 
 
+def _accuracy_key(plain: dict[str, Any]) -> str:
+    """The error a model's accuracy ratios use: over all parameters where its plain row has it (rows written
+    before it was recorded: the largest per parameter)."""
+    return "grad_global_err_fp32" if "grad_global_err_fp32" in plain else "grad_rel_err_fp32"
+
+
 def _accuracy_lines(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     ratios = accuracy_ratios(models)
     if not ratios:
         return []
     values = [r[0] for r in ratios]
-    plain = [p["plain"].get("grad_global_err_fp32", p["plain"]["grad_rel_err_fp32"]) for p in models.values()
+    plain = [p["plain"][_accuracy_key(p["plain"])] for p in models.values()
              if (p.get("plain") or {}).get("grad_rel_err_fp32")]
     return ["## Gradients under autocast: accuracy against the fp32 reference", "",
             f"Plain Inductor under autocast, gradient error against the fp32 reference (over all parameters where "

@@ -53,11 +53,11 @@ import torch
 from .cost_model.hardware import real_tensors
 from .graph_code import GraphCode, activation_dtype, library_dtypes
 from .simulator.library_scratch import scratch_of_prepared
-from .cost_model.inductor_rules import COLLECTIVE_NAMESPACES, EXACT_LIBRARY_CALLS, allocates_nothing
+from .cost_model.inductor_rules import COLLECTIVE_NAMESPACES, EXACT_LIBRARY_CALLS, MATMUL_CALLS, allocates_nothing
 from .wrapper_text import ALLOC, ASSERT_SIZE, LIBRARY_CALL, call_body, ints_or_none
 
 ATEN_CALL = re.compile(r"\b(?:torch\.ops\.)?aten\.(\w+)\.\w+\(")     # ``aten.op.overload(`` -> op
-EXTERN_MATMUL = re.compile(r"\bextern_kernels\.(mm|addmm|bmm|baddbmm)\(")  # ``extern_kernels.mm(`` -> "mm"
+EXTERN_MATMUL = re.compile(rf"\bextern_kernels\.({'|'.join(sorted(MATMUL_CALLS))})\(")   # ``extern_kernels.mm(`` -> "mm"
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def _library_op(func: ast.AST) -> Optional[str]:
     if dotted.startswith("aten."):
         return dotted
     name = dotted.split(".")[1] if dotted.startswith("extern_kernels.") else ""
-    if name in EXACT_LIBRARY_CALLS - {"randint"}:
+    if name in MATMUL_CALLS:
         return f"aten.{name}.out"
     return "aten.convolution.default" if name == "convolution" else None
 

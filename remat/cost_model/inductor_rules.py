@@ -130,7 +130,8 @@ COLLECTIVE_NAMESPACES = (
 # convolutions (up to 8.3% above) or SDPA's flash attention (12.4%)
 # (benchmarks/results/fidelity-cpu.md, "Inductor's check vs the measured step"). What those others
 # allocate inside themselves is measured (``simulator/library_scratch.py``).
-EXACT_LIBRARY_CALLS = frozenset({"mm", "addmm", "bmm", "baddbmm", "randint"})
+MATMUL_CALLS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+EXACT_LIBRARY_CALLS = MATMUL_CALLS | {"randint"}
 # ... in these dtypes only, for the matrix products (the corpus was float32). On the CPU (torch 2.13, 2
 # threads) a 512x192 @ 192x576 ``mm(out=)`` allocates 0 bytes inside itself in float32 and float64, 231 kB
 # in bfloat16 and 624 kB in float16 (oneDNN's reduced-precision GEMM packs its operands); under bf16
@@ -142,13 +143,13 @@ EXACT_MATMUL_DTYPES = frozenset({torch.float32, torch.float64})
 def allocates_nothing(op: str, dtype: Optional[torch.dtype]) -> bool:
     """Whether a library call of ``op`` (short name, ``aten.mm.default`` -> "mm") whose output has
     ``dtype`` (None: not known) allocates nothing inside itself (``EXACT_LIBRARY_CALLS``): the seed
-    draw always, a matrix product in ``EXACT_MATMUL_DTYPES`` only."""
-    return op in EXACT_LIBRARY_CALLS and (op == "randint" or dtype in EXACT_MATMUL_DTYPES)
+    draw always, a matrix product (``MATMUL_CALLS``) in ``EXACT_MATMUL_DTYPES`` only."""
+    return op in EXACT_LIBRARY_CALLS and (op not in MATMUL_CALLS or dtype in EXACT_MATMUL_DTYPES)
 
 
 __all__ = [
     "ALWAYS_STORED_LOOPS", "CHEAP_TO_RECOMPUTE_OPS", "COLLECTIVE_NAMESPACES", "CPU_CONCAT_OPS", "EXACT_LIBRARY_CALLS",
-    "EXACT_MATMUL_DTYPES", "HEAVY_IR_OPS",
+    "EXACT_MATMUL_DTYPES", "HEAVY_IR_OPS", "MATMUL_CALLS",
     "HEAVY_OPS", "INDEX_REDUCTIONS", "INLINABLE_OPS", "LOOP_OPS", "LOOP_SCATTER_OPS", "MUTATIONS", "REDUCTION_OPS", "SCATTER_OPS", "WELFORD_OPS",
     "allocates_nothing",
 ]
