@@ -34,6 +34,11 @@ each point also records its gradient error against the fp32 reference (``grad_re
 largest per parameter; ``grad_global_err_fp32``, over all parameters at once), which the report puts next
 to plain Inductor's own under autocast.
 
+With ``--freeze bottom-half`` or ``--freeze matrices`` every variant fine-tunes: the parameters that
+regime freezes (``remat.testing.corpus.freeze_parameters``: the leading half of the parameters, or every
+weight matrix, convolution kernel and embedding) do not require gradients, and gradients are compared over
+the parameters that train.
+
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
 ``max_k(held by graphs before k + k's activation inputs + later graphs' gradients + peak of k)``,
@@ -204,12 +209,14 @@ def autocast_to(dtype: Optional[torch.dtype]) -> Any:
 
 
 def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_blocks: bool = False,
-                measure_first: bool = True, autocast_dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
+                measure_first: bool = True, autocast_dtype: Optional[torch.dtype] = None,
+                freeze: Optional[str] = None) -> dict[str, Any]:
     """Compile a fresh copy of ``entry`` with ``backend`` and run three steps, the forward and loss under
-    CPU autocast to ``autocast_dtype`` when given; see the module docstring."""
+    CPU autocast to ``autocast_dtype`` when given, the parameters ``freeze`` names frozen; see the module
+    docstring."""
     fresh_caches()
     torch._dynamo.reset()
-    built = entry.build(checkpoint_blocks)
+    built = entry.build(checkpoint_blocks, freeze)
     compiled = torch.compile(built.model, backend=backend)
 
     def prepare() -> None:
@@ -246,8 +253,9 @@ def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_block
 class ModelRun:
     """Every point of one corpus model, each written as a JSON line the moment it is known."""
 
-    def __init__(self, entry: corpus_mod.CorpusEntry, out: Path, autocast_dtype: Optional[torch.dtype] = None) -> None:
-        self.entry, self.out, self.autocast_dtype = entry, out, autocast_dtype
+    def __init__(self, entry: corpus_mod.CorpusEntry, out: Path, autocast_dtype: Optional[torch.dtype] = None,
+                 freeze: Optional[str] = None) -> None:
+        self.entry, self.out, self.autocast_dtype, self.freeze = entry, out, autocast_dtype, freeze
         self.reference: Optional[dict[str, torch.Tensor]] = None        # plain Inductor's step-1 gradients
         self.fp32_reference: Optional[dict[str, torch.Tensor]] = None   # plain-fp32's, under --autocast
         self.plain_peak: Optional[int] = None
@@ -276,6 +284,7 @@ class ModelRun:
     def measure(self, point: str, backend: Any, budget_bytes: Optional[int], **kwargs: Any) -> dict[str, Any]:
         start = time.perf_counter()
         kwargs.setdefault("autocast_dtype", self.autocast_dtype)
+        kwargs.setdefault("freeze", self.freeze)
         try:
             record = run_variant(self.entry, backend, **kwargs)
         except remat.BudgetInfeasibleError as error:
@@ -302,7 +311,7 @@ class ModelRun:
         Two steps: a step split at graph breaks refuses the budget at its second (``remat/step_budget.py``)."""
         fresh_caches()
         torch._dynamo.reset()
-        built = self.entry.build()
+        built = self.entry.build(freeze=self.freeze)
         compiled = torch.compile(built.model, backend=remat.backend(PROBE_BUDGET_GB))
         try:
             for _ in range(2):
@@ -348,7 +357,7 @@ class ModelRun:
             self.measure("checkpoint", "inductor", None, checkpoint_blocks=True)
         self.write("done", plain_peak_bytes=self.plain_peak, floor_bytes=floor, loop_supported=loop,
                    description=self.entry.description, seed=self.entry.seed,
-                   autocast=str(self.autocast_dtype) if self.autocast_dtype is not None else None)
+                   autocast=str(self.autocast_dtype) if self.autocast_dtype is not None else None, freeze=self.freeze)
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -392,6 +401,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="models run at once (each in its own worker process)")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST_DTYPES), default=None,
                         help="run every variant's forward under CPU autocast to this dtype (plus a plain-fp32 reference)")
+    parser.add_argument("--freeze", choices=corpus_mod.FREEZE_REGIMES, default=None,
+                        help="fine-tune: freeze these parameters in every variant (remat.testing.corpus.freeze_parameters)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -400,7 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     md = args.md or args.out.with_suffix(".md")
     if args.worker is not None:
         entry = next(e for e in entries if e.name == args.worker)
-        ModelRun(entry, args.out, AUTOCAST_DTYPES.get(args.autocast)).run(FRACTIONS, args.floor_point)
+        ModelRun(entry, args.out, AUTOCAST_DTYPES.get(args.autocast), args.freeze).run(FRACTIONS, args.floor_point)
         return 0
     if not args.report_only:
         run_all(args, entries)
@@ -426,7 +437,7 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
         _append(args.out, {"model": "_run", "family": "", "point": "done", "source": source_info(),
                            "machine": machine_info(torch.device("cpu")), "loop_supported": loop_supported(),
                            "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                           "autocast": args.autocast,
+                           "autocast": args.autocast, "freeze": args.freeze,
                            "environment": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ}})
     todo = interleave_families([e for e in chosen if e.name not in finished])
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -458,7 +469,7 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
     command = [sys.executable, "-X", "faulthandler", __file__, "--worker", entry.name, "--out", str(args.out),
                "--seeds", ",".join(map(str, args.seeds)), "--cnn-seeds", ",".join(map(str, args.cnn_seeds)),
                "--hf-seeds", ",".join(map(str, args.hf_seeds))] + (["--floor-point"] if args.floor_point else []) \
-        + (["--autocast", args.autocast] if args.autocast else [])
+        + (["--autocast", args.autocast] if args.autocast else []) + (["--freeze", args.freeze] if args.freeze else [])
     try:
         status: Any = subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False).returncode
     except subprocess.TimeoutExpired:
