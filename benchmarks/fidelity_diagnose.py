@@ -18,7 +18,7 @@ import argparse
 import gc
 import sys
 from collections import Counter
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -60,11 +60,12 @@ def live_at_peak(events: list[tuple[int, int, int, str]]) -> tuple[int, dict[int
     return peak, at_peak, reached_by
 
 
-def profile_step(entry: corpus_mod.CorpusEntry, backend: Any) -> tuple[int, dict[int, tuple[int, str]], tuple[int, str]]:
+def profile_step(entry: corpus_mod.CorpusEntry, backend: Any,
+                 freeze: Optional[str] = None) -> tuple[int, dict[int, tuple[int, str]], tuple[int, str]]:
     from torch.profiler import ProfilerActivity, profile
 
     torch._dynamo.reset()
-    built = entry.build()
+    built = entry.build(freeze=freeze)
     compiled = torch.compile(built.model, backend=backend)
     for _ in range(2):
         built.model.zero_grad(set_to_none=True)
@@ -97,20 +98,25 @@ def main() -> int:
     parser.add_argument("--dump", default=None, help="remat's dump directory (report.md per graph)")
     parser.add_argument("--seeds", default=None, help="seed range of the random nets and of the drawn CNNs and Hugging Face configurations "
                                                           "(cnn-<seed>, hf-<seed>), e.g. 1000-1027 (default: the benchmark's)")
+    parser.add_argument("--freeze", choices=corpus_mod.FREEZE_REGIMES, default=None,
+                        help="the fine-tuning regime of benchmarks/fidelity.py --freeze")
+    parser.add_argument("--no-loop", action="store_true",
+                        help="turn the closed loop off (verify_peak=0): profile the plan as Inductor's check accepted it")
     args = parser.parse_args()
     from fidelity import parse_seeds
 
     seeds = parse_seeds(args.seeds) if args.seeds else corpus_mod.BENCHMARK_SEEDS
     entry = next(e for e in corpus_mod.entries(seeds, cnn_seeds=seeds, hf_seeds=seeds) if e.name == args.model)
     print(f"{entry.name}: {entry.description}")
-    plain_peak, plain_live, plain_reached_by = profile_step(entry, "inductor")
+    plain_peak, plain_live, plain_reached_by = profile_step(entry, "inductor", args.freeze)
     show("plain Inductor", plain_peak, plain_live, plain_reached_by)
     if args.budget == "plain":
         return 0
     value = None if args.budget == "none" else float(args.budget)
     budget = None if value is None else int(value * plain_peak if value < 1 else value)
-    backend = remat.backend(None if budget is None else budget / 1e9, dump_dir=args.dump)
-    peak, live, reached_by = profile_step(entry, backend)
+    backend = remat.backend(None if budget is None else budget / 1e9, dump_dir=args.dump,
+                            **({"verify_peak": 0} if args.no_loop else {}))
+    peak, live, reached_by = profile_step(entry, backend, args.freeze)
     show(f"remat at budget {budget}", peak, live, reached_by)
     for record in backend.compiled_graphs:
         plan = record.plan

@@ -52,7 +52,7 @@ import torch
 
 from .cost_model.hardware import real_tensors
 from .graph_code import GraphCode, activation_dtype, library_dtypes
-from .simulator.library_scratch import scratch_of_prepared
+from .simulator.library_scratch import keeping_places, scratch_of_prepared
 from .cost_model.inductor_rules import COLLECTIVE_NAMESPACES, EXACT_LIBRARY_CALLS, MATMUL_CALLS, allocates_nothing
 from .wrapper_text import ALLOC, ASSERT_SIZE, LIBRARY_CALL, call_body, ints_or_none
 
@@ -79,6 +79,8 @@ class WrapperCall:
     op: str                         # "aten.convolution_backward.default"
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
+    # the places of its returned tuple the wrapper reads (``buf3 = buf2[1]``); None: a single tensor
+    read_places: Optional[frozenset[int]] = None
 
 
 def _ints(node: ast.AST) -> Optional[tuple[int, ...]]:
@@ -155,9 +157,10 @@ def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], 
     input (dtype: ``input_dtypes``) or of a library call's output (dtype not stated: the FX graph's, by the
     op the assert names and the output's place in its tuple, ``graph_code.library_dtypes``, else
     ``fallback_dtype``, the graph's activation dtype). A call with an argument the text does not state is
-    left out."""
+    left out. A call whose result is a tuple carries the places the wrapper reads (``read_places``)."""
     layouts: dict[str, Layout] = {}
     element_index: dict[str, int] = {}          # ``buf3 = buf2[1]``: buf3 is element 1 of a library call's tuple
+    places_read: dict[str, set[int]] = {}       # ``buf3 = buf2[1]``: place 1 of buf2 is read
     calls: list[WrapperCall] = []
     for statement in body:
         if (match := ALLOC.match(statement)):
@@ -192,6 +195,8 @@ def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], 
         elif (target is not None and isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant)
               and isinstance(value.slice.value, int)):
             element_index[target.id] = value.slice.value
+            if isinstance(value.value, ast.Name):
+                places_read.setdefault(value.value.id, set()).add(value.slice.value)
         elif (target is not None and isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
               and value.func.id == "reinterpret_tensor"):
             try:
@@ -211,7 +216,8 @@ def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], 
             if allocates_nothing(op.split(".")[1], out.dtype if isinstance(out, Layout) else None):
                 continue    # a float32 matrix product: nothing to measure
             calls.append(WrapperCall(target.id if target is not None else statement, op, args, kwargs))
-    return calls
+    return [dataclasses.replace(call, read_places=frozenset(places_read[call.result])) if call.result in places_read
+            else call for call in calls]
 
 
 def _random(layout: Layout, device: torch.device) -> torch.Tensor:
@@ -236,7 +242,9 @@ def _prepared(call: WrapperCall, device: torch.device) -> Optional[Callable[[], 
     except Exception as error:  # noqa: BLE001 - an op may refuse random inputs: the joint graph's measure stands
         log.debug("library call %s not re-measured: %s: %s", call.op, type(error).__name__, str(error)[:200])
         return None
-    return functools.partial(target, *args, **kwargs)   # a partial: its arguments' storages are not its outputs
+    # a partial: its arguments' storages are not its outputs; a tuple's places the wrapper never reads are
+    # the call's working memory (``library_scratch.keeping_places``)
+    return functools.partial(keeping_places, call.read_places, target, *args, **kwargs)
 
 
 def scratch_at_wrapper_layouts(source_code: str, input_dtypes: Mapping[str, torch.dtype], ops: frozenset[str],

@@ -199,3 +199,40 @@ def test_a_library_outputs_dtype_is_the_fx_graphs_where_the_code_does_not_state_
                             {("aten.convolution_backward.default", 0): torch.bfloat16,
                              ("aten.convolution_backward.default", 1): torch.float32})
     assert read.args[0] == Layout((2, 4, 6, 6), (144, 36, 6, 1), torch.bfloat16)
+
+
+def test_a_calls_tuple_places_the_wrapper_never_reads_are_measured_as_working_memory():
+    """``buf1 = ...convolution_backward(..., [False, False, True])`` read only at ``buf1[2]``: the call carries
+    the places read, so a weight gradient the CPU kernel returns anyway (at place 1, never read) counts in
+    the call's measured scratch, not among its outputs (``library_scratch.keeping_places``)."""
+    import functools
+
+    from remat.simulator.library_scratch import keeping_places, scratch_of_prepared
+
+    code = '''
+def call(args):
+    grad, x, w = args
+    args.clear()
+    assert_size_stride(grad, (4, 16, 4, 4), (256, 16, 4, 1), 'input')
+    assert_size_stride(x, (4, 3, 32, 32), (3072, 1024, 32, 1), 'input')
+    assert_size_stride(w, (16, 3, 8, 8), (192, 64, 8, 1), 'input')
+    buf1 = torch.ops.aten.convolution_backward.default(grad, x, w, [16], (8, 8), (0, 0), (1, 1), False, (0, 0), 1, [False, False, True])
+    buf2 = buf1[2]
+    assert_size_stride(buf2, (16, ), (1, ), 'torch.ops.aten.convolution_backward.default')
+    del buf1
+    return (buf2, )
+'''
+    dtypes = {"grad": torch.float32, "x": torch.float32, "w": torch.float32}
+    ops = frozenset({"convolution_backward"})
+    (call,) = wrapper_calls(call_body(code), dtypes, ops, torch.float32)
+    assert call.read_places == frozenset({2})
+    op, args = torch.ops.aten.convolution_backward.default, (torch.randn(4, 16, 4, 4), torch.randn(4, 3, 32, 32),
+                                                              torch.randn(16, 3, 8, 8), [16], [8, 8], [0, 0], [1, 1],
+                                                              False, [0, 0], 1, [False, False, True])
+    weight_grad = op(*args)[1]
+    if weight_grad is None:
+        return    # this CPU's kernel returns no weight gradient: nothing more to count (read_places is checked)
+    (every_place_an_output,) = scratch_of_prepared([lambda: functools.partial(keeping_places, None, op, *args)],
+                                                   torch.device("cpu"))
+    assert (scratch_at_wrapper_layouts(code, dtypes, ops, torch.device("cpu"))["buf1"]
+            == every_place_an_output + weight_grad.untyped_storage().nbytes())
