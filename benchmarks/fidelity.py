@@ -34,10 +34,10 @@ each point also records its gradient error against the fp32 reference (``grad_re
 largest per parameter; ``grad_global_err_fp32``, over all parameters at once), which the report puts next
 to plain Inductor's own under autocast.
 
-With ``--freeze bottom-half`` or ``--freeze matrices`` every variant fine-tunes: the parameters that
-regime freezes (``remat.testing.corpus.freeze_parameters``: the leading half of the parameters, or every
-weight matrix, convolution kernel and embedding) do not require gradients, and gradients are compared over
-the parameters that train.
+With ``--freeze bottom-half``, ``matrices`` or ``lora`` every variant fine-tunes as that regime of
+``remat.testing.finetune`` says (the leading half of the parameters frozen; every weight matrix, convolution
+kernel and embedding frozen; or everything frozen and every ``nn.Linear`` given a rank-4 adapter), and
+gradients are compared over the parameters that train.
 
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
@@ -87,7 +87,7 @@ ENV_RECORDED = ("PYTHONHASHSEED", "TORCHINDUCTOR_COMPILE_THREADS", "REMAT_SOURCE
 
 import remat  # noqa: E402
 from common import global_relative_grad_error, grads_of, machine_info, max_relative_grad_error, source_info  # noqa: E402  (run as a script: benchmarks/ is sys.path[0])
-from remat.testing import corpus as corpus_mod  # noqa: E402
+from remat.testing import corpus as corpus_mod, finetune  # noqa: E402
 
 
 # ---- one variant ---------------------------------------------------------------------------------
@@ -401,8 +401,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="models run at once (each in its own worker process)")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST_DTYPES), default=None,
                         help="run every variant's forward under CPU autocast to this dtype (plus a plain-fp32 reference)")
-    parser.add_argument("--freeze", choices=corpus_mod.FREEZE_REGIMES, default=None,
-                        help="fine-tune: freeze these parameters in every variant (remat.testing.corpus.freeze_parameters)")
+    parser.add_argument("--freeze", choices=finetune.FREEZE_REGIMES, default=None,
+                        help="fine-tune every variant so (remat.testing.finetune.freeze_parameters)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)

@@ -24,7 +24,7 @@ import torch
 
 import remat  # noqa: E402
 from fidelity import STEP_SEED  # noqa: E402  (run as a script: benchmarks/ is sys.path[0])
-from remat.testing import corpus as corpus_mod  # noqa: E402
+from remat.testing import corpus as corpus_mod, finetune  # noqa: E402
 
 
 def labelled_allocations(prof: Any) -> list[tuple[int, int, int, str]]:
@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--dump", default=None, help="remat's dump directory (report.md per graph)")
     parser.add_argument("--seeds", default=None, help="seed range of the random nets and of the drawn CNNs and Hugging Face configurations "
                                                           "(cnn-<seed>, hf-<seed>), e.g. 1000-1027 (default: the benchmark's)")
-    parser.add_argument("--freeze", choices=corpus_mod.FREEZE_REGIMES, default=None,
+    parser.add_argument("--freeze", choices=finetune.FREEZE_REGIMES, default=None,
                         help="the fine-tuning regime of benchmarks/fidelity.py --freeze")
     parser.add_argument("--no-loop", action="store_true",
                         help="turn the closed loop off (verify_peak=0): profile the plan as Inductor's check accepted it")

@@ -283,8 +283,8 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"torch {machine.get('torch', '?')}, {machine.get('torch_threads', '?')} torch threads, {machine.get('cpu_count', '?')} CPUs. "
         f"Closed loop (`verify_peak`) available: {header.get('loop_supported')}."
         + (f" Forward and loss under CPU autocast to {header['autocast']} (the backward outside it)." if header.get("autocast") else "")
-        + (f" Fine-tuning: the parameters `--freeze {header['freeze']}` names are frozen in every variant"
-           " (`remat.testing.corpus.freeze_parameters`); gradients compared over those that train." if header.get("freeze") else ""),
+        + (f" Fine-tuned in every variant as `--freeze {header['freeze']}` says"
+           " (`remat.testing.finetune.freeze_parameters`); gradients compared over the parameters that train." if header.get("freeze") else ""),
         "",
         f"Models finished: {len(finished)} of the {len(models)} started ({sum(1 for m in finished if m.startswith('rand-'))} random nets, "
         f"{sum(1 for m in finished if m.startswith('cnn-'))} CNNs, {sum(1 for m in finished if m.startswith('hf-'))} Hugging Face models"

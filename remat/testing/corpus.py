@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from . import cnns, hf_models, random_nets
+from . import cnns, finetune, hf_models, random_nets
 
 BENCHMARK_SEEDS = tuple(range(1000, 1028))
 TEST_SEEDS = tuple(range(0, 100))
@@ -64,48 +64,14 @@ class CorpusEntry:
 
     def build(self, checkpoint_blocks: bool = False, freeze: Optional[str] = None) -> Built:
         """A fresh model and inputs; two calls give equal parameters and inputs. With ``freeze`` (one of
-        ``FREEZE_REGIMES``) the parameters that regime freezes do not require gradients."""
+        ``finetune.FREEZE_REGIMES``) the model is fine-tuned as that regime says (``finetune.freeze_parameters``)."""
         if checkpoint_blocks and not self.has_repeated_blocks:
             raise ValueError(f"{self.name} has no repeated blocks to checkpoint (has_repeated_blocks=False)")
         built = self.make(checkpoint_blocks)
         if freeze is not None:
-            freeze_parameters(built.model, freeze)
+            finetune.freeze_parameters(built.model, freeze)
         return built
 
-
-FREEZE_REGIMES = ("bottom-half", "matrices")
-
-
-def freeze_parameters(model: nn.Module, regime: str) -> list[str]:
-    """Stop gradients to the parameters a fine-tuning regime freezes; returns their names.
-
-    - ``"bottom-half"``: the leading parameters in registration order (embeddings, stem, first blocks)
-      until at least half of the parameters' elements are frozen: fine-tuning the top of a model, where
-      the backward stops partway down.
-    - ``"matrices"``: every parameter of two or more dimensions (linear and convolution weights,
-      embeddings), leaving biases and normalisation scales to train (BitFit): the backward runs through
-      every layer but computes no weight gradient, so no layer needs its input for one.
-
-    Raises ``ValueError`` for an unknown regime, or when the regime would leave nothing to train."""
-    named = list(model.named_parameters())
-    if regime == "bottom-half":
-        total, frozen_elements, frozen = sum(p.numel() for _, p in named), 0, []
-        for name, param in named:
-            if 2 * frozen_elements >= total:
-                break
-            frozen.append(name)
-            frozen_elements += param.numel()
-    elif regime == "matrices":
-        frozen = [name for name, param in named if param.dim() >= 2]
-    else:
-        raise ValueError(f"unknown freeze regime {regime!r}: choose one of {FREEZE_REGIMES}")
-    if len(frozen) == len(named):
-        raise ValueError(f"freeze regime {regime!r} freezes all {len(named)} parameters: nothing would train")
-    chosen = set(frozen)
-    for name, param in named:
-        if name in chosen:
-            param.requires_grad_(False)
-    return frozen
 
 
 def weighted_sum(shape: tuple[int, ...]) -> Callable[[Any], torch.Tensor]:
