@@ -288,9 +288,12 @@ class ModelRun:
         try:
             record = run_variant(self.entry, backend, **kwargs)
         except remat.BudgetInfeasibleError as error:
+            # a refusal after a measured step (the loop's) keeps what that step measured
+            loop = (loop_summary(list(getattr(backend, "feedback_events", []) or []))
+                    if isinstance(backend, remat.RematBackend) else {})
             return self.write(point, budget_bytes=budget_bytes, error=f"infeasible: {str(error)[:600]}",
                               min_budget_bytes=getattr(error, "min_budget_bytes", None),
-                              min_feasible_bytes=error.min_feasible_bytes)
+                              min_feasible_bytes=error.min_feasible_bytes, **loop)
         except Exception as error:  # noqa: BLE001 - a failing point is recorded, the others go on
             return self.write(point, budget_bytes=budget_bytes, error=f"failed: {type(error).__name__}: {str(error)[:600]}",
                               traceback=traceback.format_exc()[-2000:])

@@ -169,11 +169,19 @@ def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     simulated = [e for e in (error_of(r, "predicted_peak_bytes") for r in rows) if e is not None]
     budgeted = [r for r in rows if r.get("budget_bytes") and r.get("measured_later_bytes")]
     over = [r for r in budgeted if r["measured_later_bytes"] > r["budget_bytes"]]
-    over_first = [r for r in budgeted if (r.get("measured_first_bytes") or 0) > r["budget_bytes"]]
+    # a point refused after its first step ran (the loop measured it over and found no plan) counts there too
+    refused_after_a_step = [row for points in models.values() for p, row in points.items()
+                            if p in BUDGET_POINTS and row.get("error") and row.get("loop_first_step_bytes")]
+    over_first = [r for r in budgeted + refused_after_a_step
+                  if (r.get("measured_first_bytes") or r.get("loop_first_step_bytes") or 0) > r["budget_bytes"]]
     grads = [r.get("grad_rel_err") for r in rows]
     failed = [row for points in models.values() for p, row in points.items()
               if p in ("plain", "none", "checkpoint") + BUDGET_POINTS and (row.get("error") or "").startswith("failed")]
+    floor_points = {m: points["floor"] for m, points in models.items() if "floor" in points}
     return {
+        "floor_points": len(floor_points),
+        "floor_refused": {m: row.get("min_budget_bytes") for m, row in floor_points.items()
+                          if (row.get("error") or "").startswith("infeasible")},
         "points": len(rows), "budgeted": len(budgeted), "over_budget_step3": len(over), "over_budget_step1": len(over_first),
         "worst_ratio": max((r["measured_later_bytes"] / r["budget_bytes"] for r in budgeted), default=None),
         "needed_loop": sum(1 for r in rows if r.get("loop_events")),
@@ -317,6 +325,8 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"- gradient mismatch > {GRAD_TOL:g} vs plain Inductor: {s['grad_mismatch']} of {s['points']}"
         + (" (under autocast every compiled variant differs at bf16's rounding: see the accuracy section)"
            if accuracy_ratios(models) else ""),
+        f"- floor points refused at the budget the probe named (it must be accepted): {len(s['floor_refused'])} of "
+        f"{s['floor_points']}" + "".join(f"; {m} then named {_mb(b)} MB" for m, b in s["floor_refused"].items()),
         f"- floor above plain Inductor's measured peak: {floors['floor_above_plain']} of {floors['models']} models; "
         f"above full per-block checkpointing's: {floors['floor_above_checkpoint']} of {floors['with_checkpoint']}",
         "",
