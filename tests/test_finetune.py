@@ -68,3 +68,12 @@ def test_a_regime_that_leaves_nothing_to_train_or_is_unknown_is_refused():
         finetune.freeze_parameters(nn.Sequential(nn.Conv2d(3, 3, 1)), "lora")
     with pytest.raises(ValueError, match="unknown freeze regime 'all'"):
         finetune.freeze_parameters(nn.Linear(4, 4), "all")
+
+
+def test_an_adapted_layer_shows_its_frozen_weight_as_a_linear_does():
+    """Models read their layers' weights (T5's feed-forward checks ``wo.weight``'s dtype): the adapter
+    passes them through, and they stay one parameter each (not registered twice)."""
+    base = nn.Linear(4, 3)
+    layer = finetune.LoRALinear(base, finetune.LORA_RANK, finetune.LORA_ALPHA, torch.Generator().manual_seed(0))
+    assert layer.weight is base.weight and layer.bias is base.bias
+    assert sorted(name for name, _ in layer.named_parameters()) == ["base.bias", "base.weight", "lora_a", "lora_b"]

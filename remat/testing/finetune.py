@@ -24,6 +24,8 @@ variants keep equal parameters.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -44,6 +46,15 @@ class LoRALinear(nn.Module):
         b = torch.randn(base.out_features, rank, generator=generator) / rank ** 0.5
         self.lora_a = nn.Parameter(a.to(base.weight.dtype))
         self.lora_b = nn.Parameter(b.to(base.weight.dtype))
+
+    # read by models that look at their layers' weights (T5's feed-forward checks ``wo.weight``'s dtype)
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
