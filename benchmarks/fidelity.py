@@ -175,9 +175,13 @@ def _plans_summary(backend: Any) -> dict[str, Any]:
 LOOP_ACTED = ("re-planned", "over budget", "stored for the next compile", "re-plan failed", "infeasible")
 
 
-def loop_summary(events: list[Any]) -> dict[str, Any]:
-    """What the closed loop measured and did: step 1's measured peak (the largest of the graphs'
-    first measured calls) and how many of its events acted on an overshoot."""
+def loop_summary(backend: Any) -> dict[str, Any]:
+    """What ``backend``'s closed loop measured and did: step 1's measured peak (the largest of the graphs'
+    first measured calls) and how many of its events acted on an overshoot; nothing for a backend that is
+    not remat's."""
+    if not isinstance(backend, remat.RematBackend):
+        return {}
+    events = list(getattr(backend, "feedback_events", []) or [])
     first = [e.measured_peak_bytes for e in events if getattr(e, "step", None) == 0 and e.measured_peak_bytes is not None]
     acted = [e for e in events if str(getattr(e, "action", "")).startswith(LOOP_ACTED)]
     return {"loop_first_step_bytes": max(first) if first else None, "loop_events": len(acted),
@@ -289,11 +293,9 @@ class ModelRun:
             record = run_variant(self.entry, backend, **kwargs)
         except remat.BudgetInfeasibleError as error:
             # a refusal after a measured step (the loop's) keeps what that step measured
-            loop = (loop_summary(list(getattr(backend, "feedback_events", []) or []))
-                    if isinstance(backend, remat.RematBackend) else {})
             return self.write(point, budget_bytes=budget_bytes, error=f"infeasible: {str(error)[:600]}",
                               min_budget_bytes=getattr(error, "min_budget_bytes", None),
-                              min_feasible_bytes=error.min_feasible_bytes, **loop)
+                              min_feasible_bytes=error.min_feasible_bytes, **loop_summary(backend))
         except Exception as error:  # noqa: BLE001 - a failing point is recorded, the others go on
             return self.write(point, budget_bytes=budget_bytes, error=f"failed: {type(error).__name__}: {str(error)[:600]}",
                               traceback=traceback.format_exc()[-2000:])
@@ -304,7 +306,7 @@ class ModelRun:
         fields = {k: v for k, v in record.items() if not k.startswith("grads_")}
         fields.update(self._grad_error(record))
         if isinstance(backend, remat.RematBackend):
-            fields.update(plans_final=_plans_summary(backend), **loop_summary(list(getattr(backend, "feedback_events", []) or [])))
+            fields.update(plans_final=_plans_summary(backend), **loop_summary(backend))
             if fields.get("measured_first_bytes") is None:
                 fields["measured_first_bytes"] = fields["loop_first_step_bytes"]
         return self.write(point, budget_bytes=budget_bytes, seconds=round(time.perf_counter() - start, 1), **fields)

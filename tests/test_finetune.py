@@ -1,7 +1,8 @@
 """The fine-tuning regimes the corpus runs under (``remat.testing.finetune``, ``benchmarks/fidelity.py
 --freeze``): each freezes what it says, the same way in every build of an entry (a checkpointed copy
-included), and refuses a regime that would leave nothing to train. No compile here: the benchmark
-measures the regimes (``benchmarks/results/fidelity-freeze-*-cpu.md``)."""
+included), and refuses a regime that would leave nothing to train; and one compiled case, frozen kernels at
+the budget a refusal names. The benchmark measures the regimes on the corpus
+(``benchmarks/results/fidelity-freeze-*-cpu.md``)."""
 
 from __future__ import annotations
 

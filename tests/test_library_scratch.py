@@ -250,13 +250,12 @@ def test_the_probe_counts_a_bias_only_convolution_backwards_weight_gradient(monk
     from torch.fx.experimental.proxy_tensor import make_fx
 
     grad, x, w = torch.randn(4, 16, 4, 4), torch.randn(4, 3, 32, 32), torch.randn(16, 3, 8, 8)
+    bias_only = ([16], [8, 8], [0, 0], [1, 1], False, [0, 0], 1, [False, False, True])
 
     def bias_grad(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten.convolution_backward.default(grad, x, w, [16], [8, 8], [0, 0], [1, 1], False, [0, 0], 1,
-                                                           [False, False, True])[2]
+        return torch.ops.aten.convolution_backward.default(grad, x, w, *bias_only)[2]
 
-    real = torch.ops.aten.convolution_backward.default(grad, x, w, [16], [8, 8], [0, 0], [1, 1], False, [0, 0], 1,
-                                                       [False, False, True])
+    real = torch.ops.aten.convolution_backward.default(grad, x, w, *bias_only)
     if real[1] is None:
         pytest.skip("this CPU's convolution backward returns no weight gradient when only the bias's is asked for")
     gm = make_fx(bias_grad, tracing_mode="fake")(grad, x, w)

@@ -73,7 +73,6 @@ class CorpusEntry:
         return built
 
 
-
 def weighted_sum(shape: tuple[int, ...]) -> Callable[[Any], torch.Tensor]:
     """``out -> dot(out, w)`` with ``w`` drawn once, now, from a generator seeded with ``LOSS_SEED``."""
     weights = torch.randn(shape, generator=torch.Generator().manual_seed(LOSS_SEED)).reshape(-1)
