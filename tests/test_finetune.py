@@ -97,8 +97,10 @@ def test_with_frozen_kernels_the_named_floor_is_accepted_and_the_step_fits_it():
     """Only biases train, so the convolution backward is asked for the bias's gradient alone; this CPU's kernel
     returns the weight's (49 kB) too. Before 61c0a37 the probe took it for an output, the check missed it, and
     the budget a refusal named measured over it (a ViT: 1.2%, then refused again). The named budget must be
-    accepted and hold on every step, with the closed loop finding nothing to correct."""
+    accepted and hold on every step, with the closed loop finding nothing to correct, and the gradients of the
+    biases that train equal plain Inductor's."""
     import remat
+    from remat.testing.steps import assert_grads_close, grads_of
 
     torch.manual_seed(0)
     model = _PatchNet()
@@ -109,6 +111,9 @@ def test_with_frozen_kernels_the_named_floor_is_accepted_and_the_step_fits_it():
         model.zero_grad(set_to_none=True)
         (compiled(x) * weights).sum().backward()
 
+    torch._dynamo.reset()
+    step(torch.compile(model, backend="inductor"))
+    expected = grads_of(model)
     torch._dynamo.reset()
     with pytest.raises(remat.BudgetInfeasibleError) as refused:
         step(torch.compile(model, backend=remat.backend(budget_gb=1e-6)))
@@ -121,3 +126,5 @@ def test_with_frozen_kernels_the_named_floor_is_accepted_and_the_step_fits_it():
     measured = remat.measure_peak_bytes(lambda: step(compiled)).peak_bytes
     assert measured <= budget_bytes, f"measured {measured} B at the named budget {budget_bytes} B"
     assert all(event.action == "within budget" for event in backend.feedback_events), backend.feedback_events
+    assert sorted(expected) == ["head.bias", "patch.bias"]
+    assert_grads_close(grads_of(model), expected)
