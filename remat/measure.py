@@ -32,6 +32,7 @@ import atexit
 import gc
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -200,6 +201,11 @@ def _marker_spans(prof: Any, prefix: str) -> dict[int, tuple[int, int]]:
 
 
 WINDOW_END_MARKER = "remat::measured_window_end"
+PROFILER_RUNNING_WARNING = (
+    "remat: a torch.profiler is recording on this thread, so remat's closed loop cannot measure this step "
+    "(on the CPU its measurement needs a profiler of its own); it measures the first step run without one. "
+    "Until then the plan stands on Inductor's check of its generated code (library calls' working memory "
+    "is measured in a child process meanwhile).")
 _OPEN = threading.local()     # the StepWindow open on this thread, if any (one profiler / CUDA peak per thread)
 
 
@@ -250,7 +256,11 @@ class StepWindow:
             torch.cuda.reset_peak_memory_stats(self.device)
             _OPEN.window = self
             return True
-        if profiler_running() or _distributed_cpu():
+        if profiler_running():
+            # one text, so Python's warning registry shows it once per process
+            warnings.warn(PROFILER_RUNNING_WARNING, stacklevel=3)
+            return False
+        if _distributed_cpu():
             return False
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         from torch.profiler import ProfilerActivity, profile

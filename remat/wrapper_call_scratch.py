@@ -52,7 +52,7 @@ import torch
 
 from .cost_model.hardware import real_tensors
 from .graph_code import GraphCode, activation_dtype, library_dtypes
-from .simulator.library_scratch import keeping_places, scratch_of_prepared
+from .simulator.library_scratch import keeping_places, op_named, scratch_of_prepared
 from .cost_model.inductor_rules import COLLECTIVE_NAMESPACES, EXACT_LIBRARY_CALLS, MATMUL_CALLS, allocates_nothing
 from .wrapper_text import ALLOC, ASSERT_SIZE, LIBRARY_CALL, call_body, ints_or_none
 
@@ -235,8 +235,7 @@ def _prepared(call: WrapperCall, device: torch.device) -> Optional[Callable[[], 
         return value
 
     try:
-        namespace, name, overload = call.op.split(".")
-        target = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        target = op_named(call.op)
         args, kwargs = realize(call.args), {k: realize(v) for k, v in call.kwargs.items()}
         target(*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - an op may refuse random inputs: the joint graph's measure stands

@@ -156,7 +156,9 @@ def test_unmeasured_calls_run_in_order_and_count_nowhere():
 def test_a_probe_makes_one_calls_inputs_at_a_time_and_nothing_while_another_measurement_is_open():
     """``scratch_of_prepared`` drops each call and its inputs before it makes the next one's (a probe made
     while a graph compiles inside a step counts in the step's peak), and measures each call's own
-    working memory; inside another measurement it makes nothing."""
+    working memory; inside another measurement it makes nothing in this process (calls that cannot be
+    pickled, as these closures, are not measured at all; picklable ones are measured in a child process:
+    ``tests/test_profiled_compile.py``)."""
     import weakref
 
     from remat.simulator.library_scratch import scratch_of_prepared

@@ -117,49 +117,86 @@ def graph_device(graph: fx.Graph) -> torch.device:
     return torch.device("cpu")
 
 
-def random_tensor(like: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A real tensor with ``like``'s shape, strides and dtype; floats random, ints zero, bools random."""
-    shape, stride = _concrete(tuple(like.shape)), _concrete(tuple(like.stride()))
+@dataclass(frozen=True)
+class TensorLayout:
+    """A tensor argument as a probe makes it: sizes and strides at their hints, the dtype, and whether it is
+    handed over in channels-last (``_hands_channels_last``). Picklable, unlike the traced value it describes:
+    a probe that cannot be measured in its own process is measured in a child (``remat/child_call.py``)."""
+
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    channels_last: bool = False
+
+
+def layout_of(like: Any, channels_last: bool = False) -> TensorLayout:
+    """``like``'s (a real, fake or meta tensor's) layout at its hints."""
+    return TensorLayout(_concrete(tuple(like.shape)), _concrete(tuple(like.stride())), like.dtype, channels_last)
+
+
+def random_tensor(like: Any, device: torch.device) -> torch.Tensor:
+    """A real tensor with ``like``'s (a tensor's or a ``TensorLayout``'s) shape, strides and dtype; floats
+    random, ints zero, bools random; a layout marked channels-last is made contiguous in it."""
+    layout = like if isinstance(like, TensorLayout) else layout_of(like)
+    shape, stride = layout.sizes, layout.strides
     span = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(s > 0 for s in shape) else 0
-    if like.dtype.is_floating_point or like.dtype.is_complex:
-        base = torch.randn(span, device=device).to(like.dtype)
-    elif like.dtype == torch.bool:
+    if layout.dtype.is_floating_point or layout.dtype.is_complex:
+        base = torch.randn(span, device=device).to(layout.dtype)
+    elif layout.dtype == torch.bool:
         base = torch.rand(span, device=device) < 0.5
     else:
-        base = torch.zeros(span, dtype=like.dtype, device=device)
-    return base.as_strided(shape, stride)
+        base = torch.zeros(span, dtype=layout.dtype, device=device)
+    tensor = base.as_strided(shape, stride)
+    return tensor.contiguous(memory_format=torch.channels_last) if layout.channels_last else tensor
 
 
 _CONVOLUTIONS = frozenset({"convolution", "convolution_backward"})
 
 
-def _as_inductor_lays_out(node: fx.Node, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU convolution's 4-D tensors in channels-last where oneDNN runs it: Inductor's layout
-    optimisation then always picks channels-last (``GraphLowering.decide_layout_opt``, torch 2.13), and
-    oneDNN runs a contiguous 16-channel 3x3 convolution 1.5-3x slower (the zoo CNN's calibrated sums
-    read 20% above the compiled step's time)."""
+def _hands_channels_last(node: fx.Node, value: torch.Tensor, device: torch.device) -> bool:
+    """Whether a CPU convolution's 4-D tensor is handed to it in channels-last: where oneDNN runs it,
+    Inductor's layout optimisation then always picks channels-last (``GraphLowering.decide_layout_opt``,
+    torch 2.13), and oneDNN runs a contiguous 16-channel 3x3 convolution 1.5-3x slower (the zoo CNN's
+    calibrated sums read 20% above the compiled step's time)."""
     mkldnn = torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()
-    if mkldnn and device.type == "cpu" and op_name(node) in _CONVOLUTIONS and tensor.dim() == 4:
-        return tensor.contiguous(memory_format=torch.channels_last)
-    return tensor
+    return mkldnn and device.type == "cpu" and op_name(node) in _CONVOLUTIONS and value.dim() == 4
+
+
+def arg_layouts(node: fx.Node, device: torch.device) -> tuple[tuple, dict]:
+    """``node``'s arguments with every tensor as the ``TensorLayout`` a probe on ``device`` makes it (a CPU
+    convolution's in the layout Inductor gives it), constants at their hints; nothing is allocated."""
+    def describe_arg(arg: fx.Node) -> Any:
+        value = node_val(arg)
+        if isinstance(value, torch.Tensor):
+            return layout_of(value, _hands_channels_last(node, value, device))
+        if isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(layout_of(v) for v in value)
+        if value is None and arg.op == "get_attr":
+            raise ValueError("a get_attr argument with no meta value")
+        return _concrete(value)
+
+    args = fx.node.map_arg(node.args, describe_arg)
+    kwargs = fx.node.map_arg(node.kwargs, describe_arg)
+    return _concrete(args), {k: _concrete(v) for k, v in kwargs.items()}
+
+
+def realize(value: Any, device: torch.device) -> Any:
+    """``value`` (nested lists, tuples and dicts) with every ``TensorLayout`` made a random tensor on ``device``,
+    in order (``random_tensor``)."""
+    if isinstance(value, TensorLayout):
+        return random_tensor(value, device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(realize(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: realize(v, device) for k, v in value.items()}
+    return value
 
 
 def real_args(node: fx.Node, device: torch.device) -> tuple[tuple, dict]:
     """Real arguments for ``node``: random tensors of its inputs' traced shapes, strides and dtypes
     (``random_tensor``; a CPU convolution's in the layout Inductor gives it), constants at their hints."""
-    def realize(arg: fx.Node) -> Any:
-        value = node_val(arg)
-        if isinstance(value, torch.Tensor):
-            return _as_inductor_lays_out(node, random_tensor(value, device), device)
-        if isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
-            return type(value)(random_tensor(v, device) for v in value)
-        if value is None and arg.op == "get_attr":
-            raise ValueError("a get_attr argument with no meta value")
-        return _concrete(value)
-
-    args = fx.node.map_arg(node.args, realize)
-    kwargs = fx.node.map_arg(node.kwargs, realize)
-    return _concrete(args), {k: _concrete(v) for k, v in kwargs.items()}
+    args, kwargs = arg_layouts(node, device)
+    return realize(args, device), realize(kwargs, device)
 
 
 Call = tuple[str, Callable[[], Any], Optional[Callable[[], Any]]]   # (node, the op on its inputs, warm its inputs)
@@ -293,4 +330,5 @@ def measure_node_times(graph: fx.Graph, **kwargs: Any) -> dict[str, float]:
     return dict(calibrate(graph, **kwargs).times_s)
 
 
-__all__ = ["Calibration", "calibrate", "graph_device", "graph_hash", "measure_node_times", "describe", "random_tensor", "real_args"]
+__all__ = ["Calibration", "TensorLayout", "arg_layouts", "calibrate", "graph_device", "graph_hash", "layout_of", "measure_node_times",
+           "describe", "random_tensor", "real_args", "realize"]

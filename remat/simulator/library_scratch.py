@@ -29,7 +29,10 @@ products, which write into buffers the generated code allocates and allocate not
 packs its operands). Only when the graph is planned with a profile of the
 device it runs on (``probes_apply``): a datasheet GPU profile on a CPU-traced graph (the plan-hash
 tests) gets no CPU library's numbers. A call that cannot run on random inputs, or that runs while
-another measurement is open on the thread, keeps 0, and the reason is logged. The result is cached
+no measurement can be made for, keeps 0, and the reason is logged. While a profiler records on the
+thread (the user's around the compiling step, or the closed loop's measured step around a re-plan),
+no allocation can be measured here, and the calls are made and measured in a child process instead
+(``remat/child_call.py``, CPU). The result is cached
 on disk by graph (``$REMAT_CACHE_DIR/scratch/``, keyed like calibration: ops, shapes, strides,
 dtypes, the device with its thread count, the torch version).
 """
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 import json
 import logging
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -45,13 +49,14 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import fx
 
-from ..cost_model.calibrate import describe, graph_hash, real_args
+from ..cost_model.calibrate import arg_layouts, describe, graph_hash, realize
 from ..cost_model.hardware import cache_dir, real_tensors, write_atomically
 from ..cost_model.tensors import node_val
 from ..cost_model.inductor_rules import allocates_nothing
 from ..cost_model.profiles import DATASHEET_PROFILES, HardwareProfile
 from ..measure import calls_peak_bytes
 from ..passes.joint_graph import JointGraphFacts
+from ..child_call import call_in_child
 from .kernel_facts import kernel_kind, op_short_name
 from .kernel_lowering import EXTERN
 
@@ -123,15 +128,44 @@ def traced_places(node: fx.Node) -> Optional[frozenset[int]]:
     return frozenset(i for i, item in enumerate(value) if isinstance(item, torch.Tensor))
 
 
-def _prepared(node: fx.Node, device: torch.device) -> tuple[Optional[Callable[[], Any]], str]:
-    """The node's call on random inputs, run once (warm: a library's first call may set up caches it
-    keeps), or None and why it cannot run. It returns the outputs the traced graph has (``keeping_places``)."""
+@dataclass(frozen=True)
+class ProbedCall:
+    """One library call to probe, picklable (measured in a child process where this one cannot measure,
+    ``child_call``): the op by name ("aten.convolution_backward.default"), its arguments with every
+    tensor a ``calibrate.TensorLayout``, and the places of its returned tuple the graph counts
+    (``traced_places``; None: all)."""
+
+    op: str
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    places: Optional[frozenset[int]] = None
+
+
+def op_named(name: str) -> Callable[..., Any]:
+    """The op overload named ``"namespace.op.overload"``."""
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def probed_call(node: fx.Node, device: torch.device) -> ProbedCall:
+    """``node``'s call as a probe on ``device`` makes it (``calibrate.arg_layouts``); nothing is allocated."""
+    args, kwargs = arg_layouts(node, device)
+    return ProbedCall(str(node.target), args, kwargs, traced_places(node))
+
+
+def prepared_call(call: ProbedCall, device: torch.device) -> Optional[Callable[[], Any]]:
+    """The call on random inputs of its layouts, run once (warm: a library's first call may set up caches it
+    keeps), or None when it cannot run (the reason is logged). It returns the outputs the traced graph has
+    (``keeping_places``)."""
     try:
-        args, kwargs = real_args(node, device)
-        node.target(*args, **kwargs)
-        return functools.partial(keeping_places, traced_places(node), node.target, *args, **kwargs), ""
+        target = op_named(call.op)
+        args, kwargs = realize(call.args, device), realize(dict(call.kwargs), device)
+        target(*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - an op may refuse random inputs: it keeps no scratch
-        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        log.info("library call %s not probed: %s: %s", call.op, type(error).__name__,
+                 str(error).splitlines()[0][:200] if str(error) else "")
+        return None
+    return functools.partial(keeping_places, call.places, target, *args, **kwargs)
 
 
 def scratch_of_prepared(prepares: Sequence[Callable[[], Optional[Callable[[], Any]]]],
@@ -144,8 +178,11 @@ def scratch_of_prepared(prepares: Sequence[Callable[[], Optional[Callable[[], An
     time, about what the step holds at that call, never every call's inputs at once: a probe made while
     a graph compiles inside a step (its first, or a re-plan) counts in that step's peak (measured on a
     drawn CNN, cnn-1341, with an empty cache: the first step peaked at 1.23x its budget, 13.6 MB, when
-    every probed call's inputs were made before any was measured). None, before anything is made, when
-    no measurement can be made here now (``calls_peak_bytes``)."""
+    every probed call's inputs were made before any was measured). Where no measurement can be made
+    here now (``calls_peak_bytes``: a profiler records on this thread), nothing is made here: on the CPU
+    the calls are made and measured in a child process (``child_call.call_in_child``, which needs
+    every ``prepares[i]`` picklable: a ``functools.partial`` of a module-level function over picklable
+    arguments); None when that fails too, or on another device."""
     made: dict[int, Callable[[], Any]] = {}
     output_bytes: dict[int, list[int]] = {}
 
@@ -173,9 +210,19 @@ def scratch_of_prepared(prepares: Sequence[Callable[[], Optional[Callable[[], An
         measured.append(False)
     peaks = calls_peak_bytes(steps, device, measured)
     if peaks is None:
-        return None
+        # a profiler (the user's, or a measured step's) records on this thread: a child process measures
+        if device.type != "cpu":
+            return None
+        scratch = call_in_child(_measured_here, list(prepares), str(device), what="library calls' working memory")
+        return None if scratch is None else [None if nbytes is None else int(nbytes) for nbytes in scratch]
     return [max(0, max(peaks[k] - nbytes for k, nbytes in zip(runs_of[i], output_bytes[i])))
             if i in output_bytes else None for i in range(len(prepares))]
+
+
+def _measured_here(prepares: Sequence[Callable[[], Optional[Callable[[], Any]]]], device: str) -> Optional[list[Optional[int]]]:
+    """``scratch_of_prepared`` in a child process (``child_call.call_in_child``), with real kernels."""
+    with real_tensors():
+        return scratch_of_prepared(prepares, torch.device(device))
 
 
 def _signature(node: fx.Node) -> str:
@@ -187,16 +234,23 @@ def _signature(node: fx.Node) -> str:
 def _probe_all(nodes: list[fx.Node], device: torch.device) -> list[tuple[Optional[int], str]]:
     """Each node's scratch (or None and why not), the calls made and measured one at a time
     (``scratch_of_prepared``)."""
-    why: dict[int, str] = {}
-
-    def prepare(k: int) -> Optional[Callable[[], Any]]:
-        call, why[k] = _prepared(nodes[k], device)
-        return call
-
-    scratch = scratch_of_prepared([functools.partial(prepare, k) for k in range(len(nodes))], device)
+    calls: list[Optional[ProbedCall]] = []
+    for node in nodes:
+        try:
+            calls.append(probed_call(node, device))
+        except Exception as error:  # noqa: BLE001 - an argument no probe can make: no scratch
+            log.info("library call %s not probed: %s: %s", node.target, type(error).__name__, str(error)[:200])
+            calls.append(None)
+    scratch = scratch_of_prepared([functools.partial(prepared_call, call, device) for call in calls if call is not None],
+                                  device)
     if scratch is None:
-        return [(None, "another measurement is open on this thread")] * len(nodes)
-    return [(nbytes, why.get(k, "")) for k, nbytes in enumerate(scratch)]
+        return [(None, "no measurement could be made, here or in a child process")] * len(nodes)
+    measured = iter(scratch)
+    out: list[tuple[Optional[int], str]] = []
+    for call in calls:
+        nbytes = next(measured) if call is not None else None
+        out.append((nbytes, "" if nbytes is not None else "it did not run on random inputs of its traced layouts"))
+    return out
 
 
 def measure_library_scratch(graph: fx.Graph, facts: JointGraphFacts, device: torch.device,
@@ -257,5 +311,6 @@ def scratch_key(facts: JointGraphFacts) -> str:
     return repr(sorted((name, node.scratch_bytes) for name, node in facts.nodes.items() if node.scratch_bytes))
 
 
-__all__ = ["SCRATCH_META", "keeping_places", "scratch_key", "measure_library_scratch", "output_dtypes", "probed_calls",
-           "probes_apply", "scratch_of_prepared", "traced_places", "with_library_scratch"]
+__all__ = ["ProbedCall", "SCRATCH_META", "keeping_places", "measure_library_scratch", "op_named",
+           "output_dtypes", "prepared_call", "probed_call", "probed_calls", "probes_apply", "scratch_key",
+           "scratch_of_prepared", "traced_places", "with_library_scratch"]
