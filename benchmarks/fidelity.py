@@ -39,6 +39,14 @@ With ``--freeze bottom-half``, ``matrices`` or ``lora`` every variant fine-tunes
 kernel and embedding frozen; or everything frozen and every ``nn.Linear`` given a rank-4 adapter), and
 gradients are compared over the parameters that train.
 
+With ``--user-checkpointing`` every variant's model checkpoints its own blocks (``entry.build(
+checkpoint_blocks=True)``, as a user who already runs ``torch.utils.checkpoint`` or Hugging Face's
+``gradient_checkpointing_enable()`` and adds remat): models without repeated blocks are left out, ``plain``
+is plain Inductor on that model, and there is no separate ``checkpoint`` point. With ``--profile-first-step``
+step 1 is measured inside ``remat.measure_peak_bytes``'s profiler even where the closed loop measures it, as a
+user checking the budget with ``docs/design.md``'s method would: remat compiles inside that profiler, where
+its own loop cannot measure the step.
+
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
 ``max_k(held by graphs before k + k's activation inputs + later graphs' gradients + peak of k)``,
@@ -258,8 +266,10 @@ class ModelRun:
     """Every point of one corpus model, each written as a JSON line the moment it is known."""
 
     def __init__(self, entry: corpus_mod.CorpusEntry, out: Path, autocast_dtype: Optional[torch.dtype] = None,
-                 freeze: Optional[str] = None) -> None:
+                 freeze: Optional[str] = None, user_checkpointing: bool = False, profile_first_step: bool = False) -> None:
         self.entry, self.out, self.autocast_dtype, self.freeze = entry, out, autocast_dtype, freeze
+        # the model checkpoints its own blocks in every variant; step 1 runs inside a profiler even with the loop on
+        self.user_checkpointing, self.profile_first_step = user_checkpointing, profile_first_step
         self.reference: Optional[dict[str, torch.Tensor]] = None        # plain Inductor's step-1 gradients
         self.fp32_reference: Optional[dict[str, torch.Tensor]] = None   # plain-fp32's, under --autocast
         self.plain_peak: Optional[int] = None
@@ -289,6 +299,7 @@ class ModelRun:
         start = time.perf_counter()
         kwargs.setdefault("autocast_dtype", self.autocast_dtype)
         kwargs.setdefault("freeze", self.freeze)
+        kwargs.setdefault("checkpoint_blocks", self.user_checkpointing)
         try:
             record = run_variant(self.entry, backend, **kwargs)
         except remat.BudgetInfeasibleError as error:
@@ -316,7 +327,7 @@ class ModelRun:
         Two steps: a step split at graph breaks refuses the budget at its second (``remat/step_budget.py``)."""
         fresh_caches()
         torch._dynamo.reset()
-        built = self.entry.build(freeze=self.freeze)
+        built = self.entry.build(self.user_checkpointing, self.freeze)
         compiled = torch.compile(built.model, backend=remat.backend(PROBE_BUDGET_GB))
         try:
             for _ in range(2):
@@ -338,6 +349,7 @@ class ModelRun:
 
     def run(self, fractions: tuple[float, ...], floor_point: bool) -> None:
         loop = loop_supported()
+        measure_first = not loop or self.profile_first_step
         if self.autocast_dtype is not None:
             reference = self.measure("plain-fp32", "inductor", None, autocast_dtype=None)
             if reference.get("error"):
@@ -349,20 +361,21 @@ class ModelRun:
             return
         self.plain_peak = plain["measured_later_bytes"]
         floor = self.probe_floor()
-        self.measure("none", make_backend(None), None, measure_first=not loop)
+        self.measure("none", make_backend(None), None, measure_first=measure_first)
         for fraction in fractions:
             budget = int(fraction * self.plain_peak)
             if floor is not None and budget < floor:
                 self.write(f"{fraction:g}", budget_bytes=budget, error="infeasible: below the probe's floor", floor_bytes=floor)
                 continue
-            self.measure(f"{fraction:g}", make_backend(budget / 1e9), budget, measure_first=not loop)
+            self.measure(f"{fraction:g}", make_backend(budget / 1e9), budget, measure_first=measure_first)
         if floor_point and floor is not None:
-            self.measure("floor", make_backend(floor / 1e9), floor, measure_first=not loop)
-        if self.entry.has_repeated_blocks:
+            self.measure("floor", make_backend(floor / 1e9), floor, measure_first=measure_first)
+        if self.entry.has_repeated_blocks and not self.user_checkpointing:   # (plain is checkpointed already)
             self.measure("checkpoint", "inductor", None, checkpoint_blocks=True)
         self.write("done", plain_peak_bytes=self.plain_peak, floor_bytes=floor, loop_supported=loop,
                    description=self.entry.description, seed=self.entry.seed,
-                   autocast=str(self.autocast_dtype) if self.autocast_dtype is not None else None, freeze=self.freeze)
+                   autocast=str(self.autocast_dtype) if self.autocast_dtype is not None else None, freeze=self.freeze,
+                   user_checkpointing=self.user_checkpointing, profile_first_step=self.profile_first_step)
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -408,6 +421,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="run every variant's forward under CPU autocast to this dtype (plus a plain-fp32 reference)")
     parser.add_argument("--freeze", choices=finetune.FREEZE_REGIMES, default=None,
                         help="fine-tune every variant so (remat.testing.finetune.freeze_parameters)")
+    parser.add_argument("--user-checkpointing", action="store_true",
+                        help="every variant's model checkpoints its own blocks (models without repeated blocks are left out)")
+    parser.add_argument("--profile-first-step", action="store_true",
+                        help="measure step 1 inside a profiler even where the closed loop measures it (as a user checking it would)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -416,7 +433,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     md = args.md or args.out.with_suffix(".md")
     if args.worker is not None:
         entry = next(e for e in entries if e.name == args.worker)
-        ModelRun(entry, args.out, AUTOCAST_DTYPES.get(args.autocast), args.freeze).run(FRACTIONS, args.floor_point)
+        ModelRun(entry, args.out, AUTOCAST_DTYPES.get(args.autocast), args.freeze, args.user_checkpointing,
+                 args.profile_first_step).run(FRACTIONS, args.floor_point)
         return 0
     if not args.report_only:
         run_all(args, entries)
@@ -433,7 +451,8 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
     """Each model in its own worker process (``--jobs`` at a time); models finished in an earlier run are skipped."""
     from concurrent.futures import ThreadPoolExecutor
 
-    chosen = [e for e in entries if args.only is None or e.name in args.only][: args.limit]
+    chosen = [e for e in entries if (args.only is None or e.name in args.only)
+              and (e.has_repeated_blocks or not args.user_checkpointing)][: args.limit]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     finished = done_models(args.out, retry_dead=args.retry_dead)
     drop_unfinished(args.out, finished)
@@ -443,6 +462,7 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
                            "machine": machine_info(torch.device("cpu")), "loop_supported": loop_supported(),
                            "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                            "autocast": args.autocast, "freeze": args.freeze,
+                           "user_checkpointing": args.user_checkpointing, "profile_first_step": args.profile_first_step,
                            "environment": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ}})
     todo = interleave_families([e for e in chosen if e.name not in finished])
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -474,7 +494,8 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
     command = [sys.executable, "-X", "faulthandler", __file__, "--worker", entry.name, "--out", str(args.out),
                "--seeds", ",".join(map(str, args.seeds)), "--cnn-seeds", ",".join(map(str, args.cnn_seeds)),
                "--hf-seeds", ",".join(map(str, args.hf_seeds))] + (["--floor-point"] if args.floor_point else []) \
-        + (["--autocast", args.autocast] if args.autocast else []) + (["--freeze", args.freeze] if args.freeze else [])
+        + (["--autocast", args.autocast] if args.autocast else []) + (["--freeze", args.freeze] if args.freeze else []) \
+        + (["--user-checkpointing"] if args.user_checkpointing else []) + (["--profile-first-step"] if args.profile_first_step else [])
     try:
         status: Any = subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False).returncode
     except subprocess.TimeoutExpired:

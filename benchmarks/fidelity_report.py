@@ -292,7 +292,11 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"Closed loop (`verify_peak`) available: {header.get('loop_supported')}."
         + (f" Forward and loss under CPU autocast to {header['autocast']} (the backward outside it)." if header.get("autocast") else "")
         + (f" Fine-tuned in every variant as `--freeze {header['freeze']}` says"
-           " (`remat.testing.finetune.freeze_parameters`); gradients compared over the parameters that train." if header.get("freeze") else ""),
+           " (`remat.testing.finetune.freeze_parameters`); gradients compared over the parameters that train." if header.get("freeze") else "")
+        + (" Every variant's model checkpoints its own blocks (`--user-checkpointing`: `entry.build(checkpoint_blocks=True)`;"
+           " plain is plain Inductor on that model, and there is no separate checkpointing baseline)." if header.get("user_checkpointing") else "")
+        + (" Step 1 of every variant is measured inside `remat.measure_peak_bytes`'s profiler (`--profile-first-step`),"
+           " as a user checking it would: the closed loop cannot measure that step." if header.get("profile_first_step") else ""),
         "",
         f"Models finished: {len(finished)} of the {len(models)} started ({sum(1 for m in finished if m.startswith('rand-'))} random nets, "
         f"{sum(1 for m in finished if m.startswith('cnn-'))} CNNs, {sum(1 for m in finished if m.startswith('hf-'))} Hugging Face models"
