@@ -5,6 +5,10 @@ torch 2.13.0).
   (``torch/_dynamo/output_graph.py: OutputGraph.compile_and_call_fx_graph``) to the
   ``GraphCompileReason`` the graph was compiled for; its ``graph_break`` is True when the frame
   broke there, so more of the frame (a resume function, its graphs) runs after this graph.
+- ``torch._dynamo.utils.orig_code_map``: the code objects Dynamo generated for the frames it compiled
+  (keys; ``convert_frame`` records each), and the names of the resume functions that generated code
+  calls after a graph break (globals ``__resume_at_<offset>_<n>``, ``resume_execution.py``): a frame
+  running such code that has a resume function still to call continues after the call it is in.
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: fake inputs for re-planning a graph ahead of
   its call (``compile_fx`` takes the fake mode from its inputs, as it does under Dynamo), so
   nothing the size of its inputs is allocated.
@@ -12,6 +16,8 @@ torch 2.13.0).
 
 from __future__ import annotations
 
+import dis
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -23,6 +29,31 @@ def graph_break_follows(gm: Any) -> bool:
     next, and may hold more graphs of the step). False when unknown (no reason recorded)."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     return bool(getattr(reason, "graph_break", False))
+
+
+def caller_resumes_after() -> bool:
+    """Whether a frame up this thread's stack that runs code Dynamo generated (a caller of the frame being
+    compiled now, compiled itself) still has a resume function to call after the call it is in: it broke
+    at that call, and more of it, perhaps with graphs of the step, runs once this graph's frame returns.
+    A graph compiled so is not its step's last though its own frame ends with it: a module whose
+    ``forward`` breaks, called from a compiled ``forward`` that goes on to a head and a loss (Dynamo breaks
+    the caller at the call and compiles the callee's frame apart); a Hugging Face BERT with gradient
+    checkpointing compiles so, and its first step measured 1.099x its budget when the encoder's graph was
+    planned as the step's only one. Every such frame is asked, the nearest and those above it: a graph
+    taken for not the last when it is (a decorator's resume that only repacks outputs, as Hugging Face's
+    ``forward`` wrappers have) costs a leaner first step and a re-plan once the step is known, never a
+    step over its budget."""
+    from torch._dynamo.utils import orig_code_map
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in orig_code_map and any(
+                instruction.opname == "LOAD_GLOBAL" and instruction.offset > frame.f_lasti
+                and str(instruction.argval).startswith("__resume_at")
+                for instruction in dis.get_instructions(frame.f_code)):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @dataclass(frozen=True)

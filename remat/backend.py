@@ -24,7 +24,7 @@ from torch import fx
 from ._torch_compile import (CodeCapture, make_partitioner, register_dynamo_backend, split_by_default, split_joint,
                              watch_compiled_backward)
 from ._torch_dynamo import copy_dynamo_graph, copy_dynamo_graph_or_none, current_compile_id, passthrough_error_class
-from ._torch_graph_breaks import graph_break_follows
+from ._torch_graph_breaks import caller_resumes_after, graph_break_follows
 from .compile_cache import (CachedPlanner, CallCache, StepKey, cache_possible, call_cacheable, compile_cached,
                             graph_identity, partitioner_uuid, store_call)
 from .compiled_graph import CompiledGraph
@@ -91,8 +91,8 @@ class RematBackend:
         return partition_at_planned_sizes(self.partition, self.options, self.compiled_graphs, joint, joint_inputs, kwargs)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        # a graph at a graph break takes its leanest plan while the step's graphs are unknown (step_budget.py)
-        self._replan.follows = graph_break_follows(gm)
+        # at a graph break (its frame's, or a caller's yet to resume) a graph plans lean until its step is known
+        self._replan.follows = graph_break_follows(gm) or caller_resumes_after()
         try:
             return self._compile(gm, example_inputs)
         finally:

@@ -23,7 +23,8 @@ When each step may run over the budget (the simulator's error aside, which the f
 corrects; measured figures in docs/budget.md):
 
 - step 1 (the sequence is unknown): a graph Dynamo compiled at a graph break (more of its frame
-  runs after it, ``_torch_graph_breaks.graph_break_follows``) takes its leanest plan (``leanest_plan``,
+  runs after it, ``_torch_graph_breaks.graph_break_follows``; or a compiled caller of its frame has a
+  resume function still to run, ``caller_resumes_after``) takes its leanest plan (``leanest_plan``,
   kind "break-smallest"), since the later graphs and their gradients ``G_>k`` are unknown; a graph no
   break follows (the frame's last) is planned next to what the pending graphs hold (kind
   "break-partial"). Step 1 then fits unless the budget is below what the leanest plans compose, the
