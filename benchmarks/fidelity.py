@@ -56,7 +56,9 @@ the measured peak of step 1 (the compiling step, measured around the call) and o
 steps 1 and 3 against plain's (``benchmarks/common.max_relative_grad_error``). When
 ``remat.backend`` takes ``verify_peak`` (the closed loop on the measured peak), it is passed
 ``verify_peak=1``, step 1 is not wrapped in a second profiler (its peak is the loop's own
-measurement), and ``backend.feedback_events`` is recorded; every point starts from empty remat
+measurement), except where the loop did not measure step 1 at no budget (a step split at graph breaks:
+its graphs are known only once step 1 ends, and until session 33 such points had no step-1 figure), and
+``backend.feedback_events`` is recorded; every point starts from empty remat
 caches (``$REMAT_CACHE_DIR``: no probe results, plans or corrections of an earlier point), as a
 first run does (``fresh_caches``). Writes one JSON line per point as it goes (a model with a ``done`` line is skipped
 on a rerun), then ``benchmarks/results/fidelity-cpu.md`` (``fidelity_report.py``). Units: bytes
@@ -361,7 +363,11 @@ class ModelRun:
             return
         self.plain_peak = plain["measured_later_bytes"]
         floor = self.probe_floor()
-        self.measure("none", make_backend(None), None, measure_first=measure_first)
+        none = self.measure("none", make_backend(None), None, measure_first=measure_first)
+        if loop and none.get("loop_first_step_bytes") is None and not none.get("error"):
+            # the loop did not measure step 1 (a step split at graph breaks: its graphs are known only once
+            # step 1 ends): the budgeted points' step 1 is measured inside a profiler instead
+            measure_first = True
         for fraction in fractions:
             budget = int(fraction * self.plain_peak)
             if floor is not None and budget < floor:
