@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
