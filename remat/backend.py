@@ -4,9 +4,8 @@
 config (``_torch_compile.py``: every private torch API of that path), and plans each joint graph
 through ``pipeline.py``; it then has the plan judged on Inductor's generated code (``judge_loop.py``),
 hooks the measured steps (``feedback.py``, ``step_loop.py``) and keeps one ``CompiledGraph`` per
-graph planned. The step's graphs share one budget (``step_budget.py``; DDP/FSDP2 pieces:
-``distributed*.py``); dynamic shapes are planned at their largest sizes (``dynamic.py``); compiles
-are cached (``compile_cache.py``).
+graph planned. The step's graphs share one budget (``step_budget.py``; DDP/FSDP2 pieces: ``distributed*.py``);
+dynamic shapes are planned at their largest sizes (``dynamic.py``); compiles are cached (``compile_cache.py``).
 """
 
 from __future__ import annotations
@@ -64,7 +63,8 @@ class RematBackend:
         self.partitioner = make_partitioner(self._partition_at_planned_sizes, self.cache_key)
         self.feedback_events: list[FeedbackEvent] = []     # what the feedback loop did (remat/feedback.py)
         # graph breaks: the step's graphs at run time, its re-plans and measured steps (remat/step_loop.py)
-        self._step_hooks = StepHooks(StepAccount(), options.verify_peak, self.feedback_events, options.cache_key())
+        self._step_hooks = StepHooks(StepAccount(), options.verify_peak, self.feedback_events, options.cache_key(),
+                                     refuses=not options.best_effort)     # a step no plan fits: refused
         self.verified_graphs: list[VerifiedGraph] = []     # the wrappers the loop runs, in compile order
         self._corrections: dict[str, Correction] = {}      # by graph key: this backend's, stored or not
         self._replan = threading.local()                   # the correction a re-plan on this thread applies

@@ -24,6 +24,16 @@ for the re-plans the account's condition needs, and measures whole steps:
   graphs' simulated peaks compose and the simulator's error cannot be told apart by graph there.
   At most ``MAX_STEP_CORRECTIONS`` such rounds; each is a ``FeedbackEvent`` with graph id
   ``step:<first>..<last>``. Not stored on disk (the per-graph store keys one graph's error).
+- **A step no plan fits.** A step measured over its budget after a round of re-plans that lowered
+  its measured peak by less than ``MIN_CORRECTION_GAIN`` (or after ``MAX_STEP_CORRECTIONS`` rounds)
+  is over by memory remat's plans do not hold: eager code between or inside the graphs (a Hugging
+  Face model with gradient checkpointing runs its checkpointed layers' recomputation eagerly: a
+  1-layer Qwen2 measured 2,080,456 B at budgets of 1.87, 1.46 and 1.32 MB, its graphs' plans composing
+  1.19 MB). The next step's first forward entry raises ``BudgetInfeasibleError`` naming the largest step
+  peak measured (rounded up) as the budget to pass, where before it ran over on every step after one
+  warning. That figure is empirical: the plans a higher budget gets are looser, and on that Qwen2 the
+  lowest peak measured (2.08 MB, refused again at that budget with 2.21) was not enough where the largest
+  (2.21 MB) was accepted and measured 2,211,784 B. Under ``best_effort=True`` the step warns and runs on.
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ import warnings
 from dataclasses import replace
 from typing import Any, Optional
 
+from ._torch_dynamo import passthrough_error_class
 from .compile_cache import StepKey, step_key_of
+from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
 from .measure import StepWindow, open_window
 from .step_budget import StepAccount, slot_of
@@ -45,14 +57,16 @@ log = logging.getLogger("remat")
 
 MAX_STEP_REPLANS = 2       # re-plans of one graph the step's condition asks for; then it warns and stops
 MAX_STEP_CORRECTIONS = 3   # rounds of re-plans a measured step over its budget asks for
+MIN_CORRECTION_GAIN = 0.01  # a round lowering the measured step peak by less than this fraction: the step is refused
 
 
 class StepHooks:
     """The run-time side of the step's account (see the module docstring). One per backend."""
 
     def __init__(self, account: StepAccount, verify_peak: int = 1, events: Optional[list] = None,
-                 context: str = "") -> None:
+                 context: str = "", refuses: bool = True) -> None:
         self.account = account
+        self._refuses = refuses                 # False under best_effort: a step no plan fits warns and runs
         self._context = context                 # the backend's options (RematOptions.cache_key): remembered steps' key
         self._identities: dict[str, str] = {}   # slot -> its graph's call identity (compile_cache.graph_identity)
         self._verify_peak = self._verify_left = verify_peak
@@ -60,6 +74,8 @@ class StepHooks:
         self._wrappers: dict[str, Any] = {}     # slot -> its wrapper
         self._replans: dict[str, int] = {}
         self._corrections = 0
+        self._over_bytes: list[int] = []            # the measured step peaks over the budget, in order
+        self._refusal: Optional[BudgetInfeasibleError] = None   # raised at the next step's first forward entry
         self._steps = 0
         self._window: Optional[StepWindow] = None
         self._remembered: Optional[RememberedStep] = None    # the settled step last stored (step_memory.py)
@@ -110,6 +126,8 @@ class StepHooks:
 
     def entered(self, wrapper: Any) -> None:
         slot = slot_of(wrapper.record.graph_id)
+        if self._refusal is not None and slot == self.account.sequence[0]:
+            raise passthrough_error_class(BudgetInfeasibleError)(self._refusal)
         self.account.forward_entered(slot)
         why = self.account.check_entry(slot)
         if why is not None:
@@ -212,9 +230,32 @@ class StepHooks:
             self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, None, "within budget"))
             return
         factor = peak_bytes / max(predicted, 1)
-        if self._corrections >= MAX_STEP_CORRECTIONS:
+        last = self._over_bytes[-1] if self._over_bytes else None
+        self._over_bytes.append(peak_bytes)
+        no_gain = last is not None and peak_bytes > last * (1 - MIN_CORRECTION_GAIN)
+        if (self._corrections >= MAX_STEP_CORRECTIONS or no_gain) and not self._refuses:
             self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor,
-                                              f"over budget after {self._corrections} step corrections"))
+                                              f"over budget after {self._corrections} step corrections (best effort)"))
+            warnings.warn(f"remat: a step of {len(sequence)} graphs measured {format_bytes(peak_bytes)}, over the "
+                          f"budget {format_bytes(budget)}, and re-planning does not lower it; best_effort=True: it "
+                          "runs on.", stacklevel=2)
+            return
+        if self._corrections >= MAX_STEP_CORRECTIONS or no_gain:
+            action = (f"infeasible: over budget after {self._corrections} step correction(s), the last lowering the "
+                      f"measured peak from {last} to {peak_bytes} bytes")
+            self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, action))
+            named = max(self._over_bytes)
+            self._refusal = BudgetInfeasibleError(
+                f"budget {format_bytes(budget)} is below what this step of {len(sequence)} graphs measures: "
+                f"{format_bytes(peak_bytes)} (step {number} measured, its plans composing a predicted "
+                f"{format_bytes(predicted)}), after {self._corrections} round(s) of re-planning every graph that "
+                f"{'did not lower it' if no_gain else 'left it over'}"
+                f": the rest is memory the plans do not hold (eager code between or inside the graphs). The budget "
+                f"named is the largest step peak measured here ({len(self._over_bytes)} step(s)): plans made for it "
+                f"have at least the room every plan tried had. " + raise_budget_hint(named), budget_bytes=budget,
+                min_feasible_bytes=min(self._over_bytes), min_budget_bytes=named,
+                reasons=(f"{format_bytes(peak_bytes - predicted)} of the measured step is not in the plans' "
+                         "composed prediction",))
             return
         self._corrections += 1
         self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, "re-planned"))
