@@ -70,7 +70,4 @@ def test_a_step_over_its_budget_by_eager_memory_is_refused_naming_a_budget_then_
     measured = [event for event in retried.feedback_events if event.measured_peak_bytes is not None]
     assert measured and measured[-1].action == "within budget"
     assert measured[-1].measured_peak_bytes <= refused.value.min_budget_gb * 1e9
-
-    best_effort = remat.backend(budget_bytes / 1e9, best_effort=True)
-    _run(best_effort)                              # asked to run anyway: not refused
     torch._dynamo.reset()
