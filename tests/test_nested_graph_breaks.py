@@ -14,6 +14,7 @@ from torch import nn
 
 import remat
 from remat._torch_graph_breaks import caller_resumes_after, graph_break_follows
+from remat.testing.steps import assert_grads_close, compiled_loss_step, grads_of
 
 
 class Body(nn.Module):
@@ -56,30 +57,17 @@ def test_the_callees_graph_is_told_that_its_callers_resume_follows():
 
 
 def test_the_first_step_of_a_break_inside_a_called_module_fits_its_budget():
-    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(0))
-
-    def step_of(backend):
-        torch.manual_seed(0)
-        model = BodyThenHead()
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend=backend)
-
-        def step() -> None:
-            model.zero_grad(set_to_none=True)
-            compiled(x).backward()
-        return model, step
-
-    plain_model, plain_step = step_of("inductor")
+    inputs = (torch.randn(512, 256, generator=torch.Generator().manual_seed(0)),)
+    plain_model, plain_step = compiled_loss_step(BodyThenHead, inputs, "inductor")
     plain_step()
-    reference = {name: p.grad.clone() for name, p in plain_model.named_parameters()}
+    reference = grads_of(plain_model)
     budget_bytes = int(0.8 * remat.measure_peak_bytes(plain_step).peak_bytes)
-    model, step = step_of(remat.backend(budget_bytes / 1e9))
+    model, step = compiled_loss_step(BodyThenHead, inputs, remat.backend(budget_bytes / 1e9))
     first = remat.measure_peak_bytes(step).peak_bytes       # the compiling step (the loop cannot measure it)
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads = grads_of(model)
     step()
     third = remat.measure_peak_bytes(step).peak_bytes
     torch._dynamo.reset()
     assert first <= budget_bytes, f"step 1 measured {first / budget_bytes:.3f}x the budget"
     assert third <= budget_bytes, f"step 3 measured {third / budget_bytes:.3f}x the budget"
-    for name, grad in grads.items():
-        assert torch.allclose(grad, reference[name], rtol=1e-4, atol=1e-6), name
+    assert_grads_close(grads, reference)

@@ -2,6 +2,7 @@
 
 - ``run_step``: one training step (grads set to None, the output dotted with fixed random weights,
   backward), reseeding the global generator first so random ops draw the same numbers;
+  ``compiled_loss_step``: a fresh model whose output is its loss, compiled, and its training step;
   ``prime_loss_weights`` creates those weights before a first step that is measured;
 - ``grads_of`` / ``buffers_of``: copies to compare; ``assert_grads_close`` / ``assert_tensors_close``:
   every tensor within ``GRAD_REL_TOL`` relative error, with ``relative_error``.
@@ -9,7 +10,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -75,6 +76,22 @@ def run_step(compiled: Callable[..., torch.Tensor], model: torch.nn.Module, inpu
     del out
     loss.backward()
     return loss.detach()
+
+
+def compiled_loss_step(make_model: Callable[[], torch.nn.Module], inputs: Sequence[torch.Tensor], backend: Any,
+                       seed: int = 0) -> tuple[torch.nn.Module, Callable[[], None]]:
+    """``make_model()`` built after ``torch.manual_seed(seed)`` (so every call makes the same parameters),
+    compiled with ``backend`` after ``torch._dynamo.reset()``, and its training step: gradients set to None,
+    then the model's output on ``inputs`` (its loss) backpropagated."""
+    torch.manual_seed(seed)
+    model = make_model()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        compiled(*inputs).backward()
+    return model, step
 
 
 def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
