@@ -24,8 +24,8 @@ for the re-plans the account's condition needs, and measures whole steps:
   graphs' simulated peaks compose and the simulator's error cannot be told apart by graph there.
   At most ``MAX_STEP_CORRECTIONS`` such rounds; each is a ``FeedbackEvent`` with graph id
   ``step:<first>..<last>``. Not stored on disk (the per-graph store keys one graph's error).
-- **A step no plan fits.** A step measured over its budget after a round of re-plans that lowered
-  its measured peak by less than ``MIN_CORRECTION_GAIN`` (or after ``MAX_STEP_CORRECTIONS`` rounds)
+- **A step no plan fits** (``judge_step``). A step measured over its budget after a round of re-plans that
+  lowered its measured peak by less than ``MIN_CORRECTION_GAIN`` (or after ``MAX_STEP_CORRECTIONS`` rounds)
   is over by memory remat's plans do not hold: eager code between or inside the graphs (a Hugging
   Face model with gradient checkpointing runs its checkpointed layers' recomputation eagerly: a
   1-layer Qwen2 measured 2,080,456 B at budgets of 1.87, 1.46 and 1.32 MB, its graphs' plans composing
@@ -42,7 +42,7 @@ import logging
 import threading
 import warnings
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ._torch_dynamo import passthrough_error_class
 from .compile_cache import StepKey, step_key_of
@@ -58,6 +58,21 @@ log = logging.getLogger("remat")
 MAX_STEP_REPLANS = 2       # re-plans of one graph the step's condition asks for; then it warns and stops
 MAX_STEP_CORRECTIONS = 3   # rounds of re-plans a measured step over its budget asks for
 MIN_CORRECTION_GAIN = 0.01  # a round lowering the measured step peak by less than this fraction: the step is refused
+
+
+def judge_step(budget_bytes: int, peak_bytes: int, over_before: Sequence[int], corrections: int,
+               refuses: bool = True) -> str:
+    """The step loop's decision on one measured step (pure: numbers in, a verdict out): "within budget";
+    "re-plan"; "refuse" when re-planning does not bring the step lower (the last round lowered the measured
+    peak by less than ``MIN_CORRECTION_GAIN``, or ``MAX_STEP_CORRECTIONS`` rounds were made); "run over" in
+    that case when the backend does not refuse (``best_effort=True``). ``over_before``: the step peaks measured
+    over the budget before this one, in order; ``corrections``: the re-plan rounds made so far."""
+    if peak_bytes <= budget_bytes:
+        return "within budget"
+    no_gain = bool(over_before) and peak_bytes > over_before[-1] * (1 - MIN_CORRECTION_GAIN)
+    if corrections >= MAX_STEP_CORRECTIONS or no_gain:
+        return "refuse" if refuses else "run over"
+    return "re-plan"
 
 
 class StepHooks:
@@ -231,16 +246,16 @@ class StepHooks:
             return
         factor = peak_bytes / max(predicted, 1)
         last = self._over_bytes[-1] if self._over_bytes else None
+        verdict = judge_step(budget, peak_bytes, self._over_bytes, self._corrections, self._refuses)
         self._over_bytes.append(peak_bytes)
-        no_gain = last is not None and peak_bytes > last * (1 - MIN_CORRECTION_GAIN)
-        if (self._corrections >= MAX_STEP_CORRECTIONS or no_gain) and not self._refuses:
+        if verdict == "run over":
             self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor,
                                               f"over budget after {self._corrections} step corrections (best effort)"))
             warnings.warn(f"remat: a step of {len(sequence)} graphs measured {format_bytes(peak_bytes)}, over the "
                           f"budget {format_bytes(budget)}, and re-planning does not lower it; best_effort=True: it "
                           "runs on.", stacklevel=2)
             return
-        if self._corrections >= MAX_STEP_CORRECTIONS or no_gain:
+        if verdict == "refuse":
             action = (f"infeasible: over budget after {self._corrections} step correction(s), the last lowering the "
                       f"measured peak from {last} to {peak_bytes} bytes")
             self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, action))
@@ -248,9 +263,9 @@ class StepHooks:
             self._refusal = BudgetInfeasibleError(
                 f"budget {format_bytes(budget)} is below what this step of {len(sequence)} graphs measures: "
                 f"{format_bytes(peak_bytes)} (step {number} measured, its plans composing a predicted "
-                f"{format_bytes(predicted)}), after {self._corrections} round(s) of re-planning every graph that "
-                f"{'did not lower it' if no_gain else 'left it over'}"
-                f": the rest is memory the plans do not hold (eager code between or inside the graphs). The budget "
+                f"{format_bytes(predicted)}) after {self._corrections} round(s) of re-planning every graph"
+                + (f", the last taking it from {format_bytes(last)}" if last is not None else "")
+                + ": the rest is memory the plans do not hold (eager code between or inside the graphs). The budget "
                 f"named is the largest step peak measured here ({len(self._over_bytes)} step(s)): plans made for it "
                 f"have at least the room every plan tried had. " + raise_budget_hint(named), budget_bytes=budget,
                 min_feasible_bytes=min(self._over_bytes), min_budget_bytes=named,

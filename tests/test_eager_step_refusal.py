@@ -1,6 +1,7 @@
 """A step whose peak is mostly memory remat's plans do not hold (eager code between its graphs): the step loop
 re-plans, finds a round that does not lower the measured peak, and refuses the budget at the next step,
-naming one that is then accepted (``remat/step_loop.py``). Before, such a step ran over its budget on every
+naming one that is then accepted (``remat/step_loop.py``); under ``best_effort=True`` it runs on (the pure
+verdict, ``judge_step``). Before, such a step ran over its budget on every
 step after one warning (a 1-layer Hugging Face Qwen2 with gradient checkpointing, whose checkpointed layers
 recompute eagerly: 1.11-1.76x its budgets).
 """
@@ -64,3 +65,17 @@ def test_a_step_over_its_budget_by_eager_memory_is_refused_naming_a_budget_then_
     assert measured and measured[-1].action == "within budget"
     assert measured[-1].measured_peak_bytes <= refused.value.min_budget_gb * 1e9
     torch._dynamo.reset()
+
+
+def test_the_step_verdict_refuses_a_round_that_does_not_lower_the_step_unless_best_effort():
+    from remat.step_loop import MAX_STEP_CORRECTIONS, judge_step
+
+    budget = 1000
+    assert judge_step(budget, 1000, [], 0) == "within budget"
+    assert judge_step(budget, 1500, [], 0) == "re-plan"                    # first time over: re-plan
+    assert judge_step(budget, 1300, [1500], 1) == "re-plan"                # the round lowered it: again
+    assert judge_step(budget, 1495, [1500], 1) == "refuse"                 # lowered by under 1%: refuse
+    assert judge_step(budget, 1600, [1500], 1) == "refuse"                 # raised it: refuse
+    assert judge_step(budget, 1100, [1500], MAX_STEP_CORRECTIONS) == "refuse"   # out of rounds
+    assert judge_step(budget, 1495, [1500], 1, refuses=False) == "run over"     # best_effort=True
+    assert judge_step(budget, 1500, [], 0, refuses=False) == "re-plan"     # best effort still re-plans first
