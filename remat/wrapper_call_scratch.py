@@ -46,13 +46,14 @@ import logging
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from .cost_model.calibrate import TensorLayout
 from .cost_model.hardware import real_tensors
 from .graph_code import GraphCode, activation_dtype, library_dtypes
-from .simulator.library_scratch import keeping_places, op_named, scratch_of_prepared
+from .simulator.library_scratch import ProbedCall, prepared_call, scratch_of_prepared
 from .cost_model.inductor_rules import COLLECTIVE_NAMESPACES, EXACT_LIBRARY_CALLS, MATMUL_CALLS, allocates_nothing
 from .wrapper_text import ALLOC, ASSERT_SIZE, LIBRARY_CALL, call_body, ints_or_none
 
@@ -62,17 +63,9 @@ EXTERN_MATMUL = re.compile(rf"\bextern_kernels\.({'|'.join(sorted(MATMUL_CALLS))
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
-class Layout:
-    """A tensor as the wrapper states it."""
-
-    sizes: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
 class WrapperCall:
-    """One library call of a wrapper, its tensor arguments replaced by their layouts."""
+    """One library call of a wrapper, its tensor arguments replaced by their layouts (``calibrate.TensorLayout``,
+    as the joint graph's probe describes its calls: ``library_scratch.ProbedCall``)."""
 
     result: str                     # the name its result is bound to ("buf12"); for a call whose result is
                                     # not bound (in place), its statement as ``call_body`` gives it
@@ -97,7 +90,7 @@ class _Unreadable(Exception):
     """An argument the wrapper's text does not state exactly (a symbol, an unknown name)."""
 
 
-def _argument(node: ast.AST, layouts: Mapping[str, Layout]) -> Any:
+def _argument(node: ast.AST, layouts: Mapping[str, TensorLayout]) -> Any:
     if isinstance(node, ast.Name):
         if node.id in layouts:
             return layouts[node.id]
@@ -108,7 +101,7 @@ def _argument(node: ast.AST, layouts: Mapping[str, Layout]) -> Any:
         base, sizes, strides = node.args[0], _ints(node.args[1]), _ints(node.args[2])
         if not isinstance(base, ast.Name) or base.id not in layouts or sizes is None or strides is None:
             raise _Unreadable(ast.unparse(node))
-        return Layout(sizes, strides, layouts[base.id].dtype)
+        return TensorLayout(sizes, strides, layouts[base.id].dtype)
     if isinstance(node, (ast.List, ast.Tuple)):
         values = [_argument(element, layouts) for element in node.elts]
         return values if isinstance(node, ast.List) else tuple(values)
@@ -158,7 +151,7 @@ def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], 
     op the assert names and the output's place in its tuple, ``graph_code.library_dtypes``, else
     ``fallback_dtype``, the graph's activation dtype). A call with an argument the text does not state is
     left out. A call whose result is a tuple carries the places the wrapper reads (``read_places``)."""
-    layouts: dict[str, Layout] = {}
+    layouts: dict[str, TensorLayout] = {}
     element_index: dict[str, int] = {}          # ``buf3 = buf2[1]``: buf3 is element 1 of a library call's tuple
     places_read: dict[str, set[int]] = {}       # ``buf3 = buf2[1]``: place 1 of buf2 is read
     calls: list[WrapperCall] = []
@@ -167,14 +160,14 @@ def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], 
             name, _, shape, stride, dtype = match.groups()
             sizes, steps = ints_or_none(shape), ints_or_none(stride)
             if sizes is not None and steps is not None and isinstance(getattr(torch, dtype, None), torch.dtype):
-                layouts[name] = Layout(tuple(sizes), tuple(steps), getattr(torch, dtype))
+                layouts[name] = TensorLayout(tuple(sizes), tuple(steps), getattr(torch, dtype))
             continue
         if (match := ASSERT_SIZE.match(statement)):
             name, sizes, steps = match.group(1), ints_or_none(match.group(2)), ints_or_none(match.group(3))
             if sizes is not None and steps is not None:
                 output_of = (match.group(4) or "", element_index.get(name, -1))
                 dtype = input_dtypes.get(name) or library_dtypes.get(output_of) or fallback_dtype
-                layouts[name] = Layout(tuple(sizes), tuple(steps), dtype)
+                layouts[name] = TensorLayout(tuple(sizes), tuple(steps), dtype)
             continue
         try:
             tree = ast.parse(statement)
@@ -213,37 +206,11 @@ def wrapper_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype], 
                 log.debug("library call not re-measured (%s unreadable): %s", unreadable, statement[:200])
                 continue
             out = kwargs.get("out")
-            if allocates_nothing(op.split(".")[1], out.dtype if isinstance(out, Layout) else None):
+            if allocates_nothing(op.split(".")[1], out.dtype if isinstance(out, TensorLayout) else None):
                 continue    # a float32 matrix product: nothing to measure
             calls.append(WrapperCall(target.id if target is not None else statement, op, args, kwargs))
     return [dataclasses.replace(call, read_places=frozenset(places_read[call.result])) if call.result in places_read
             else call for call in calls]
-
-
-def _random(layout: Layout, device: torch.device) -> torch.Tensor:
-    tensor = torch.empty_strided(layout.sizes, layout.strides, dtype=layout.dtype, device=device)
-    return tensor.normal_() if tensor.is_floating_point() else tensor.zero_()
-
-
-def _prepared(call: WrapperCall, device: torch.device) -> Optional[Callable[[], Any]]:
-    """The call on random tensors of its layouts, run once (warm), or None when it cannot run."""
-    def realize(value: Any) -> Any:
-        if isinstance(value, Layout):
-            return _random(value, device)
-        if isinstance(value, (list, tuple)):
-            return type(value)(realize(v) for v in value)
-        return value
-
-    try:
-        target = op_named(call.op)
-        args, kwargs = realize(call.args), {k: realize(v) for k, v in call.kwargs.items()}
-        target(*args, **kwargs)
-    except Exception as error:  # noqa: BLE001 - an op may refuse random inputs: the joint graph's measure stands
-        log.debug("library call %s not re-measured: %s: %s", call.op, type(error).__name__, str(error)[:200])
-        return None
-    # a partial: its arguments' storages are not its outputs; a tuple's places the wrapper never reads are
-    # the call's working memory (``library_scratch.keeping_places``)
-    return functools.partial(keeping_places, call.read_places, target, *args, **kwargs)
 
 
 def scratch_at_wrapper_layouts(source_code: str, input_dtypes: Mapping[str, torch.dtype], ops: frozenset[str],
@@ -268,7 +235,11 @@ def _measured_calls(body: Sequence[str], input_dtypes: Mapping[str, torch.dtype]
         return []
     devices = [device] if device.type == "cuda" else []
     with real_tensors(), torch.random.fork_rng(devices=devices):
-        scratch = scratch_of_prepared([functools.partial(_prepared, call, device) for call in calls], device)
+        # each call made on random tensors of its layouts as the joint graph's probe makes its calls; a tuple's
+        # places the wrapper never reads are the call's working memory (``library_scratch.keeping_places``)
+        scratch = scratch_of_prepared([functools.partial(prepared_call, ProbedCall(call.op, call.args, call.kwargs,
+                                                                                   call.read_places), device)
+                                       for call in calls], device)
     if scratch is None:
         return []
     return [(call, int(nbytes)) for call, nbytes in zip(calls, scratch) if nbytes is not None]
@@ -316,5 +287,5 @@ def with_scratch_at_generated_layouts(code: GraphCode, inputs: CallInputs) -> Gr
                                remeasured_calls=frozenset(op for op, n in calls.items() if measured_per_op[op] == n))
 
 
-__all__ = ["CallInputs", "Layout", "WrapperCall", "call_inputs", "scratch_at_wrapper_layouts", "with_scratch_at_generated_layouts",
+__all__ = ["CallInputs", "WrapperCall", "call_inputs", "scratch_at_wrapper_layouts", "with_scratch_at_generated_layouts",
            "wrapper_calls"]

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from remat.cost_model.calibrate import TensorLayout
 from remat.graph_code import GraphCode
 from remat.inductor_check import replay_wrapper
-from remat.wrapper_call_scratch import (CallInputs, Layout, scratch_at_wrapper_layouts, with_scratch_at_generated_layouts,
+from remat.wrapper_call_scratch import (CallInputs, scratch_at_wrapper_layouts, with_scratch_at_generated_layouts,
                                         wrapper_calls)
 from remat.wrapper_text import call_body
 
@@ -48,9 +49,9 @@ def test_the_wrapper_states_each_library_calls_layouts():
     (call,) = wrapper_calls(body, FLOAT, frozenset({"convolution_backward"}), torch.float32)
     assert (call.result, call.op) == ("buf1", "aten.convolution_backward.default")
     grad, saved, weight = call.args[:3]
-    assert grad == Layout((2, 48, 48, 48), (110592, 2304, 48, 1), torch.float32)
-    assert saved == Layout((2, 48, 48, 48), (110592, 48, 2304, 1), torch.float32)
-    assert weight == Layout((48, 1, 3, 3), (9, 9, 3, 1), torch.float32)
+    assert grad == TensorLayout((2, 48, 48, 48), (110592, 2304, 48, 1), torch.float32)
+    assert saved == TensorLayout((2, 48, 48, 48), (110592, 48, 2304, 1), torch.float32)
+    assert weight == TensorLayout((48, 1, 3, 3), (9, 9, 3, 1), torch.float32)
     assert call.args[3:] == ([0], [1, 1], [1, 1], [1, 1], False, [0, 0], 48, [True, True, False])
     assert wrapper_calls(body, FLOAT, frozenset({"convolution"}), torch.float32) == []   # an op not asked for
 
@@ -152,8 +153,8 @@ def test_a_reduced_precision_matrix_product_is_measured_and_a_float32_one_is_not
     it at its statement; in float32 it allocates nothing (``inductor_rules.allocates_nothing``) and is not run."""
     bf16, bf16_inputs = _matmul_code(torch.bfloat16)
     (call,) = wrapper_calls(call_body(bf16.source_code), bf16_inputs.dtypes, frozenset({"mm"}), torch.bfloat16)
-    assert call.op == "aten.mm.out" and call.kwargs["out"] == Layout((512, 576), (576, 1), torch.bfloat16)
-    assert call.args[1] == Layout((192, 576), (1, 192), torch.bfloat16)
+    assert call.op == "aten.mm.out" and call.kwargs["out"] == TensorLayout((512, 576), (576, 1), torch.bfloat16)
+    assert call.args[1] == TensorLayout((192, 576), (1, 192), torch.bfloat16)
     measured = with_scratch_at_generated_layouts(bf16, bf16_inputs)
     (statement,) = measured.call_scratch
     assert statement.startswith("extern_kernels.mm(a, ") and measured.remeasured_calls == frozenset({"mm"})
@@ -198,7 +199,7 @@ def test_a_library_outputs_dtype_is_the_fx_graphs_where_the_code_does_not_state_
     (read,) = wrapper_calls(body, dtypes, ops, torch.float32,
                             {("aten.convolution_backward.default", 0): torch.bfloat16,
                              ("aten.convolution_backward.default", 1): torch.float32})
-    assert read.args[0] == Layout((2, 4, 6, 6), (144, 36, 6, 1), torch.bfloat16)
+    assert read.args[0] == TensorLayout((2, 4, 6, 6), (144, 36, 6, 1), torch.bfloat16)
 
 
 def test_a_calls_tuple_places_the_wrapper_never_reads_are_measured_as_working_memory():
