@@ -248,11 +248,12 @@ def register_dynamo_backend(compiler_fn: Callable[..., Any], name: str) -> None:
 
 
 def watch_compiled_backward(outputs: Any, at_end: Optional[Callable[[], None]],
-                            at_start: Optional[Callable[[], Any]] = None) -> bool:
+                            at_start: Optional[Callable[[], Any]] = None) -> Any:
     """Run ``at_end``, if given, right after the compiled backward of the graph whose outputs these
     are (AOTAutograd's ``CompiledFunctionBackward`` node, reached from an output's ``grad_fn``, through
     the view nodes of aliased outputs; ``_after``), and ``at_start``, if given, right before it (a
-    pre-hook); False if no output leads to one."""
+    pre-hook). Returns that node (a Python object that lives as long as the autograd graph holding it,
+    and takes weak references), or None if no output leads to one."""
     roots = [o.grad_fn for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
              if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     seen, node = set(), None
@@ -263,14 +264,14 @@ def watch_compiled_backward(outputs: Any, at_end: Optional[Callable[[], None]],
         seen.update(roots)
         roots = [nxt for n in roots for nxt, _ in n.next_functions if nxt is not None and nxt not in seen]
     if node is None:
-        return False
+        return None
     if at_end is not None:
         _after(node, at_end)
     if at_start is not None:
         def before(*_: Any) -> None:   # a pre-hook returning None leaves the incoming gradients as they are
             at_start()
         node.register_prehook(before)
-    return True
+    return node
 
 
 def _after(node: Any, at_end: Callable[[], None]) -> None:

@@ -160,7 +160,7 @@ class RematBackend:
         wrapper = VerifiedGraph(fn, self.compiled_graphs[-1], device=device_of(example_inputs),
                                 verify_peak=self.options.verify_peak, events=self.feedback_events,
                                 recompile=recompile if in_place else None, watch_backward=watch_compiled_backward,
-                                store=self._remember, step=self._step_hooks if in_step else None)
+                                store=self._remember, step=self._step_hooks if in_step else None, runs_stack=in_step)
         if in_step:
             self._step_hooks.register(wrapper, identity)
         if verify:
@@ -273,8 +273,8 @@ class RematBackend:
         held_of = lambda p: held_bytes_of(joint, static_indices, p.saved_bytes, p.saved_primals)  # noqa: E731
         if share is None and target_bytes is not None:   # graph breaks: one budget per step (remat/step_budget.py)
             step = self._step_hooks.account
-            share = step.share_for_joint(slot_of(graph_id), target_bytes, joint, need_of(facts), num_fwd_outputs,
-                                         static_indices, getattr(self._replan, "follows", False), key)
+            share = step.share_for_joint(slot_of(graph_id), target_bytes, joint, need_of(facts), num_fwd_outputs, static_indices,
+                                         getattr(self._replan, "follows", False), key, getattr(correction, "runs", 1))
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
         if getattr(self._replan, "step_key", None) is not None:   # a compile keyed by its share plans at it, or stops
             self._replan.step_key.check(share)
@@ -328,7 +328,7 @@ class RematBackend:
 
             dump_path = write_dump(Path(self.options.dump_dir) / graph_id, graph_id, plan, regions, fw, bw, facts, profile,
                                    pareto_points=self.options.pareto_points, correction=correction)
-        step_share = share if share is not None and share.kind.startswith("break") else None
+        step_share = share if share is not None and share.in_step else None
         distributed = None if step_share is not None else record_graph(
             self._step_ledger, share, joint, plan.saved_bytes, plan.saved_primals, fw, bw, num_fwd_outputs,
             static_indices, dump_path)

@@ -217,8 +217,21 @@ class GraphShare:
                 low = middle
         return high
 
+    @property
+    def in_step(self) -> bool:
+        """A share of one process's step (graph breaks, or one graph's stacked runs), not of a DDP/FSDP2 ledger."""
+        return self.kind.startswith("break") or self.kind == "runs"
+
     def explain(self) -> str:
         """One paragraph for report.md: how the budget was split and why the step fits."""
+        if self.kind == "runs":
+            return (f"One graph run {self.repeats} times per step before their backwards (measured: the feedback "
+                    f"loop's window held that many runs). Step target {format_bytes(self.step_target_bytes)}; each "
+                    f"earlier run keeps what it holds for its backward while the next runs, each later run (its "
+                    f"backward ran first) its parameters' gradients {format_bytes(self.later_run_bytes)}; activation "
+                    f"inputs {format_bytes(self.input_activation_bytes)} per run. Target for this graph's simulated "
+                    f"peak: {format_bytes(self.target_bytes)}. The step fits if every run's peak plus what the "
+                    "earlier runs hold and the later runs' gradients stays under the step target.")
         if self.kind.startswith("break"):
             return self._explain_break()
         where = (f"DDP piece {self.index + 1} of {self.count}" if self.kind == "ddp"
@@ -418,7 +431,7 @@ def write_share_to_dump(dump_path: str, share: GraphShare) -> None:
     directory = Path(dump_path)
     report = directory / "report.md"
     if report.exists():
-        title = "Step budget split" if share.kind.startswith("break") else "Distributed budget split"
+        title = "Step budget split" if share.in_step else "Distributed budget split"
         # report.md was rendered before the share was known: its planning-target line would call
         # the share's cut "headroom"; it names the split instead.
         lines = [_share_target_line(line, title) if line.startswith("- planning target:") else line
@@ -427,7 +440,7 @@ def write_share_to_dump(dump_path: str, share: GraphShare) -> None:
     plan_json = directory / "plan.json"
     if plan_json.exists():
         payload = json.loads(plan_json.read_text())
-        payload["step_share" if share.kind.startswith("break") else "distributed"] = share.to_json()
+        payload["step_share" if share.in_step else "distributed"] = share.to_json()
         plan_json.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 

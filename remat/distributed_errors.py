@@ -51,7 +51,8 @@ def restate_infeasible(error: BudgetInfeasibleError, share: Optional["GraphShare
     step_target = share.smallest_step_target_bytes(peak, loose=loose)
     minimum = budget_for_step_target(step_target, target_for_budget)
     message = (
-        f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_gb_up(minimum)} GB "
+        f"{'' if share.in_step else 'per-rank '}budget {format_bytes(budget_bytes)} is below the smallest feasible "
+        f"budget {format_gb_up(minimum)} GB "
         f"for this graph ({share.explain().split('. ')[0]}): "
         f"its smallest simulated peak is {format_bytes(peak)}, "
         f"and its share of a budget grows as {format_bytes(share.target_bytes)} does at {format_bytes(budget_bytes)}. "

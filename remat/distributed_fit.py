@@ -218,7 +218,8 @@ def _infeasible(error: BudgetInfeasibleError, share: GraphShare, candidates: "li
     step, held, peak, position = min(needs)
     minimum = budget_for_step_target(step, target_for_budget)
     message = (
-        f"per-rank budget {format_bytes(budget_bytes)} is below the smallest feasible budget {format_gb_up(minimum)} GB "
+        f"{'' if share.in_step else 'per-rank '}budget {format_bytes(budget_bytes)} is below the smallest feasible "
+        f"budget {format_gb_up(minimum)} GB "
         f"for this graph ({share.explain().split('. ')[0]}): "
         f"of the plans near its smallest peak, the one that needs the least peaks at {format_bytes(peak)} and holds "
         f"{format_bytes(held)} for its backward, which with what the rest of the step needs fits a step target of "

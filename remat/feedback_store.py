@@ -53,6 +53,9 @@ class Correction:
     # above the target too (a factor under 1): only a try of Inductor's room search, which the check
     # judges before it runs (``judge_loop.faster_within_check``); a measured correction never raises it
     loosens: bool = False
+    # the graph's runs the measured step held before their backwards (its plan is then made for that many
+    # runs per step: step_budget.runs_share); 1 for a graph run once per step
+    runs: int = 1
 
     def corrected_target(self, target_bytes: int) -> int:
         """The planning target once the simulator's error is known: ``target / factor``, floored,
@@ -93,7 +96,7 @@ def read_correction(key: str) -> Optional[Correction]:
             return None
         fields = {k: data[k] for k in ("factor", "budget_bytes", "predicted_peak_bytes", "measured_peak_bytes",
                                        "graph_id")}
-        return Correction(**fields, source=f"stored: {path}")
+        return Correction(**fields, source=f"stored: {path}", runs=max(int(data.get("runs", 1)), 1))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -228,7 +228,7 @@ class StepWindow:
     thread (``open_window()``), on any device: a second would reset the CUDA peak under the
     first, or meet the first's profiler. While a CPU window is open no other
     ``torch.profiler`` session can start on its thread, so it is closed as soon as the backward
-    that marked its end returns to Python (``_close_when_the_engine_returns``); failing that, from
+    that marked its end returns to Python (``when_the_engine_returns``); failing that, from
     wherever the program next leaves the engine: the next compiled call, ``optimizer.step()`` (a
     global step pre-hook, removed at close), ``measure_peak_bytes`` (``close_open_window``), or
     interpreter exit.
@@ -277,16 +277,30 @@ class StepWindow:
 
     def mark_end(self) -> None:
         """Mark the window's end (safe inside the autograd engine); CUDA: the window is done."""
-        if self.marked or self.closed:
+        if not self._mark():
             return
+        if self.device.type == "cuda":
+            self.close()
+        else:
+            when_the_engine_returns(self.close)
+
+    def end_now(self) -> None:
+        """Mark the window's end and close it (outside the autograd engine: e.g. where a backward pass
+        returned, ``when_the_engine_returns``); nothing if its end was marked already."""
+        if self._mark():
+            self.close()
+
+    def _mark(self) -> bool:
+        """Record the end (CUDA: the allocator's peak; CPU: a marker event); False if already marked or closed."""
+        if self.marked or self.closed:
+            return False
         self.marked = True
         if self.device.type == "cuda":
             self._peak = torch.cuda.max_memory_allocated(self.device) - self._start_bytes
-            self.close()
         else:
             with torch.autograd.profiler.record_function(WINDOW_END_MARKER):
                 pass
-            _close_when_the_engine_returns(self)
+        return True
 
     def close(self) -> None:
         """Stop measuring (outside the autograd engine) and report (see the class docstring)."""
@@ -312,15 +326,16 @@ def _engine_entry_code() -> Any:
     return getattr(entry, "__code__", None)
 
 
-def _close_when_the_engine_returns(window: StepWindow) -> None:
-    """Close ``window`` as soon as the backward pass that marked its end returns to Python.
+def when_the_engine_returns(callback: Callable[[], None]) -> None:
+    """Call ``callback`` as soon as the backward pass running now (or the next one) returns to Python.
 
-    Why: a CPU window's profiler cannot stop inside the engine, and one left running across the
-    user's code (the optimizer, logging, the next compile, interpreter exit) crashed the process
+    Why (a window's ``close``): a CPU window's profiler cannot stop inside the engine, and one left running
+    across the user's code (the optimizer, logging, the next compile, interpreter exit) crashed the process
     (heap corruption at exit after a single compiled step). A profile function on this thread
     (the engine runs CPU backward work on the calling thread) sees the engine's Python entry
-    return and closes the window there; any profile function already installed keeps running.
-    Without that entry point the window stays open until the next close point (class docstring)."""
+    return and calls ``callback`` there; any profile function already installed keeps running.
+    Without that entry point nothing is called (a window then stays open until the next close point:
+    the class docstring)."""
     code = _engine_entry_code()
     if code is None:
         return
@@ -331,7 +346,7 @@ def _close_when_the_engine_returns(window: StepWindow) -> None:
             previous(frame, event, arg)
         if event == "return" and frame.f_code is code:
             sys.setprofile(previous)
-            window.close()
+            callback()
 
     sys.setprofile(watch)
 

@@ -120,6 +120,17 @@ def test_verify_peak_is_in_the_cache_key():
 # ---- the wrapper on eager code (no Inductor): a fake plan over its budget ---------------------
 
 
+def watch_grad_fn(out, at_end, at_start=None):
+    """``watch_compiled_backward`` for a 'graph' whose output's grad_fn is its backward: ``at_start`` before it
+    runs, ``at_end`` after; returns the node."""
+    node = out[0].grad_fn
+    if at_start is not None:
+        node.register_prehook(lambda *_: (at_start(), None)[1])
+    if at_end is not None:
+        node.register_hook(lambda *_: at_end())
+    return node
+
+
 def fake_record(graph_id, budget_bytes, predicted_peak_bytes):
     plan = SimpleNamespace(budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes, fits_budget=True)
     return SimpleNamespace(plan=plan, graph_id=graph_id, graph_key="key", base_target_bytes=budget_bytes * 95 // 100)
@@ -133,10 +144,6 @@ def test_the_wrapper_replans_at_its_next_call(recompile_works):
     x = torch.ones(512, 512, requires_grad=True)
     events, stored, asked = [], {}, []
 
-    def watch(out, at_end, at_start=None):
-        if at_end is not None:
-            out[0].grad_fn.register_hook(lambda *_: at_end())
-        return True
 
     def recompile(args, correction):
         asked.append(correction)
@@ -145,7 +152,7 @@ def test_the_wrapper_replans_at_its_next_call(recompile_works):
         return (lambda a: [a * 3.0]), fake_record("g_r1", 1000, 900)
 
     graph = VerifiedGraph(lambda a: [a * 2.0], fake_record("g", 1000, 900), device=torch.device("cpu"), verify_peak=1,
-                          events=events, recompile=recompile, watch_backward=watch,
+                          events=events, recompile=recompile, watch_backward=watch_grad_fn,
                           store=lambda key, c: stored.setdefault(key, c) and None)
     with pytest.warns(UserWarning, match=r"over the budget 0.000001 GB.*re-planning it at a target of"):
         graph(x)[0].sum().backward()
@@ -175,18 +182,34 @@ def test_a_graph_called_twice_per_step_measures_its_last_call():
     x = torch.ones(512, 512, requires_grad=True)
     events = []
 
-    def watch(out, at_end, at_start=None):
-        if at_end is not None:
-            out[0].grad_fn.register_hook(lambda *_: at_end())
-        return True
 
     graph = VerifiedGraph(lambda a: [a * 2.0], fake_record("g", 10**9, 900), device=torch.device("cpu"),
-                          verify_peak=1, events=events, recompile=None, watch_backward=watch)
+                          verify_peak=1, events=events, recompile=None, watch_backward=watch_grad_fn)
     outs = [graph(x) for _ in range(2)]
     (outs[0][0].sum() + outs[1][0].sum()).backward()
     close_open_window()
     assert [(e.step, e.action) for e in events] == [(1, "within budget")]
     assert events[0].measured_peak_bytes >= 1 << 20
+
+
+def test_runs_that_stack_are_measured_as_one_window():
+    """A graph planned for one run per step (``runs_stack``) called twice before its backwards: one window
+    holds both runs, from the first entry to the last backward, and the event says 2 runs (before session
+    34 the second call spoiled the first's window and only the second was measured, the first's memory
+    counted as baseline)."""
+    x = torch.ones(512, 512, requires_grad=True)
+    events = []
+
+
+    record = fake_record("g", 10**9, 900)
+    record.plan.saved_bytes = 0
+    graph = VerifiedGraph(lambda a: [a * 2.0], record, device=torch.device("cpu"),
+                          verify_peak=1, events=events, recompile=None, watch_backward=watch_grad_fn, runs_stack=True)
+    outs = [graph(x) for _ in range(2)]
+    (outs[0][0].sum() + outs[1][0].sum()).backward()
+    close_open_window()
+    assert [(e.step, e.action, e.runs) for e in events] == [(0, "within budget", 2)]
+    assert events[0].measured_peak_bytes >= 2 << 20     # both runs' 1 MiB outputs
 
 
 # ---- a small MLP planned by a simulator that is wrong on purpose ------------------------------
@@ -478,10 +501,10 @@ def test_a_replan_outside_dynamo_compiles_with_static_shapes(tmp_path, monkeypat
 
     measured = VerifiedGraph._on_measured
 
-    def first_over_budget(self, record, step, peak_bytes, why_not):
+    def first_over_budget(self, record, step, peak_bytes, why_not, runs=1):
         if step == 0 and peak_bytes is not None:
             peak_bytes = record.plan.budget_bytes + 1     # as if the plan's real peak were over the budget
-        measured(self, record, step, peak_bytes, why_not)
+        measured(self, record, step, peak_bytes, why_not, runs)
 
     monkeypatch.setattr(RematBackend, "partition", spying)
     monkeypatch.setattr(VerifiedGraph, "_on_measured", first_over_budget)
