@@ -21,7 +21,9 @@ built fresh from the entry's seed (same parameters and inputs) and run for three
   step split at graph breaks runs two steps (it refuses at the second, once its graphs are known).
 - ``none``, ``0.9``, ``0.7``, ``0.5``: ``remat.backend(budget_gb=...)`` at no budget and at
   those fractions of plain's peak (a fraction below the floor is recorded as infeasible, from
-  the probe, without compiling), and with ``--floor-point``, ``floor``: at the floor itself.
+  the probe, without compiling), and with ``--floor-point``, ``floor``: at the floor itself, and
+  ``floor-named``, where the floor was refused once its steps ran (the closed loop's refusal, naming a
+  budget): at the budget that refusal named, as a user retrying would.
 - ``checkpoint``: full per-block checkpointing (``entry.build(checkpoint_blocks=True)``, non-
   reentrant ``torch.utils.checkpoint``) under plain Inductor, for models with repeated blocks.
 
@@ -46,6 +48,12 @@ is plain Inductor on that model, and there is no separate ``checkpoint`` point. 
 step 1 is measured inside ``remat.measure_peak_bytes``'s profiler even where the closed loop measures it, as a
 user checking the budget with ``docs/design.md``'s method would: remat compiles inside that profiler, where
 its own loop cannot measure the step.
+
+With ``--runs-per-step N`` every variant's step calls the model ``N`` times and sums the losses before the
+backward (a model run on two views of a batch): the runs stack, each keeping what it holds for its backward
+while the next runs. Nothing tells a compile that its graph will run again, so step 1 is the one that
+discovers it (remat's loop measures the runs as one window and re-plans the graph for them,
+``remat/feedback.py``); the probe's floor is one run's.
 
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
@@ -222,12 +230,21 @@ def autocast_to(dtype: Optional[torch.dtype]) -> Any:
     return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
+def step_loss(built: Any, compiled: Any, runs: int) -> torch.Tensor:
+    """The step's loss: ``built.loss`` of ``runs`` calls of ``compiled``, summed (every call's forward runs
+    before any backward: their runs stack, as a model called on two views of a batch does)."""
+    loss = built.loss(compiled)
+    for _ in range(runs - 1):
+        loss = loss + built.loss(compiled)
+    return loss
+
+
 def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_blocks: bool = False,
                 measure_first: bool = True, autocast_dtype: Optional[torch.dtype] = None,
-                freeze: Optional[str] = None) -> dict[str, Any]:
+                freeze: Optional[str] = None, runs: int = 1) -> dict[str, Any]:
     """Compile a fresh copy of ``entry`` with ``backend`` and run three steps, the forward and loss under
-    CPU autocast to ``autocast_dtype`` when given, the parameters ``freeze`` names frozen; see the module
-    docstring."""
+    CPU autocast to ``autocast_dtype`` when given, the parameters ``freeze`` names frozen, the model called
+    ``runs`` times per step (``step_loss``); see the module docstring."""
     fresh_caches()
     torch._dynamo.reset()
     built = entry.build(checkpoint_blocks, freeze)
@@ -239,7 +256,7 @@ def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_block
 
     def step() -> float:
         with autocast_to(autocast_dtype):
-            loss = built.loss(compiled)
+            loss = step_loss(built, compiled, runs)
         loss.backward()
         return float(loss.detach())
 
@@ -268,8 +285,10 @@ class ModelRun:
     """Every point of one corpus model, each written as a JSON line the moment it is known."""
 
     def __init__(self, entry: corpus_mod.CorpusEntry, out: Path, autocast_dtype: Optional[torch.dtype] = None,
-                 freeze: Optional[str] = None, user_checkpointing: bool = False, profile_first_step: bool = False) -> None:
+                 freeze: Optional[str] = None, user_checkpointing: bool = False, profile_first_step: bool = False,
+                 runs_per_step: int = 1) -> None:
         self.entry, self.out, self.autocast_dtype, self.freeze = entry, out, autocast_dtype, freeze
+        self.runs_per_step = runs_per_step      # calls of the model per step, before any backward (step_loss)
         # the model checkpoints its own blocks in every variant; step 1 runs inside a profiler even with the loop on
         self.user_checkpointing, self.profile_first_step = user_checkpointing, profile_first_step
         self.reference: Optional[dict[str, torch.Tensor]] = None        # plain Inductor's step-1 gradients
@@ -302,6 +321,7 @@ class ModelRun:
         kwargs.setdefault("autocast_dtype", self.autocast_dtype)
         kwargs.setdefault("freeze", self.freeze)
         kwargs.setdefault("checkpoint_blocks", self.user_checkpointing)
+        kwargs.setdefault("runs", self.runs_per_step)
         try:
             record = run_variant(self.entry, backend, **kwargs)
         except remat.BudgetInfeasibleError as error:
@@ -335,7 +355,7 @@ class ModelRun:
             for _ in range(2):
                 built.model.zero_grad(set_to_none=True)
                 with autocast_to(self.autocast_dtype):
-                    loss = built.loss(compiled)
+                    loss = step_loss(built, compiled, self.runs_per_step)
                 loss.backward()
         except remat.BudgetInfeasibleError as error:
             named = getattr(error, "min_budget_bytes", None)
@@ -375,13 +395,19 @@ class ModelRun:
                 continue
             self.measure(f"{fraction:g}", make_backend(budget / 1e9), budget, measure_first=measure_first)
         if floor_point and floor is not None:
-            self.measure("floor", make_backend(floor / 1e9), floor, measure_first=measure_first)
+            at_floor = self.measure("floor", make_backend(floor / 1e9), floor, measure_first=measure_first)
+            named = at_floor.get("min_budget_bytes")
+            if str(at_floor.get("error", "")).startswith("infeasible") and named and named > floor:
+                # refused once its steps ran (the probe cannot see what only a run shows, e.g. runs that stack):
+                # the budget that refusal named, as a user retrying would
+                self.measure("floor-named", make_backend(named / 1e9), named, measure_first=measure_first)
         if self.entry.has_repeated_blocks and not self.user_checkpointing:   # (plain is checkpointed already)
             self.measure("checkpoint", "inductor", None, checkpoint_blocks=True)
         self.write("done", plain_peak_bytes=self.plain_peak, floor_bytes=floor, loop_supported=loop,
                    description=self.entry.description, seed=self.entry.seed,
                    autocast=str(self.autocast_dtype) if self.autocast_dtype is not None else None, freeze=self.freeze,
-                   user_checkpointing=self.user_checkpointing, profile_first_step=self.profile_first_step)
+                   user_checkpointing=self.user_checkpointing, profile_first_step=self.profile_first_step,
+                   runs_per_step=self.runs_per_step)
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -431,6 +457,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="every variant's model checkpoints its own blocks (models without repeated blocks are left out)")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="measure step 1 inside a profiler even where the closed loop measures it (as a user checking it would)")
+    parser.add_argument("--runs-per-step", type=int, default=1,
+                        help="call the model this many times per step before the backward (their runs stack)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -440,7 +468,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.worker is not None:
         entry = next(e for e in entries if e.name == args.worker)
         ModelRun(entry, args.out, AUTOCAST_DTYPES.get(args.autocast), args.freeze, args.user_checkpointing,
-                 args.profile_first_step).run(FRACTIONS, args.floor_point)
+                 args.profile_first_step, args.runs_per_step).run(FRACTIONS, args.floor_point)
         return 0
     if not args.report_only:
         run_all(args, entries)
@@ -469,6 +497,7 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
                            "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                            "autocast": args.autocast, "freeze": args.freeze,
                            "user_checkpointing": args.user_checkpointing, "profile_first_step": args.profile_first_step,
+                           "runs_per_step": args.runs_per_step,
                            "environment": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ}})
     todo = interleave_families([e for e in chosen if e.name not in finished])
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -501,7 +530,8 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
                "--seeds", ",".join(map(str, args.seeds)), "--cnn-seeds", ",".join(map(str, args.cnn_seeds)),
                "--hf-seeds", ",".join(map(str, args.hf_seeds))] + (["--floor-point"] if args.floor_point else []) \
         + (["--autocast", args.autocast] if args.autocast else []) + (["--freeze", args.freeze] if args.freeze else []) \
-        + (["--user-checkpointing"] if args.user_checkpointing else []) + (["--profile-first-step"] if args.profile_first_step else [])
+        + (["--user-checkpointing"] if args.user_checkpointing else []) + (["--profile-first-step"] if args.profile_first_step else []) \
+        + ["--runs-per-step", str(args.runs_per_step)]
     try:
         status: Any = subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False).returncode
     except subprocess.TimeoutExpired:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 GRAD_TOL = 1e-4
 ACCURACY_RATIO_TOL = 2.0
-BUDGET_POINTS = ("0.9", "0.7", "0.5", "floor")
+BUDGET_POINTS = ("0.9", "0.7", "0.5", "floor", "floor-named")   # floor-named: the budget a refused floor named
 
 
 def _mb(value: Optional[float]) -> str:
@@ -296,7 +296,10 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         + (" Every variant's model checkpoints its own blocks (`--user-checkpointing`: `entry.build(checkpoint_blocks=True)`;"
            " plain is plain Inductor on that model, and there is no separate checkpointing baseline)." if header.get("user_checkpointing") else "")
         + (" Step 1 of every variant is measured inside `remat.measure_peak_bytes`'s profiler (`--profile-first-step`),"
-           " as a user checking it would: the closed loop cannot measure that step." if header.get("profile_first_step") else ""),
+           " as a user checking it would: the closed loop cannot measure that step." if header.get("profile_first_step") else "")
+        + (f" Every variant's step calls the model {header['runs_per_step']} times and sums the losses before the backward"
+           " (`--runs-per-step`: the runs stack); step 1 is the one that discovers it, and the probe's floor is one"
+           " run's (`floor-named`: the budget a refused floor named)." if (header.get("runs_per_step") or 1) > 1 else ""),
         "",
         f"Models finished: {len(finished)} of the {len(models)} started ({sum(1 for m in finished if m.startswith('rand-'))} random nets, "
         f"{sum(1 for m in finished if m.startswith('cnn-'))} CNNs, {sum(1 for m in finished if m.startswith('hf-'))} Hugging Face models"
