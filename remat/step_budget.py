@@ -40,9 +40,13 @@ corrects; measured figures in docs/budget.md):
   a graph whose plan no longer fits next to the pending graphs is still re-planned before it runs
   (``check_entry``). A re-plan no plan meets raises ``BudgetInfeasibleError`` at step 2's first
   forward, naming a budget; step 1 may have run over then;
-- a graph that enters its forward again before its backward ran (a compiled block run several times
-  per step, or a forward whose backward never ran) ends the accounting of that step: it is not
-  used as a sequence; graphs planned provisionally in such steps keep those plans (slower, not larger);
+- a graph that enters its forward again right after itself, before its backward ran (a compiled block
+  run once per layer), is a run of it: the sequence holds each run, and its share counts its consecutive
+  runs as stacking (``share_in_step(runs=...)``, ``GraphShare.runs_peak_bytes``). A step of one graph's runs
+  alone is the graph's own window's (``window_runs.py``), not a sequence. A graph entering again after
+  another graph ran (its runs interleaved with another's, or a forward whose backward never ran) ends the
+  accounting of that step: it is not used as a sequence; graphs planned provisionally in such steps keep
+  those plans (slower, not larger);
 - the simulator's error on the composed step: once the sequence is known, whole steps are measured
   (``remat/step_loop.py``); a step over the budget re-plans every graph at its target divided by
   ``measured / predicted`` step peak, so that step and the next one measured may run over.
@@ -68,6 +72,8 @@ if TYPE_CHECKING:
     from torch import fx
 
 log = logging.getLogger("remat")
+
+MAX_STEP_RUNS = 1024   # graph runs one step's account holds before it stops taking the step as a sequence
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,7 @@ def step_overruns(graphs: tuple[StepGraph, ...]) -> tuple[int, ...]:
 
 def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], step_target_bytes: int,
                   input_activation_bytes: int, param_grad_bytes: int, need_bytes: int,
-                  sequence_known: bool, own_floor_bytes: int = 0, smallest: bool = False) -> GraphShare:
+                  sequence_known: bool, own_floor_bytes: int = 0, smallest: bool = False, runs: int = 1) -> GraphShare:
     """The share of the step for a graph planned after ``earlier`` (their backward pending) and
     before ``later`` (known once a step completed): ``piece_target``'s rule with kind "break".
     The first graph's inputs count 0 (see the module docstring). Kind "break-partial" when the
@@ -140,7 +146,9 @@ def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], 
     The reserve for later graphs is ``later_demand_bytes`` (at their smallest plans, capped at their
     plans saving everything) plus their part, by need, of what is left once this graph's floor
     ``own_floor_bytes`` (its smallest peak and inputs) is met. ``smallest`` (sequence unknown, a graph
-    break follows): kind "break-smallest", the graph takes its smallest-peak plan (``fit_in_step``)."""
+    break follows): kind "break-smallest", the graph takes its smallest-peak plan (``fit_in_step``). ``runs``:
+    the graph's consecutive runs in the known sequence (a block compiled once and run once per layer), which
+    stack as ``runs_share``'s do (``earlier``/``later``: the graphs before its first run and after its last)."""
     graphs = earlier + (None,) + later
     needs = tuple(need_bytes if g is None else g.need_bytes for g in graphs)
     grads_before, later_grads = sum(g.param_grad_bytes for g in earlier), sum(g.param_grad_bytes for g in later)
@@ -152,6 +160,7 @@ def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], 
         grads_so_far_bytes=grads_before + param_grad_bytes,
         kind="break" if sequence_known else "break-smallest" if smallest else "break-partial",
         own_grad_bytes=param_grad_bytes, later_estimate_bytes=later_demand_bytes(later) if later else None,
+        repeats=runs, later_run_bytes=param_grad_bytes if runs > 1 else 0,
         own_floor_bytes=own_floor_bytes, later_ceiling_bytes=later_demand_bytes(later, floor=False) if later else None,
     )
 
@@ -225,13 +234,13 @@ class StepAccount:
             floor = self._floors.get(slot)
             own_floor = 0 if floor is None else floor[0] + input_activation_bytes
             if slot in self.sequence and len(self.sequence) > 1:
-                k = self.sequence.index(slot)
-                earlier = tuple(g for s in self.sequence[:k] if (g := self._graph(s)) is not None)
-                later = tuple(g for s in self.sequence[k + 1:] if (g := self._graph(s)) is not None)
-                known = True
+                first, last = self.sequence.index(slot), len(self.sequence) - 1 - self.sequence[::-1].index(slot)
+                earlier = tuple(g for s in self.sequence[:first] if (g := self._graph(s)) is not None)
+                later = tuple(g for s in self.sequence[last + 1:] if (g := self._graph(s)) is not None)
+                known, group_runs = True, last - first + 1
             else:
                 earlier = tuple(g for s in self._pending if s != slot and (g := self._graph(s)) is not None)
-                later, known = (), False
+                later, known, group_runs = (), False, 1
         recalled = None if known or not graph_key else recall_share(earlier, graph_key, step_target_bytes,
                                                                      input_activation_bytes, param_grad_bytes)
         if recalled is not None:
@@ -241,7 +250,7 @@ class StepAccount:
             return runs_share(step_target_bytes, input_activation_bytes, param_grad_bytes, need_bytes,
                               runs) if runs > 1 else None
         return share_in_step(earlier, later, step_target_bytes, input_activation_bytes, param_grad_bytes,
-                             need_bytes, known, own_floor, smallest)
+                             need_bytes, known, own_floor, smallest, group_runs)
 
     def share_for_joint(self, slot: str, step_target_bytes: int, joint: "fx.GraphModule", need_bytes: int,
                         num_fwd_outputs: int, static_indices: Optional[Sequence[int]],
@@ -286,7 +295,10 @@ class StepAccount:
     def forward_entered(self, slot: str) -> None:
         """Graph ``slot`` enters its forward (before any re-plan it runs now)."""
         with self._lock:
-            if slot in self._pending:      # called again before its backward ran: not a sequence
+            again = slot in self._pending
+            if again and (self._order[-1:] != [slot] or len(self._order) >= MAX_STEP_RUNS):
+                # again after another graph (or past any real stack of runs: a forward whose backward never
+                # ran stays pending, and each step would add to it): not a sequence
                 self._pending, self._order, self._spoiled = [], [], True
             elif not self._pending:
                 self._order, self._spoiled = [], False
@@ -295,15 +307,18 @@ class StepAccount:
 
     def check_entry(self, slot: str) -> Optional[str]:
         """Why graph ``slot``'s running plan does not fit next to what the graphs pending now hold
-        (their held bytes, its inputs, the later graphs' gradients when the sequence is known),
-        or None when it fits or is not accounted (the sequence is not known yet: in the first step each
-        graph was just planned next to these pending graphs). Call it after ``forward_entered``."""
+        (their held bytes, its earlier runs' among them, its inputs, the later graphs' gradients when the
+        sequence is known), or None when it fits or is not accounted (the sequence is not known yet: in the
+        first step each graph was just planned next to these pending graphs). Call it after ``forward_entered``."""
         with self._lock:
             if slot not in self.sequence:
                 return None
+            position = len(self._order) - 1     # where this step is in the sequence, if it follows it
+            if tuple(self._order) != self.sequence[:position + 1]:
+                position = self.sequence.index(slot)
             graph = self._graph(slot)
-            earlier = [g for s in self._pending if s != slot and (g := self._graph(s)) is not None]
-            later = tuple(g for s in self.sequence[self.sequence.index(slot) + 1:] if (g := self._graph(s)))
+            earlier = [g for s in self._pending[:-1] if (g := self._graph(s)) is not None]
+            later = tuple(g for s in self.sequence[position + 1:] if (g := self._graph(s)))
         if graph is None or not earlier:
             return None
         held = sum(g.held_bytes for g in earlier)
@@ -316,6 +331,11 @@ class StepAccount:
                 f"{format_bytes(graph.input_activation_bytes)} and later graphs' gradients {format_bytes(grads)}: "
                 f"{format_bytes(total)}, over the step target {format_bytes(graph.step_target_bytes)}")
 
+    def at_step_start(self) -> bool:
+        """Whether the graph that entered its forward last is the step's first (call after ``forward_entered``)."""
+        with self._lock:
+            return len(self._order) == 1
+
     def backward_done(self, slot: str) -> Optional[tuple[str, ...]]:
         """Graph ``slot``'s backward finished. Returns the step's graphs in forward order when this
         completes a step (nothing pending any more; a step in which a graph ran twice is none), else
@@ -326,9 +346,9 @@ class StepAccount:
             if self._pending or not self._order or self._spoiled:
                 return None
             order, self._order = tuple(self._order), []
-            if len(set(order)) != len(order):
+            if len(set(order)) < 2 <= len(order):   # one graph's runs: its own window measures them (window_runs.py)
                 return None
-            if len(order) > 1:
+            if len(set(order)) > 1:
                 self.sequence = order
             return order
 

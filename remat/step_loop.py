@@ -147,15 +147,15 @@ class StepHooks:
         why = self.account.check_entry(slot)
         if why is not None:
             self._replan(wrapper, why)
-        if self.measures(wrapper) and slot == self.account.sequence[0]:
+        first = self.account.sequence[:1] == (slot,) and self.account.at_step_start()   # not a later run of it
+        if self.measures(wrapper) and first:
             self._replan_ahead(self.account.sequence)
         if not self.measures(wrapper):
             return
         window = open_window()
         if wrapper.replan_pending and self.owns(window):
             window.spoil(f"{wrapper.record.graph_id} was re-planned inside the step (its compile's allocations count)")
-        elif slot == self.account.sequence[0] and window is None and self._verify_left > 0 \
-                and not wrapper.replan_pending:
+        elif first and window is None and self._verify_left > 0 and not wrapper.replan_pending:
             self._open(wrapper.device, self.account.sequence)
 
     def _open(self, device: Any, sequence: tuple[str, ...]) -> None:
@@ -171,7 +171,7 @@ class StepHooks:
         """At the first graph's forward entry, before it runs: every re-plan the graphs of
         ``sequence`` wait for is made now, in forward order (each graph's share sees the earlier
         graphs' new plans), so that none compiles inside the step next to what earlier graphs hold."""
-        for slot in sequence:
+        for slot in dict.fromkeys(sequence):      # a graph run several times: once
             found = self._wrapper(slot)
             if found is not None and found.replan_pending:
                 found.replan_ahead()
@@ -192,7 +192,7 @@ class StepHooks:
             for slot in order[:max(last, 1)] if over else ():
                 replans[slot] = over.get(slot) or (f"what it holds is live under {order[last]}, over the step "
                                                    f"target: {over[order[last]]}")
-        for slot in order:
+        for slot in dict.fromkeys(order):
             found = self._wrapper(slot) if slot in replans else None
             if found is not None:
                 self._replan(found, replans[slot])
@@ -219,7 +219,7 @@ class StepHooks:
             done = self._replans.get(slot, 0)
             self._replans[slot] = done + 1
         if not wrapper.can_replan or done >= MAX_STEP_REPLANS:
-            if done == MAX_STEP_REPLANS or not wrapper.can_replan:
+            if done == (MAX_STEP_REPLANS if wrapper.can_replan else 0):    # once per graph
                 warnings.warn(f"remat: the step may run over its budget: {why}; "
                               + ("it cannot be re-planned in place (dynamic shapes, or a graph that cannot be copied)."
                                  if not wrapper.can_replan else f"{MAX_STEP_REPLANS} re-plans did not fix it."),
@@ -234,7 +234,7 @@ class StepHooks:
         graph of the step at its target divided by ``measured / predicted`` step peak."""
         from .feedback import FeedbackEvent
 
-        wrappers = [self._wrapper(slot) for slot in sequence]
+        wrappers = [self._wrapper(slot) for slot in dict.fromkeys(sequence)]
         if peak_bytes is None or any(w is None for w in wrappers):
             return
         self._verify_left -= 1

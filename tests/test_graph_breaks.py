@@ -209,6 +209,31 @@ def test_a_graph_run_twice_before_its_backward_is_not_a_sequence():
     assert account.backward_done("g0") is None and account.sequence == ()
 
 
+def test_consecutive_runs_of_a_graph_are_a_sequence_and_stack_in_its_share():
+    """g0 run twice, then g1 twice (blocks of two kinds compiled one by one): a sequence with each run; g0's share
+    counts its 2 runs stacking (run 1 next to run 0's held bytes) and g1 after both; the composed peak counts every
+    run. One graph's runs alone are not a sequence (its own window measures them: window_runs.py)."""
+    account = StepAccount()
+    account.note_plan(graph("g0", held=10, peak=40, grads=3))
+    account.note_plan(graph("g1", held=20, peak=50, inputs=5, grads=4))
+    for slot in ("g0", "g0", "g1", "g1"):
+        account.forward_entered(slot)
+    for slot in ("g1", "g1", "g0"):
+        assert account.backward_done(slot) is None
+    assert account.backward_done("g0") == ("g0", "g0", "g1", "g1") == account.sequence
+    share = account.share_for("g0", 1000, 0, 3, 10)
+    assert (share.kind, share.repeats, share.held_before_bytes) == ("break", 2, 0)
+    assert share.runs_peak_bytes(10, 40) == max(0 + 0 + 40 + 3, 10 + 0 + 40)
+    later = account.share_for("g1", 1000, 5, 4, 10)
+    assert (later.index, later.repeats, later.held_before_bytes) == (2, 2, 20)
+    assert account.step_peak_bytes(account.sequence) == max(
+        3 + 4 + 4 + 40, 10 + 4 + 4 + 40, 20 + 5 + 4 + 50, 40 + 5 + 50)
+    alone = StepAccount()
+    for slot in ("g0", "g0"):
+        alone.forward_entered(slot)
+    assert alone.backward_done("g0") is None and alone.backward_done("g0") is None and alone.sequence == ()
+
+
 # ---- end to end: tiny MLP blocks split by graph breaks ---------------------------------------
 
 def _block(width: int, hidden: int, depth: int, dropout: float) -> nn.Module:
