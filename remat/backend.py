@@ -174,8 +174,8 @@ class RematBackend:
         compiled: list[tuple[Callable[..., Any], CodeCapture]] = []    # loaded only if kept (_torch_deferred.py)
 
         def recompile(correction: Correction, key: str, candidate: Optional[str] = None) -> tuple[Callable[..., Any], CodeCapture]:
-            replanned = CodeCapture(defer_loading=True)
-            compiled.append((self._recompile(gm, args, correction, key, replanned, candidate)[0], replanned))
+            replanned = CodeCapture(defer_loading=True)   # re-plans: under the judged plan's key, for its stacked runs
+            compiled.append((self._recompile(gm, args, correction.keeping_runs(runs), key, replanned, candidate)[0], replanned))
             return compiled[-1]
 
         def compile_candidate(refused: CompiledGraph, kind: str) -> tuple[Callable[..., Any], CodeCapture]:
@@ -185,7 +185,7 @@ class RematBackend:
             self._replan.refused = (refused.plan.target_bytes, refused.refusal.error, refused.plan)
             return recompile(same, refused.graph_key, kind)
 
-        device, key = device_of(args).type, self.compiled_graphs[-1].graph_key   # every re-plan compiles under key
+        device, key, runs = device_of(args).type, self.compiled_graphs[-1].graph_key, getattr(self.compiled_graphs[-1].correction, "runs", 1)
         def estimate(facts: Any, correction: Correction) -> Plan:   # a room-search try: its compile takes this plan
             self._replan.estimated = replan_estimate(self.options, device, key, facts, correction)
             return self._replan.estimated.plan

@@ -57,6 +57,11 @@ class Correction:
     # runs per step: step_budget.runs_share); 1 for a graph run once per step
     runs: int = 1
 
+    def keeping_runs(self, runs: int) -> "Correction":
+        """This correction for a graph planned for ``runs`` stacked runs: a correction made for another reason (the
+        check's re-plan of such a plan) keeps them."""
+        return replace(self, runs=runs) if runs > 1 and self.runs == 1 else self
+
     def corrected_target(self, target_bytes: int) -> int:
         """The planning target once the simulator's error is known: ``target / factor``, floored,
         never above ``target_bytes`` unless the correction ``loosens``."""
