@@ -202,6 +202,7 @@ class StepAccount:
         self._pending: list[str] = []               # slots whose forward ran this step, backward not yet
         self._order: list[str] = []                 # forward order of this step so far
         self._spoiled = False                       # this step is not a sequence (a graph ran twice)
+        self.interleaved_runs = 0                   # steps spoiled so: a graph entered again after another graph
         self.sequence: tuple[str, ...] = ()         # the slots of the last complete step, forward order
 
     def note_plan(self, graph: StepGraph) -> None:
@@ -299,6 +300,7 @@ class StepAccount:
             if again and (self._order[-1:] != [slot] or len(self._order) >= MAX_STEP_RUNS):
                 # again after another graph (or past any real stack of runs: a forward whose backward never
                 # ran stays pending, and each step would add to it): not a sequence
+                self.interleaved_runs += self._order[-1:] != [slot]
                 self._pending, self._order, self._spoiled = [], [], True
             elif not self._pending:
                 self._order, self._spoiled = [], False

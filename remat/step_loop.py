@@ -58,6 +58,11 @@ log = logging.getLogger("remat")
 MAX_STEP_REPLANS = 2       # re-plans of one graph the step's condition asks for; then it warns and stops
 MAX_STEP_CORRECTIONS = 3   # rounds of re-plans a measured step over its budget asks for
 MIN_CORRECTION_GAIN = 0.01  # a round lowering the measured step peak by less than this fraction: the step is refused
+INTERLEAVED_RUNS_WARNING = (
+    "remat: {graph} ran again after another graph, before its backward (a model with graph breaks called several "
+    "times per step, or a forward whose loss was not backpropagated): remat cannot account such a step across its "
+    "graphs, and does not measure it; its peak may exceed the budget (docs/budget.md, \"A graph that runs several "
+    "times before its backwards\"). Once per backend.")
 
 
 def judge_step(budget_bytes: int, peak_bytes: int, over_before: Sequence[int], corrections: int,
@@ -143,7 +148,10 @@ class StepHooks:
         slot = slot_of(wrapper.record.graph_id)
         if self._refusal is not None and slot == self.account.sequence[0]:
             raise passthrough_error_class(BudgetInfeasibleError)(self._refusal)
+        spoiled = self.account.interleaved_runs
         self.account.forward_entered(slot)
+        if self.account.interleaved_runs > spoiled == 0:
+            warnings.warn(INTERLEAVED_RUNS_WARNING.format(graph=wrapper.record.graph_id), stacklevel=3)
         why = self.account.check_entry(slot)
         if why is not None:
             self._replan(wrapper, why)

@@ -207,6 +207,7 @@ def test_a_graph_run_twice_before_its_backward_is_not_a_sequence():
     for slot in ("g0", "g1", "g0"):
         account.forward_entered(slot)
     assert account.backward_done("g0") is None and account.sequence == ()
+    assert account.interleaved_runs == 1     # StepHooks warns once (step_loop.INTERLEAVED_RUNS_WARNING)
 
 
 def test_consecutive_runs_of_a_graph_are_a_sequence_and_stack_in_its_share():
