@@ -55,6 +55,12 @@ while the next runs. Nothing tells a compile that its graph will run again, so s
 discovers it (remat's loop measures the runs as one window and re-plans the graph for them,
 ``remat/feedback.py``); the probe's floor is one run's.
 
+With ``--micro-batches N`` every variant's step accumulates gradients over ``N`` forward and backward passes
+(gradient accumulation; the same inputs each time), its gradients set to None once, before the first: from the
+second pass on, the parameters hold the gradients of the earlier ones, part of the step's peak. Step 1 is the
+one that discovers it (remat's loop measures the second pass too, ``remat/accumulated_grads.py``); the probe's
+floor is one pass's.
+
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
 ``max_k(held by graphs before k + k's activation inputs + later graphs' gradients + peak of k)``,
@@ -241,10 +247,11 @@ def step_loss(built: Any, compiled: Any, runs: int) -> torch.Tensor:
 
 def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_blocks: bool = False,
                 measure_first: bool = True, autocast_dtype: Optional[torch.dtype] = None,
-                freeze: Optional[str] = None, runs: int = 1) -> dict[str, Any]:
+                freeze: Optional[str] = None, runs: int = 1, micro_batches: int = 1) -> dict[str, Any]:
     """Compile a fresh copy of ``entry`` with ``backend`` and run three steps, the forward and loss under
     CPU autocast to ``autocast_dtype`` when given, the parameters ``freeze`` names frozen, the model called
-    ``runs`` times per step (``step_loss``); see the module docstring."""
+    ``runs`` times per step (``step_loss``), the gradients accumulated over ``micro_batches`` forward and
+    backward passes per step; see the module docstring."""
     fresh_caches()
     torch._dynamo.reset()
     built = entry.build(checkpoint_blocks, freeze)
@@ -255,10 +262,14 @@ def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_block
         torch.manual_seed(STEP_SEED)
 
     def step() -> float:
-        with autocast_to(autocast_dtype):
-            loss = step_loss(built, compiled, runs)
-        loss.backward()
-        return float(loss.detach())
+        total = 0.0
+        for _ in range(micro_batches):
+            with autocast_to(autocast_dtype):
+                loss = step_loss(built, compiled, runs)
+            loss.backward()
+            total += float(loss.detach())
+            del loss
+        return total
 
     record: dict[str, Any] = {}
     prepare()
@@ -286,9 +297,10 @@ class ModelRun:
 
     def __init__(self, entry: corpus_mod.CorpusEntry, out: Path, autocast_dtype: Optional[torch.dtype] = None,
                  freeze: Optional[str] = None, user_checkpointing: bool = False, profile_first_step: bool = False,
-                 runs_per_step: int = 1) -> None:
+                 runs_per_step: int = 1, micro_batches: int = 1) -> None:
         self.entry, self.out, self.autocast_dtype, self.freeze = entry, out, autocast_dtype, freeze
         self.runs_per_step = runs_per_step      # calls of the model per step, before any backward (step_loss)
+        self.micro_batches = micro_batches      # forward and backward passes per step, gradients accumulated
         # the model checkpoints its own blocks in every variant; step 1 runs inside a profiler even with the loop on
         self.user_checkpointing, self.profile_first_step = user_checkpointing, profile_first_step
         self.reference: Optional[dict[str, torch.Tensor]] = None        # plain Inductor's step-1 gradients
@@ -322,6 +334,7 @@ class ModelRun:
         kwargs.setdefault("freeze", self.freeze)
         kwargs.setdefault("checkpoint_blocks", self.user_checkpointing)
         kwargs.setdefault("runs", self.runs_per_step)
+        kwargs.setdefault("micro_batches", self.micro_batches)
         try:
             record = run_variant(self.entry, backend, **kwargs)
         except remat.BudgetInfeasibleError as error:
@@ -407,7 +420,7 @@ class ModelRun:
                    description=self.entry.description, seed=self.entry.seed,
                    autocast=str(self.autocast_dtype) if self.autocast_dtype is not None else None, freeze=self.freeze,
                    user_checkpointing=self.user_checkpointing, profile_first_step=self.profile_first_step,
-                   runs_per_step=self.runs_per_step)
+                   runs_per_step=self.runs_per_step, micro_batches=self.micro_batches)
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -459,6 +472,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="measure step 1 inside a profiler even where the closed loop measures it (as a user checking it would)")
     parser.add_argument("--runs-per-step", type=int, default=1,
                         help="call the model this many times per step before the backward (their runs stack)")
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="accumulate gradients over this many forward and backward passes per step")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -468,7 +483,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.worker is not None:
         entry = next(e for e in entries if e.name == args.worker)
         ModelRun(entry, args.out, AUTOCAST_DTYPES.get(args.autocast), args.freeze, args.user_checkpointing,
-                 args.profile_first_step, args.runs_per_step).run(FRACTIONS, args.floor_point)
+                 args.profile_first_step, args.runs_per_step, args.micro_batches).run(FRACTIONS, args.floor_point)
         return 0
     if not args.report_only:
         run_all(args, entries)
@@ -497,7 +512,7 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
                            "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                            "autocast": args.autocast, "freeze": args.freeze,
                            "user_checkpointing": args.user_checkpointing, "profile_first_step": args.profile_first_step,
-                           "runs_per_step": args.runs_per_step,
+                           "runs_per_step": args.runs_per_step, "micro_batches": args.micro_batches,
                            "environment": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ}})
     todo = interleave_families([e for e in chosen if e.name not in finished])
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -531,7 +546,7 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
                "--hf-seeds", ",".join(map(str, args.hf_seeds))] + (["--floor-point"] if args.floor_point else []) \
         + (["--autocast", args.autocast] if args.autocast else []) + (["--freeze", args.freeze] if args.freeze else []) \
         + (["--user-checkpointing"] if args.user_checkpointing else []) + (["--profile-first-step"] if args.profile_first_step else []) \
-        + ["--runs-per-step", str(args.runs_per_step)]
+        + ["--runs-per-step", str(args.runs_per_step), "--micro-batches", str(args.micro_batches)]
     try:
         status: Any = subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False).returncode
     except subprocess.TimeoutExpired:

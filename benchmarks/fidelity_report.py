@@ -299,7 +299,10 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
            " as a user checking it would: the closed loop cannot measure that step." if header.get("profile_first_step") else "")
         + (f" Every variant's step calls the model {header['runs_per_step']} times and sums the losses before the backward"
            " (`--runs-per-step`: the runs stack); step 1 is the one that discovers it, and the probe's floor is one"
-           " run's (`floor-named`: the budget a refused floor named)." if (header.get("runs_per_step") or 1) > 1 else ""),
+           " run's (`floor-named`: the budget a refused floor named)." if (header.get("runs_per_step") or 1) > 1 else "")
+        + (f" Every variant's step accumulates gradients over {header['micro_batches']} forward and backward passes"
+           " (`--micro-batches`, the same inputs each time): step 1 is the one that discovers it, and the probe's floor"
+           " is one pass's (`floor-named`: the budget a refused floor named)." if (header.get("micro_batches") or 1) > 1 else ""),
         "",
         f"Models finished: {len(finished)} of the {len(models)} started ({sum(1 for m in finished if m.startswith('rand-'))} random nets, "
         f"{sum(1 for m in finished if m.startswith('cnn-'))} CNNs, {sum(1 for m in finished if m.startswith('hf-'))} Hugging Face models"

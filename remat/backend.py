@@ -174,8 +174,8 @@ class RematBackend:
         compiled: list[tuple[Callable[..., Any], CodeCapture]] = []    # loaded only if kept (_torch_deferred.py)
 
         def recompile(correction: Correction, key: str, candidate: Optional[str] = None) -> tuple[Callable[..., Any], CodeCapture]:
-            replanned = CodeCapture(defer_loading=True)   # re-plans: under the judged plan's key, for its stacked runs
-            compiled.append((self._recompile(gm, args, correction.keeping_runs(runs), key, replanned, candidate)[0], replanned))
+            replanned = CodeCapture(defer_loading=True)   # re-plans: under the judged plan's key, for its step's use
+            compiled.append((self._recompile(gm, args, correction.keeping_step_use(made_for), key, replanned, candidate)[0], replanned))
             return compiled[-1]
 
         def compile_candidate(refused: CompiledGraph, kind: str) -> tuple[Callable[..., Any], CodeCapture]:
@@ -185,7 +185,7 @@ class RematBackend:
             self._replan.refused = (refused.plan.target_bytes, refused.refusal.error, refused.plan)
             return recompile(same, refused.graph_key, kind)
 
-        device, key, runs = device_of(args).type, self.compiled_graphs[-1].graph_key, getattr(self.compiled_graphs[-1].correction, "runs", 1)
+        device, key, made_for = device_of(args).type, self.compiled_graphs[-1].graph_key, self.compiled_graphs[-1].correction
         def estimate(facts: Any, correction: Correction) -> Plan:   # a room-search try: its compile takes this plan
             self._replan.estimated = replan_estimate(self.options, device, key, facts, correction)
             return self._replan.estimated.plan
@@ -274,7 +274,7 @@ class RematBackend:
         if share is None and target_bytes is not None:   # graph breaks: one budget per step (remat/step_budget.py)
             step = self._step_hooks.account
             share = step.share_for_joint(slot_of(graph_id), target_bytes, joint, need_of(facts), num_fwd_outputs, static_indices,
-                                         getattr(self._replan, "follows", False), key, getattr(correction, "runs", 1))
+                                         getattr(self._replan, "follows", False), key, correction)
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
         if getattr(self._replan, "step_key", None) is not None:   # a compile keyed by its share plans at it, or stops
             self._replan.step_key.check(share)

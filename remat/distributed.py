@@ -85,7 +85,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .units import format_bytes
 
 
 # An eager loss on the step's outputs (cross-entropy on logits: measured on the zoo GPT under
@@ -220,71 +219,13 @@ class GraphShare:
     @property
     def in_step(self) -> bool:
         """A share of one process's step (graph breaks, or one graph's stacked runs), not of a DDP/FSDP2 ledger."""
-        return self.kind.startswith("break") or self.kind == "runs"
+        return self.kind.startswith("break") or self.kind in ("runs", "accumulated")
 
     def explain(self) -> str:
-        """One paragraph for report.md: how the budget was split and why the step fits."""
-        if self.kind == "runs":
-            return (f"One graph run {self.repeats} times per step before their backwards (measured: the feedback "
-                    f"loop's window held that many runs). Step target {format_bytes(self.step_target_bytes)}; each "
-                    f"earlier run keeps what it holds for its backward while the next runs, each later run (its "
-                    f"backward ran first) its parameters' gradients {format_bytes(self.later_run_bytes)}; activation "
-                    f"inputs {format_bytes(self.input_activation_bytes)} per run. Target for this graph's simulated "
-                    f"peak: {format_bytes(self.target_bytes)}. The step fits if every run's peak plus what the "
-                    "earlier runs hold and the later runs' gradients stays under the step target.")
-        if self.kind.startswith("break"):
-            return self._explain_break()
-        where = (f"DDP piece {self.index + 1} of {self.count}" if self.kind == "ddp"
-                 else f"FSDP2 unit graph, run {self.repeats} times per step")
-        return (
-            f"{where}. Per-rank step target {format_bytes(self.step_target_bytes)} (budget less headroom); "
-            f"held for their backward by earlier pieces {format_bytes(self.held_before_bytes)}; "
-            f"activation inputs {format_bytes(self.input_activation_bytes)}; gradients of later pieces "
-            f"{format_bytes(self.later_grad_bytes)}; outside the graphs (FSDP2 parameters and gradients) "
-            f"{format_bytes(self.outside_bytes)}; reserved for later pieces {format_bytes(self.reserved_later_bytes)} "
-            f"(own share {format_bytes(self.own_share_bytes)}). Target for this graph's simulated peak: "
-            f"{format_bytes(self.target_bytes)}"
-            + (f" (its {self.repeats} runs stack: each earlier run keeps what it holds for its backward, each later "
-               f"run its sharded gradients {format_bytes(self.later_run_bytes)} and up to {self.rs_buffers} "
-               f"reduce-scatter buffer(s) of {format_bytes(self.rs_buffer_bytes)})" if self.repeats > 1 else "")
-            + ". The step fits if every piece meets its target: each piece's peak plus what the earlier "
-            "pieces hold, the later pieces' gradients and the memory outside the graphs stays under the step target."
-            + ("" if self.reserve_met else
-               " No plan fit next to the room reserved for the later pieces (an estimate of their need): the plan "
-               "near the smallest peak that holds least for its backward was taken, leaving them the rest.")
-        )
+        """One paragraph for report.md: how the budget was split and why the step fits (``share_explain.py``)."""
+        from .share_explain import explain_share
 
-    def _explain_break(self) -> str:
-        """``explain`` for a graph of a step split at graph breaks (``remat/step_budget.py``)."""
-        known = self.kind == "break"
-        where = (f"Graph {self.index + 1} of {self.count} of the step (graph breaks; the sequence as the last "
-                 "complete step ran it)" if known else
-                 f"Graph {self.index + 1} of the step so far (graph breaks; the first step: later graphs are not "
-                 "known yet, so nothing is reserved for them and their gradients are not counted)")
-        return (
-            f"{where}. Step target {format_bytes(self.step_target_bytes)} (budget less headroom); held for "
-            f"their backward by the {self.index} earlier graph(s) whose backward is pending "
-            f"{format_bytes(self.held_before_bytes)}; activation inputs {format_bytes(self.input_activation_bytes)}; "
-            f"gradients the later graphs' backwards produce before this one's {format_bytes(self.later_grad_bytes)}; "
-            f"reserved for the later graphs {format_bytes(self.reserved_later_bytes)}"
-            + (f" (an estimate of their smallest demand, {format_bytes(self.later_estimate_bytes)}, plus their "
-               "part of what is left by need)" if self.later_estimate_bytes is not None else "")
-            + f". Target for this graph's simulated peak: {format_bytes(self.target_bytes)}. The step fits if every "
-            "graph's peak plus what the earlier graphs hold, its inputs and the later graphs' gradients stays under "
-            "the step target."
-            + ("" if self.reserve_met else
-               " A graph break follows this graph and the later graphs are not known yet: of the plans near the smallest "
-               "peak, the one under which the step admits the most later graphs like this one (each holding what it "
-               "holds and producing its gradients), then the least held + peak, was taken (its target is above); "
-               "when the step completes it is re-planned with the whole sequence known."
-               if self.kind == "break-smallest" else
-               " No plan fit next to what the earlier graphs hold (they were planned before the step's graphs were "
-               "known): the smallest-peak plan was taken and this first step runs over; at its end the graphs whose "
-               "plans break the step target are re-planned with the whole sequence known."
-               if not known else
-               " No plan fit next to the room reserved for the later graphs: the plan near the smallest peak that "
-               "holds least for its backward was taken, leaving them the rest.")
-        )
+        return explain_share(self)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -26,7 +26,7 @@ backward while the next runs. Its window then holds all of them, from the first 
 to the end of the last of their backwards (``window_runs.WindowRuns``; up to ``MAX_RUNS_PER_WINDOW``
 runs), and is judged against the plan's stacked prediction (``stacked_prediction``); over the budget,
 the correction carries the runs, and the re-plan (and a later process, from the store) plans the graph
-for them (``step_budget.runs_share``). A run whose backward never ran in the window (a forward whose
+for them (``runs_share.runs_share``). A run whose backward never ran in the window (a forward whose
 loss was not backpropagated) makes the window unmeasured; one whose autograd graph was freed is not
 joined. Until session 34 the second run spoiled the window and the next one measured only the last run
 (the earlier runs' memory counted as its baseline): a zoo GPT with its four blocks compiled apart
@@ -89,6 +89,7 @@ from ._torch_graph_breaks import fake_inputs, input_specs
 from .errors import BudgetInfeasibleError
 from .feedback_store import Correction, write_correction
 from .measure import StepWindow, open_window
+from .accumulated_grads import ACCUMULATION_WATCH_CALLS, GradientLedger
 from .window_runs import WindowRuns
 
 log = logging.getLogger("remat")
@@ -118,6 +119,8 @@ class FeedbackEvent:
     action: str
     new_target_bytes: Optional[int] = None
     runs: int = 1      # the graph's runs the measured window held (several: they stacked in one step)
+    # gradients of the step its parameters held at the window's entry (gradient accumulation): counted in both peaks
+    accumulated_grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,15 +151,15 @@ def judge(budget_bytes: Optional[int], base_target_bytes: Optional[int], predict
 
 
 def planned_runs(record: Any) -> int:
-    """The runs per step ``record``'s plan was made for (its share of kind "runs", ``step_budget.runs_share``)."""
+    """The runs per step ``record``'s plan was made for (its share of kind "runs", ``runs_share.runs_share``)."""
     share = getattr(record, "step_share", None)
     return share.repeats if share is not None and share.kind == "runs" else 1
 
 
 def stacked_prediction(record: Any, runs: int) -> int:
     """The predicted peak of ``runs`` runs of ``record``'s plan stacked in one step (each earlier run holding its
-    saved values and activation inputs: ``step_budget.stacked_peak_bytes``); its plan's peak for one run."""
-    from .step_budget import stacked_peak_bytes
+    saved values and activation inputs: ``runs_share.stacked_peak_bytes``); its plan's peak for one run."""
+    from .runs_share import stacked_peak_bytes
 
     plan = record.plan
     if runs <= 1:
@@ -212,6 +215,9 @@ class VerifiedGraph:
         self._specs: Optional[tuple] = None    # its inputs' metadata (first call), for replan_ahead
         self._runs_stack = runs_stack
         self._window_runs = WindowRuns(None)    # the runs of this graph's last window
+        # which gradients are the step's (accumulation): the step's ledger (remat/step_loop.StepHooks.grads), if any
+        self._grads: Optional[GradientLedger] = getattr(step, "grads", None)
+        self._accumulation_watch = self._watch_accumulation()
         self._lock = threading.Lock()
 
     @property
@@ -253,7 +259,10 @@ class VerifiedGraph:
         if pending is not None:
             self._replan(list(args), pending, step)
         measured_by_step = self._step is not None and self._step.measures(self)   # remat/step_loop.py
-        window = joined or (self._open_window(step) if self._verify_left > 0 and not measured_by_step else None)
+        window = joined
+        if window is None and not measured_by_step:
+            accumulated = self._accumulated_grad_bytes(args)
+            window = self._open_window(step, accumulated) if self._verify_left > 0 or accumulated else None
         out = self._fn(*args)
         if step == 0:
             # its compile ran inside this step (Dynamo compiles a graph when the step first reaches
@@ -304,10 +313,34 @@ class VerifiedGraph:
             window.spoil(f"{self.record.graph_id} ran inside the window (a graph break: its peak is not one graph's)")
         return None
 
-    def _open_window(self, step: int) -> Optional[StepWindow]:
+    def _watch_accumulation(self) -> Optional[tuple[int, int]]:
+        """(calls left to look at, optimizer steps so far) of a new plan's watch for accumulated gradients (None: no
+        ledger, or the loop is off): the calls before the first optimizer step after a compile are its first
+        step's, where a second micro-batch shows up."""
+        if self._grads is None or self._verify_peak <= 0:
+            return None
+        return ACCUMULATION_WATCH_CALLS, self._grads.optimizer_steps
+
+    def _accumulated_grad_bytes(self, args: tuple) -> int:
+        """The step's gradients this call's parameters hold at its entry (``accumulated_grads.GradientLedger``),
+        looked at while this call is measured anyway, and on the calls of a plan's first step until one holds
+        some (that call is measured too: gradient accumulation's second micro-batch, whose peak is the step's)."""
+        watch = self._accumulation_watch
+        if watch is not None and (watch[0] <= 0 or self._grads.optimizer_steps > watch[1]):
+            watch = self._accumulation_watch = None      # the plan's first step is over
+        if self._grads is None or (watch is None and self._verify_left <= 0):
+            return 0
+        if watch is not None:
+            self._accumulation_watch = (watch[0] - 1, watch[1])
+        accumulated = self._grads.accumulated_bytes(args)
+        if accumulated:
+            self._accumulation_watch = None
+        return accumulated
+
+    def _open_window(self, step: int, accumulated_grad_bytes: int = 0) -> Optional[StepWindow]:
         record = self.record
         window = StepWindow(self.device, owner=self, on_close=lambda peak, why_not: self._on_measured(
-            record, step, *runs.measured(peak, why_not)))
+            record, step, *runs.measured(peak, why_not), accumulated_grad_bytes=accumulated_grad_bytes))
         runs = self._window_runs = WindowRuns(window)
         return window if window.open() else None
 
@@ -325,7 +358,7 @@ class VerifiedGraph:
             raise
         except Exception as error:    # e.g. a graph compile_fx cannot take back outside Dynamo: keep running
             self._event_for(correction, step, "re-plan failed")
-            self._verify_left = 0
+            self._verify_left, self._accumulation_watch = 0, None
             warnings.warn(f"remat {correction.graph_id}: re-planning it failed ({type(error).__name__}: {error}); "
                           "it keeps its plan, and its next compile plans with the stored correction.", stacklevel=2)
             return
@@ -333,49 +366,61 @@ class VerifiedGraph:
             gc.collect()
         self._replans += 1
         self._verify_left = self._verify_peak
+        self._accumulation_watch = self._watch_accumulation()
 
     def _event_for(self, correction: Correction, step: int, action: str) -> None:
         self._events.append(FeedbackEvent(correction.graph_id, step, correction.budget_bytes,
                                           correction.predicted_peak_bytes, correction.measured_peak_bytes,
                                           correction.factor, action))
 
-    def _on_measured(self, record: Any, step: int, peak_bytes: Optional[int], why_not: str, runs: int = 1) -> None:
+    def _on_measured(self, record: Any, step: int, peak_bytes: Optional[int], why_not: str, runs: int = 1,
+                     accumulated_grad_bytes: int = 0) -> None:
         """A window closed: judge it, record the event, warn and re-plan when over budget. ``runs``: the
-        graph's runs the window held (several when they stack in one step, ``_settle_open_window``)."""
+        graph's runs the window held (several when they stack in one step, ``_settle_open_window``).
+        ``accumulated_grad_bytes``: the step's gradients held at the window's entry (``_accumulated_grad_bytes``),
+        below the window's baseline but part of the step's peak: added to the measured and predicted peaks."""
         if record is not self.record:
             return      # a window of a plan already replaced
         plan = record.plan
         if peak_bytes is None:
             self._unmeasured += 1
             if self._unmeasured >= MAX_UNMEASURED:
-                self._verify_left = 0
+                self._verify_left, self._accumulation_watch = 0, None
                 self._events.append(FeedbackEvent(record.graph_id, step, plan.budget_bytes, plan.predicted_peak_bytes,
                                                   None, None, f"not measured: {why_not}"))
             return
         self._unmeasured = 0
-        self._verify_left -= 1
-        predicted = stacked_prediction(record, runs)
+        self._verify_left = max(self._verify_left - 1, 0)
+        own_predicted, own_peak = stacked_prediction(record, runs), peak_bytes
+        predicted, peak_bytes = own_predicted + accumulated_grad_bytes, peak_bytes + accumulated_grad_bytes
         verdict = judge(plan.budget_bytes, record.base_target_bytes, predicted, peak_bytes,
                         accepted_as_fitting(record), self._replans, self._recompile is not None)
-        self._events.append(FeedbackEvent(record.graph_id, step, plan.budget_bytes, predicted,
-                                          peak_bytes, verdict.factor, verdict.action, verdict.new_target_bytes, runs))
+        self._events.append(FeedbackEvent(record.graph_id, step, plan.budget_bytes, predicted, peak_bytes,
+                                          verdict.factor, verdict.action, verdict.new_target_bytes, runs,
+                                          accumulated_grad_bytes))
         if verdict.action == "within budget":
             return
-        self._verify_left = 0
+        self._verify_left, self._accumulation_watch = 0, None
         stacked = (f" over {runs} runs of the graph before their backwards (each earlier run keeps what it holds for "
                    f"its backward while the next runs)" if runs > 1 else "")
         made_for = "" if runs <= 1 else (f" for {runs} stacked runs (its plan was made for {planned_runs(record)} "
                                          f"run(s) per step: it is re-planned for {runs})")
+        if accumulated_grad_bytes:
+            stacked += (f", counting the {accumulated_grad_bytes / 1e9:.6f} GB of gradients earlier backwards of the "
+                        "step had left in its parameters (gradient accumulation: the graph is re-planned next to them)")
         message = (f"remat {record.graph_id}: step {step} measured a peak of {peak_bytes / 1e9:.6f} GB{stacked}, over "
                    f"the budget {plan.budget_bytes / 1e9:.6f} GB; the plan predicted {predicted / 1e9:.6f} GB"
                    f"{made_for} (measured / predicted = {verdict.factor:.3f}; 1 GB = 1e9 bytes)")
         if verdict.new_target_bytes is None:
             warnings.warn(f"{message}: {verdict.action}, the graph keeps its plan.", stacklevel=2)
             return
-        # stacked runs: a factor under 1 (the stacked prediction is conservative) still re-plans for the runs
-        correction = Correction(max(verdict.factor, 1.0) if runs > 1 else verdict.factor, plan.budget_bytes, predicted,
-                                peak_bytes, record.graph_id, f"measured in this process: {record.graph_id} step {step}",
-                                runs=runs)
+        # stacked runs, accumulated gradients: the factor is the simulator's error on the graph's own peak (under 1
+        # where the stacked prediction is conservative), the correction re-plans for the runs and gradients
+        stepped = runs > 1 or accumulated_grad_bytes > 0
+        correction = Correction(max(own_peak / max(own_predicted, 1), 1.0) if stepped else verdict.factor,
+                                plan.budget_bytes, predicted, peak_bytes, record.graph_id,
+                                f"measured in this process: {record.graph_id} step {step}", runs=runs,
+                                accumulated_grad_bytes=accumulated_grad_bytes)
         path = self._store(record.graph_key, correction)
         stored = f"stored in {path}" if path else "not stored (the feedback store is not writable)"
         if verdict.action == "re-planned":

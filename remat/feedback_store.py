@@ -54,13 +54,19 @@ class Correction:
     # judges before it runs (``judge_loop.faster_within_check``); a measured correction never raises it
     loosens: bool = False
     # the graph's runs the measured step held before their backwards (its plan is then made for that many
-    # runs per step: step_budget.runs_share); 1 for a graph run once per step
+    # runs per step: runs_share.runs_share); 1 for a graph run once per step
     runs: int = 1
+    # the gradients earlier backwards of the measured step had left in the graph's parameters when its forward
+    # entered (gradient accumulation: accumulated_grads.py); its plan is then made next to them (runs_share.runs_share)
+    accumulated_grad_bytes: int = 0
 
-    def keeping_runs(self, runs: int) -> "Correction":
-        """This correction for a graph planned for ``runs`` stacked runs: a correction made for another reason (the
-        check's re-plan of such a plan) keeps them."""
-        return replace(self, runs=runs) if runs > 1 and self.runs == 1 else self
+    def keeping_step_use(self, made_for: Optional["Correction"]) -> "Correction":
+        """This correction for a graph whose plan was made under ``made_for`` (None: none): a correction made for
+        another reason (the check's re-plan of a plan made for stacked runs or accumulated gradients) keeps them."""
+        if made_for is None:
+            return self
+        return replace(self, runs=max(self.runs, made_for.runs),
+                       accumulated_grad_bytes=max(self.accumulated_grad_bytes, made_for.accumulated_grad_bytes))
 
     def corrected_target(self, target_bytes: int) -> int:
         """The planning target once the simulator's error is known: ``target / factor``, floored,
@@ -101,7 +107,8 @@ def read_correction(key: str) -> Optional[Correction]:
             return None
         fields = {k: data[k] for k in ("factor", "budget_bytes", "predicted_peak_bytes", "measured_peak_bytes",
                                        "graph_id")}
-        return Correction(**fields, source=f"stored: {path}", runs=max(int(data.get("runs", 1)), 1))
+        return Correction(**fields, source=f"stored: {path}", runs=max(int(data.get("runs", 1)), 1),
+                          accumulated_grad_bytes=max(int(data.get("accumulated_grad_bytes", 0)), 0))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -65,11 +65,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .distributed import GraphShare, piece_target
 from .errors import BudgetInfeasibleError
+from .runs_share import runs_share
 from .step_memory import recall_share
 from .units import format_bytes
 
 if TYPE_CHECKING:
     from torch import fx
+
+    from .feedback_store import Correction
 
 log = logging.getLogger("remat")
 
@@ -165,29 +168,6 @@ def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], 
     )
 
 
-def runs_share(step_target_bytes: int, input_activation_bytes: int, param_grad_bytes: int, need_bytes: int,
-               runs: int) -> GraphShare:
-    """The share of a graph alone in its step that runs ``runs`` times before their backwards (the same module
-    called several times in a step; one compiled block run once per layer), kind "runs": ``piece_target`` with
-    ``repeats=runs``, each later run (its backward ran first) keeping its parameters' gradients. Run k peaks
-    next to the k earlier runs' held bytes: ``GraphShare.runs_peak_bytes``. Shared parameters (one module
-    called twice) keep one set of gradients where this counts one per later run: conservative there."""
-    return piece_target(step_target_bytes=step_target_bytes, index=0, needs=(need_bytes,), held_before_bytes=0,
-                        input_activation_bytes=input_activation_bytes, total_grad_bytes=param_grad_bytes,
-                        grads_so_far_bytes=param_grad_bytes, repeats=runs, kind="runs",
-                        later_run_bytes=param_grad_bytes, own_grad_bytes=param_grad_bytes)
-
-
-def stacked_peak_bytes(held_bytes: int, input_activation_bytes: int, param_grad_bytes: int, peak_bytes: int,
-                       runs: int) -> int:
-    """The predicted peak of ``runs`` runs of one plan stacked in a step (``runs_share``'s rule): the plan's
-    simulated ``peak_bytes`` alone for one run."""
-    if runs <= 1:
-        return peak_bytes
-    share = runs_share(max(peak_bytes, 1), input_activation_bytes, param_grad_bytes, 0, runs)
-    return share.runs_peak_bytes(held_bytes, peak_bytes)
-
-
 class StepAccount:
     """The graphs of one backend's steps: each plan's numbers (``note_plan``), which plan each
     graph runs, and, at run time, which graphs' backward is pending. Thread-safe (a CUDA backward
@@ -222,15 +202,16 @@ class StepAccount:
         return None if graph_id is None else self._plans.get(graph_id)
 
     def share_for(self, slot: str, step_target_bytes: int, input_activation_bytes: int, param_grad_bytes: int,
-                  need_bytes: int, follows: bool = False, graph_key: str = "", runs: int = 1) -> Optional[GraphShare]:
+                  need_bytes: int, follows: bool = False, graph_key: str = "", runs: int = 1,
+                  accumulated_grad_bytes: int = 0) -> Optional[GraphShare]:
         """The share of the step for graph ``slot`` about to be planned, or None when it is alone in
         its step (nothing pending, no graph break after it and no known sequence with other graphs:
         the whole budget, as for one graph). In a known sequence: its earlier and later graphs'
         running plans; else the share a settled step of an earlier process gave the graph ``graph_key``
         after the graphs pending now (``step_memory.recall_share``), else those pending graphs, and when
         a graph break ``follows`` it, kind "break-smallest" (its smallest-peak plan: what later graphs
-        need is unknown). Alone in its step and measured running ``runs`` > 1 times before their backwards
-        (a feedback correction says so): ``runs_share``."""
+        need is unknown). Alone in its step and measured running ``runs`` > 1 times before their backwards,
+        or next to ``accumulated_grad_bytes`` of the step's gradients (a feedback correction says so): ``runs_share``."""
         with self._lock:
             floor = self._floors.get(slot)
             own_floor = 0 if floor is None else floor[0] + input_activation_bytes
@@ -248,17 +229,20 @@ class StepAccount:
             return recalled
         smallest = follows and not known
         if not earlier and not later and not smallest:
-            return runs_share(step_target_bytes, input_activation_bytes, param_grad_bytes, need_bytes,
-                              runs) if runs > 1 else None
+            return runs_share(step_target_bytes, input_activation_bytes, param_grad_bytes, need_bytes, runs,
+                              accumulated_grad_bytes) if runs > 1 or accumulated_grad_bytes > 0 else None
         return share_in_step(earlier, later, step_target_bytes, input_activation_bytes, param_grad_bytes,
                              need_bytes, known, own_floor, smallest, group_runs)
 
     def share_for_joint(self, slot: str, step_target_bytes: int, joint: "fx.GraphModule", need_bytes: int,
                         num_fwd_outputs: int, static_indices: Optional[Sequence[int]],
-                        follows: bool = False, graph_key: str = "", runs: int = 1) -> Optional[GraphShare]:
-        """``share_for`` with the inputs and gradients read off the joint graph (``io_bytes``)."""
+                        follows: bool = False, graph_key: str = "",
+                        made_for: Optional["Correction"] = None) -> Optional[GraphShare]:
+        """``share_for`` with the inputs and gradients read off the joint graph (``io_bytes``), and the runs and
+        accumulated gradients the feedback correction ``made_for`` measured (none: one run, none)."""
         inputs, grads = self.io_bytes(slot, joint, num_fwd_outputs, static_indices)
-        return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows, graph_key, runs)
+        runs, accumulated = (1, 0) if made_for is None else (made_for.runs, made_for.accumulated_grad_bytes)
+        return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows, graph_key, runs, accumulated)
 
     def io_bytes(self, slot: str, joint: "fx.GraphModule", num_fwd_outputs: int,
                  static_indices: Optional[Sequence[int]]) -> tuple[int, int]:

@@ -45,6 +45,7 @@ from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 from ._torch_dynamo import passthrough_error_class
+from .accumulated_grads import GradientLedger
 from .compile_cache import StepKey, step_key_of
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
@@ -99,6 +100,8 @@ class StepHooks:
         self._steps = 0
         self._window: Optional[StepWindow] = None
         self._remembered: Optional[RememberedStep] = None    # the settled step last stored (step_memory.py)
+        # which gradients are the step's (gradient accumulation: accumulated_grads.py), looked at by the wrappers
+        self.grads = GradientLedger() if verify_peak > 0 else None
         self._lock = threading.Lock()
 
     def register(self, wrapper: Any, identity: str = "") -> None:

@@ -1,0 +1,78 @@
+"""Gradients a step already holds when a graph's forward enters: gradient accumulation.
+
+A step that accumulates gradients over micro-batches (``for x in micro_batches: loss(model(x)).backward()``,
+then ``optimizer.step()``) runs each compiled graph several times, each forward and backward after the earlier
+ones' backwards. From the second micro-batch on, the parameters' ``.grad`` hold what the earlier backwards
+produced: memory made in this step, which the budget counts (docs/budget.md), live through the whole forward
+and backward, where a window opened at the forward's entry takes it for its baseline. Measured before this
+module (session 35): a corpus net (rand-1437) accumulating over two micro-batches at 70% of plain Inductor's
+peak ran 1.05x its budget on every step, and the loop, which measured only the first micro-batch, said
+nothing.
+
+Which gradients are the step's: those no optimizer step has seen. ``GradientLedger`` registers torch's global
+optimizer step post-hook and keeps, weakly, the gradients present at the last ``optimizer.step()``: a gradient
+still there was resident when the step began (``zero_grad(set_to_none=False)`` zeroes gradients in place and
+keeps them: they are the step's baseline, as the parameters are). Where no torch.optim optimizer ever steps (a
+hand-written update), every gradient present at a forward's entry counts: a loop that zeroes its gradients in
+place by hand is planned as though they were made in the step (more recomputation than needed, never over the
+budget).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+
+# calls of a graph after its compile that are looked at for accumulated gradients, when no optimizer step comes
+# first (a hand-written update): micro-batches past this many in one step are not looked for
+ACCUMULATION_WATCH_CALLS = 64
+
+
+class GradientLedger:
+    """The gradients an optimizer step has seen (``seen``), and how many optimizer steps ran
+    (``optimizer_steps``), from torch's global optimizer step post-hook; the hook is removed when the ledger
+    is collected. One per backend (``RematBackend``); thread-safe enough for the hook (a dict replaced whole)."""
+
+    def __init__(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._seen: dict[int, weakref.ref] = {}     # id -> the gradient, weakly (a WeakSet would compare tensors)
+        self.optimizer_steps = 0
+        ledger = weakref.ref(self)
+
+        def stepped(optimizer: Any, *_: Any) -> None:
+            alive = ledger()
+            if alive is not None:
+                alive.note_step(p for group in optimizer.param_groups for p in group["params"])
+
+        handle = register_optimizer_step_post_hook(stepped)
+        weakref.finalize(self, handle.remove)
+
+    def note_step(self, params: Iterable[Any]) -> None:
+        """An optimizer stepped ``params``: the gradients they hold now are resident from here on."""
+        self._seen = {id(g): weakref.ref(g) for p in params if isinstance(p, torch.Tensor) and (g := p.grad) is not None}
+        self.optimizer_steps += 1
+
+    def seen(self, grad: torch.Tensor) -> bool:
+        ref = self._seen.get(id(grad))
+        return ref is not None and ref() is grad
+
+    def accumulated_bytes(self, tensors: Iterable[Any]) -> int:
+        """The bytes of the gradients that the leaf tensors among ``tensors`` (a graph's parameters and inputs
+        requiring gradients) hold and no optimizer step has seen: what earlier backwards of this step left;
+        each storage counted once (tied parameters share one gradient)."""
+        counted: dict[int, int] = {}
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or not (tensor.requires_grad and tensor.is_leaf):
+                continue
+            grad = tensor.grad
+            if grad is None or grad.layout != torch.strided or self.seen(grad):
+                continue
+            storage = grad.untyped_storage()
+            counted[storage.data_ptr()] = storage.nbytes()
+        return sum(counted.values())
+
+
+__all__ = ["ACCUMULATION_WATCH_CALLS", "GradientLedger"]
