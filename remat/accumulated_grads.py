@@ -21,7 +21,7 @@ budget).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -75,4 +75,40 @@ class GradientLedger:
         return sum(counted.values())
 
 
-__all__ = ["ACCUMULATION_WATCH_CALLS", "GradientLedger"]
+class AccumulationWatch:
+    """When a measured window or step looks for accumulated gradients (``look``): on the calls it is measured
+    anyway, and on a plan's first step (``restart`` after each compile or re-plan) until a call finds some (that
+    call is then measured too: gradient accumulation's second micro-batch, whose peak is the step's), the first
+    optimizer step, or ``ACCUMULATION_WATCH_CALLS`` calls. With no ledger (the loop off) it never looks."""
+
+    def __init__(self, ledger: Optional[GradientLedger]) -> None:
+        self._ledger = ledger
+        self._left = 0
+        self._steps = 0
+        self.restart()
+
+    def restart(self) -> None:
+        if self._ledger is not None:
+            self._left, self._steps = ACCUMULATION_WATCH_CALLS, self._ledger.optimizer_steps
+
+    def stop(self) -> None:
+        self._left = 0
+
+    def look(self, tensors: Callable[[], Iterable[Any]], measured_anyway: bool) -> int:
+        """The step's gradients ``tensors()`` hold now (``GradientLedger.accumulated_bytes``), where this call
+        is looked at; else 0."""
+        ledger = self._ledger
+        if ledger is None:
+            return 0
+        if ledger.optimizer_steps > self._steps:
+            self._left = 0          # the plan's first step is over
+        if self._left <= 0 and not measured_anyway:
+            return 0
+        self._left = max(self._left - 1, 0)
+        accumulated = ledger.accumulated_bytes(tensors())
+        if accumulated:
+            self._left = 0
+        return accumulated
+
+
+__all__ = ["ACCUMULATION_WATCH_CALLS", "AccumulationWatch", "GradientLedger"]

@@ -80,6 +80,7 @@ import itertools
 import logging
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -89,7 +90,7 @@ from ._torch_graph_breaks import fake_inputs, input_specs
 from .errors import BudgetInfeasibleError
 from .feedback_store import Correction, write_correction
 from .measure import StepWindow, open_window
-from .accumulated_grads import ACCUMULATION_WATCH_CALLS, GradientLedger
+from .accumulated_grads import AccumulationWatch
 from .window_runs import WindowRuns
 
 log = logging.getLogger("remat")
@@ -215,9 +216,9 @@ class VerifiedGraph:
         self._specs: Optional[tuple] = None    # its inputs' metadata (first call), for replan_ahead
         self._runs_stack = runs_stack
         self._window_runs = WindowRuns(None)    # the runs of this graph's last window
-        # which gradients are the step's (accumulation): the step's ledger (remat/step_loop.StepHooks.grads), if any
-        self._grads: Optional[GradientLedger] = getattr(step, "grads", None)
-        self._accumulation_watch = self._watch_accumulation()
+        # when to look for the step's gradients (accumulation), with the step's ledger (step_loop.StepHooks.grads)
+        self._accumulation = AccumulationWatch(getattr(step, "grads", None) if verify_peak > 0 else None)
+        self._grad_leaves: Optional[list] = None     # its inputs that are leaves requiring gradients (weakly)
         self._lock = threading.Lock()
 
     @property
@@ -252,6 +253,9 @@ class VerifiedGraph:
         step = next(self._calls)
         if self._specs is None and self._recompile is not None:
             self._specs = input_specs(args)
+        if self._grad_leaves is None:
+            self._grad_leaves = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor) and a.is_leaf
+                                 and a.requires_grad]
         if self._step is not None:
             self._step.entered(self)     # may ask for a re-plan of this graph, made now
         with self._lock:
@@ -261,7 +265,7 @@ class VerifiedGraph:
         measured_by_step = self._step is not None and self._step.measures(self)   # remat/step_loop.py
         window = joined
         if window is None and not measured_by_step:
-            accumulated = self._accumulated_grad_bytes(args)
+            accumulated = self._accumulation.look(lambda: args, self._verify_left > 0)
             window = self._open_window(step, accumulated) if self._verify_left > 0 or accumulated else None
         out = self._fn(*args)
         if step == 0:
@@ -313,29 +317,9 @@ class VerifiedGraph:
             window.spoil(f"{self.record.graph_id} ran inside the window (a graph break: its peak is not one graph's)")
         return None
 
-    def _watch_accumulation(self) -> Optional[tuple[int, int]]:
-        """(calls left to look at, optimizer steps so far) of a new plan's watch for accumulated gradients (None: no
-        ledger, or the loop is off): the calls before the first optimizer step after a compile are its first
-        step's, where a second micro-batch shows up."""
-        if self._grads is None or self._verify_peak <= 0:
-            return None
-        return ACCUMULATION_WATCH_CALLS, self._grads.optimizer_steps
-
-    def _accumulated_grad_bytes(self, args: tuple) -> int:
-        """The step's gradients this call's parameters hold at its entry (``accumulated_grads.GradientLedger``),
-        looked at while this call is measured anyway, and on the calls of a plan's first step until one holds
-        some (that call is measured too: gradient accumulation's second micro-batch, whose peak is the step's)."""
-        watch = self._accumulation_watch
-        if watch is not None and (watch[0] <= 0 or self._grads.optimizer_steps > watch[1]):
-            watch = self._accumulation_watch = None      # the plan's first step is over
-        if self._grads is None or (watch is None and self._verify_left <= 0):
-            return 0
-        if watch is not None:
-            self._accumulation_watch = (watch[0] - 1, watch[1])
-        accumulated = self._grads.accumulated_bytes(args)
-        if accumulated:
-            self._accumulation_watch = None
-        return accumulated
+    def grad_leaves(self) -> list:
+        """Its inputs at its first call that are leaves requiring gradients (its parameters), those still alive."""
+        return [t for ref in self._grad_leaves or () if (t := ref()) is not None]
 
     def _open_window(self, step: int, accumulated_grad_bytes: int = 0) -> Optional[StepWindow]:
         record = self.record
@@ -358,7 +342,8 @@ class VerifiedGraph:
             raise
         except Exception as error:    # e.g. a graph compile_fx cannot take back outside Dynamo: keep running
             self._event_for(correction, step, "re-plan failed")
-            self._verify_left, self._accumulation_watch = 0, None
+            self._verify_left = 0
+            self._accumulation.stop()
             warnings.warn(f"remat {correction.graph_id}: re-planning it failed ({type(error).__name__}: {error}); "
                           "it keeps its plan, and its next compile plans with the stored correction.", stacklevel=2)
             return
@@ -366,7 +351,7 @@ class VerifiedGraph:
             gc.collect()
         self._replans += 1
         self._verify_left = self._verify_peak
-        self._accumulation_watch = self._watch_accumulation()
+        self._accumulation.restart()
 
     def _event_for(self, correction: Correction, step: int, action: str) -> None:
         self._events.append(FeedbackEvent(correction.graph_id, step, correction.budget_bytes,
@@ -377,7 +362,7 @@ class VerifiedGraph:
                      accumulated_grad_bytes: int = 0) -> None:
         """A window closed: judge it, record the event, warn and re-plan when over budget. ``runs``: the
         graph's runs the window held (several when they stack in one step, ``_settle_open_window``).
-        ``accumulated_grad_bytes``: the step's gradients held at the window's entry (``_accumulated_grad_bytes``),
+        ``accumulated_grad_bytes``: the step's gradients held at the window's entry (``AccumulationWatch``),
         below the window's baseline but part of the step's peak: added to the measured and predicted peaks."""
         if record is not self.record:
             return      # a window of a plan already replaced
@@ -385,7 +370,8 @@ class VerifiedGraph:
         if peak_bytes is None:
             self._unmeasured += 1
             if self._unmeasured >= MAX_UNMEASURED:
-                self._verify_left, self._accumulation_watch = 0, None
+                self._verify_left = 0
+                self._accumulation.stop()
                 self._events.append(FeedbackEvent(record.graph_id, step, plan.budget_bytes, plan.predicted_peak_bytes,
                                                   None, None, f"not measured: {why_not}"))
             return
@@ -400,7 +386,8 @@ class VerifiedGraph:
                                           accumulated_grad_bytes))
         if verdict.action == "within budget":
             return
-        self._verify_left, self._accumulation_watch = 0, None
+        self._verify_left = 0
+        self._accumulation.stop()
         stacked = (f" over {runs} runs of the graph before their backwards (each earlier run keeps what it holds for "
                    f"its backward while the next runs)" if runs > 1 else "")
         made_for = "" if runs <= 1 else (f" for {runs} stacked runs (its plan was made for {planned_runs(record)} "

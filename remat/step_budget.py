@@ -90,7 +90,8 @@ class StepGraph:
     param_grad_bytes: int          # its parameters' gradients, produced by its backward
     need_bytes: int                # its peak without recomputation: the proxy for what it needs
     predicted_peak_bytes: int      # its plan's simulated peak (own gradients included)
-    step_target_bytes: int         # T: the budget less headroom (and any feedback correction)
+    step_target_bytes: int         # T: the budget less headroom (and any feedback correction), less what the step
+                                   # holds outside the graphs (accumulated gradients)
     floor_peak_bytes: int = 0      # the graph's smallest simulated peak (any plan)
     floor_held_bytes: int = 0      # what its smallest-peak plan holds for its backward
     no_remat_peak_bytes: int = 0   # its simulated peak saving everything
@@ -141,7 +142,8 @@ def step_overruns(graphs: tuple[StepGraph, ...]) -> tuple[int, ...]:
 
 def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], step_target_bytes: int,
                   input_activation_bytes: int, param_grad_bytes: int, need_bytes: int,
-                  sequence_known: bool, own_floor_bytes: int = 0, smallest: bool = False, runs: int = 1) -> GraphShare:
+                  sequence_known: bool, own_floor_bytes: int = 0, smallest: bool = False, runs: int = 1,
+                  outside_bytes: int = 0) -> GraphShare:
     """The share of the step for a graph planned after ``earlier`` (their backward pending) and
     before ``later`` (known once a step completed): ``piece_target``'s rule with kind "break".
     The first graph's inputs count 0 (see the module docstring). Kind "break-partial" when the
@@ -151,7 +153,8 @@ def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], 
     ``own_floor_bytes`` (its smallest peak and inputs) is met. ``smallest`` (sequence unknown, a graph
     break follows): kind "break-smallest", the graph takes its smallest-peak plan (``fit_in_step``). ``runs``:
     the graph's consecutive runs in the known sequence (a block compiled once and run once per layer), which
-    stack as ``runs_share``'s do (``earlier``/``later``: the graphs before its first run and after its last)."""
+    stack as ``runs_share``'s do (``earlier``/``later``: the graphs before its first run and after its last).
+    ``outside_bytes``: held through the whole step outside the graphs (accumulated gradients)."""
     graphs = earlier + (None,) + later
     needs = tuple(need_bytes if g is None else g.need_bytes for g in graphs)
     grads_before, later_grads = sum(g.param_grad_bytes for g in earlier), sum(g.param_grad_bytes for g in later)
@@ -165,6 +168,7 @@ def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], 
         own_grad_bytes=param_grad_bytes, later_estimate_bytes=later_demand_bytes(later) if later else None,
         repeats=runs, later_run_bytes=param_grad_bytes if runs > 1 else 0,
         own_floor_bytes=own_floor_bytes, later_ceiling_bytes=later_demand_bytes(later, floor=False) if later else None,
+        outside_bytes=outside_bytes,
     )
 
 
@@ -232,7 +236,7 @@ class StepAccount:
             return runs_share(step_target_bytes, input_activation_bytes, param_grad_bytes, need_bytes, runs,
                               accumulated_grad_bytes) if runs > 1 or accumulated_grad_bytes > 0 else None
         return share_in_step(earlier, later, step_target_bytes, input_activation_bytes, param_grad_bytes,
-                             need_bytes, known, own_floor, smallest, group_runs)
+                             need_bytes, known, own_floor, smallest, group_runs, accumulated_grad_bytes)
 
     def share_for_joint(self, slot: str, step_target_bytes: int, joint: "fx.GraphModule", need_bytes: int,
                         num_fwd_outputs: int, static_indices: Optional[Sequence[int]],
@@ -422,8 +426,9 @@ def note_step_plan(account: StepAccount, graph_id: str, share: Optional[GraphSha
         smallest = smallest_plan(plan_at, plan)
         floor = account.set_floor(slot, smallest.predicted_peak_bytes, held_of(smallest))
     floor_peak, floor_held = floor or (0, 0)
+    room = step_target_bytes - (share.outside_bytes if share is not None else 0)    # the graphs' (accumulation)
     account.note_plan(StepGraph(graph_id, slot, held_of(plan), inputs, grads, need_of(facts), plan.predicted_peak_bytes,
-                                step_target_bytes, floor_peak, floor_held, plan.no_remat_peak_bytes, provisional,
+                                room, floor_peak, floor_held, plan.no_remat_peak_bytes, provisional,
                                 graph_key, asked_share if share is not None else None))
     if share is not None and dump_path is not None:
         write_share_to_dump(dump_path, share)

@@ -45,7 +45,7 @@ from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 from ._torch_dynamo import passthrough_error_class
-from .accumulated_grads import GradientLedger
+from .accumulated_grads import AccumulationWatch, GradientLedger
 from .compile_cache import StepKey, step_key_of
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
@@ -100,8 +100,9 @@ class StepHooks:
         self._steps = 0
         self._window: Optional[StepWindow] = None
         self._remembered: Optional[RememberedStep] = None    # the settled step last stored (step_memory.py)
-        # which gradients are the step's (gradient accumulation: accumulated_grads.py), looked at by the wrappers
+        # which gradients are the step's (gradient accumulation: accumulated_grads.py), and when a step looks for them
         self.grads = GradientLedger() if verify_peak > 0 else None
+        self._accumulation = AccumulationWatch(self.grads)
         self._lock = threading.Lock()
 
     def register(self, wrapper: Any, identity: str = "") -> None:
@@ -109,6 +110,7 @@ class StepHooks:
         with self._lock:
             self._wrappers[slot_of(wrapper.record.graph_id)] = wrapper
             self._identities[slot_of(wrapper.record.graph_id)] = identity
+        self._accumulation.restart()     # a graph compiled: its first step is looked at for accumulated gradients
 
     def key_at_compile(self, identity: str) -> Optional[StepKey]:
         """The ``StepKey`` of the graph of call identity ``identity`` Dynamo compiles now, after the graphs
@@ -127,7 +129,8 @@ class StepHooks:
         slot, sequence = slot_of(wrapper.record.graph_id), self.account.sequence
         running, first = self.account.plan_of(wrapper.record.graph_id), self.account.plan_of(slot)
         own = wrapper.record.correction.factor if wrapper.record.correction is not None else 1.0
-        if slot not in sequence or len(sequence) < 2 or running is None or first is None or correction.factor != own:
+        if (slot not in sequence or len(sequence) < 2 or running is None or first is None or correction.factor != own
+                or correction.accumulated_grad_bytes):   # planned next to accumulated gradients: not keyed
             return None
         earlier = []
         for before in sequence[:sequence.index(slot)]:
@@ -166,15 +169,23 @@ class StepHooks:
         window = open_window()
         if wrapper.replan_pending and self.owns(window):
             window.spoil(f"{wrapper.record.graph_id} was re-planned inside the step (its compile's allocations count)")
-        elif first and window is None and self._verify_left > 0 and not wrapper.replan_pending:
-            self._open(wrapper.device, self.account.sequence)
+        elif first and window is None and not wrapper.replan_pending:
+            accumulated = self._accumulation.look(self._grad_leaves, self._verify_left > 0)
+            if self._verify_left > 0 or accumulated:
+                self._open(wrapper.device, self.account.sequence, accumulated)
 
-    def _open(self, device: Any, sequence: tuple[str, ...]) -> None:
+    def _grad_leaves(self) -> list:
+        """The parameters (leaves requiring gradients) of every graph of the step (``VerifiedGraph.grad_leaves``)."""
+        with self._lock:
+            wrappers = list(self._wrappers.values())
+        return [t for w in wrappers for t in w.grad_leaves()]
+
+    def _open(self, device: Any, sequence: tuple[str, ...], accumulated_grad_bytes: int = 0) -> None:
         with self._lock:
             self._steps += 1
             number = self._steps
-        window = StepWindow(device, lambda peak, why_not: self._on_measured(sequence, number, peak, why_not),
-                            owner=self)
+        window = StepWindow(device, lambda peak, why_not: self._on_measured(sequence, number, peak, why_not,
+                                                                            accumulated_grad_bytes), owner=self)
         if window.open():
             self._window = window
 
@@ -239,21 +250,28 @@ class StepHooks:
         log.info("remat: re-planning %s under its share of the step: %s", wrapper.record.graph_id, why)
         wrapper.request_replan(step_correction(wrapper.record, why))
         self._verify_left = self._verify_peak
+        self._accumulation.restart()
 
-    def _on_measured(self, sequence: tuple[str, ...], number: int, peak_bytes: Optional[int], why_not: str) -> None:
+    def _on_measured(self, sequence: tuple[str, ...], number: int, peak_bytes: Optional[int], why_not: str,
+                     accumulated_grad_bytes: int = 0) -> None:
         """A step window closed: compare the step's peak with the budget; over it, re-plan every
-        graph of the step at its target divided by ``measured / predicted`` step peak."""
+        graph of the step at its target divided by ``measured / predicted`` step peak. ``accumulated_grad_bytes``:
+        the step's gradients held at the window's start (gradient accumulation), added to both peaks; over the
+        budget, every graph is re-planned next to them (``StepAccount.share_for``) at its target divided by the
+        graphs' own ``measured / predicted`` (at least 1)."""
         from .feedback import FeedbackEvent
 
         wrappers = [self._wrapper(slot) for slot in dict.fromkeys(sequence)]
         if peak_bytes is None or any(w is None for w in wrappers):
             return
-        self._verify_left -= 1
+        self._verify_left = max(self._verify_left - 1, 0)
         budget = min(w.record.plan.budget_bytes for w in wrappers)
-        predicted = self.account.step_peak_bytes(sequence)
+        own_predicted, own_peak = self.account.step_peak_bytes(sequence), peak_bytes
+        predicted, peak_bytes = own_predicted + accumulated_grad_bytes, peak_bytes + accumulated_grad_bytes
         name = f"step:{sequence[0]}..{sequence[-1]}"
         if peak_bytes <= budget:
-            self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, None, "within budget"))
+            self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, None, "within budget",
+                                              accumulated_grad_bytes=accumulated_grad_bytes))
             return
         factor = peak_bytes / max(predicted, 1)
         last = self._over_bytes[-1] if self._over_bytes else None
@@ -284,17 +302,25 @@ class StepHooks:
                          "composed prediction",))
             return
         self._corrections += 1
-        self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, "re-planned"))
-        warnings.warn(f"remat: a step of {len(sequence)} graphs measured a peak of {format_bytes(peak_bytes)}, "
+        self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, "re-planned",
+                                          accumulated_grad_bytes=accumulated_grad_bytes))
+        if accumulated_grad_bytes:    # the simulator's error is the graphs' own; the gradients are planned next to
+            factor = max(own_peak / max(own_predicted, 1), 1.0)
+        accumulated = (f", counting {format_bytes(accumulated_grad_bytes)} of gradients earlier backwards of the step "
+                       "had left in the parameters (gradient accumulation: each graph is re-planned next to them)"
+                       if accumulated_grad_bytes else "")
+        warnings.warn(f"remat: a step of {len(sequence)} graphs measured a peak of {format_bytes(peak_bytes)}{accumulated}, "
                       f"over the budget {format_bytes(budget)}; the plans composed predicted {format_bytes(predicted)} "
-                      f"(measured / predicted = {factor:.3f}): re-planning each graph at its target / {factor:.3f} "
-                      "from its next call.", stacklevel=2)
+                      f"(measured / predicted = {peak_bytes / max(predicted, 1):.3f}): re-planning each graph at its "
+                      f"target / {factor:.3f} from its next call.", stacklevel=2)
         for wrapper in wrappers:
             record = wrapper.record
             if wrapper.can_replan:
                 wrapper.request_replan(Correction(factor, budget, predicted, peak_bytes, record.graph_id,
-                                                  f"measured step {number} of {name}"))
+                                                  f"measured step {number} of {name}",
+                                                  accumulated_grad_bytes=accumulated_grad_bytes))
         self._verify_left = self._verify_peak
+        self._accumulation.restart()
 
 
 def step_correction(record: Any, why: str) -> Correction:
