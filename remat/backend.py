@@ -329,9 +329,8 @@ class RematBackend:
             dump_path = write_dump(Path(self.options.dump_dir) / graph_id, graph_id, plan, regions, fw, bw, facts, profile,
                                    pareto_points=self.options.pareto_points, correction=correction)
         step_share = share if share is not None and share.in_step else None
-        distributed = None if step_share is not None else record_graph(
-            self._step_ledger, share, joint, plan.saved_bytes, plan.saved_primals, fw, bw, num_fwd_outputs,
-            static_indices, dump_path)
+        distributed = None if step_share is not None else record_graph(self._step_ledger, share, joint, plan.saved_bytes,
+                                                                       plan.saved_primals, fw, bw, num_fwd_outputs, static_indices, dump_path)
         if target_bytes is not None and (share is None or step_share is not None):
             note_step_plan(self._step_hooks.account, graph_id, step_share, plan, plan_at, joint, facts,
                            num_fwd_outputs, static_indices, target_bytes, dump_path, key, asked_share)
@@ -343,6 +342,7 @@ class RematBackend:
                                correction, step_share=step_share, check_target_bytes=check_target, cache=cache,
                                refusal=refusal, input_activation_bytes=inputs, param_grad_bytes=grads, facts=facts)
         self.compiled_graphs.append(record)
+        facts.analysis.forget_simulations()     # planned: the record keeps its facts, not the search's simulations
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
         return fw, bw
 

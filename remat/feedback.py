@@ -33,6 +33,12 @@ joined. Until session 34 the second run spoiled the window and the next one meas
 measured 1.43x a budget of 70% of plain Inductor's peak on every step, with no word but a "not
 measured" event.
 
+A step that accumulates gradients over several forward and backward passes (micro-batches) holds, from its
+second pass on, the gradients the earlier passes left: the step's memory, below the window's baseline. A plan's
+first step is watched for a call whose parameters hold such gradients (``accumulated_grads.AccumulationWatch``);
+that call is measured too, the gradients added to its measured and predicted peaks, and over the budget the
+correction carries them: the graph is re-planned next to them (``runs_share.runs_share``'s outside bytes).
+
 Then ``judge`` compares the measured peak with the plan's budget:
 
 - at or under it: "within budget";

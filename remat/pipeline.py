@@ -184,7 +184,10 @@ def replan_estimate(options: RematOptions, device_type: str, graph_key: str, fac
     re-planned at ``correction``, without tracing or compiling it (``judge_loop.faster_within_check`` reads
     its estimated time first)."""
     request = device_request(options, device_type, simulator_models(facts, device_type), correction)
-    return EstimatedPlan(graph_key, request.cache_repr(), plan_graph(facts, request))
+    try:
+        return EstimatedPlan(graph_key, request.cache_repr(), plan_graph(facts, request))
+    finally:
+        facts.analysis.forget_simulations()    # the facts of a graph already planned: keep none of this search's
 
 
 def estimated_plan_for(estimated: Optional[EstimatedPlan], graph_key: str, request: PlanningRequest) -> Optional[Plan]:

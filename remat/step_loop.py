@@ -23,7 +23,11 @@ for the re-plans the account's condition needs, and measures whole steps:
   correction is proportional, each graph's target scaled by it, since the step's peak is where the
   graphs' simulated peaks compose and the simulator's error cannot be told apart by graph there.
   At most ``MAX_STEP_CORRECTIONS`` such rounds; each is a ``FeedbackEvent`` with graph id
-  ``step:<first>..<last>``. Not stored on disk (the per-graph store keys one graph's error).
+  ``step:<first>..<last>``. Not stored on disk (the per-graph store keys one graph's error). A step whose
+  graphs' parameters hold gradients an earlier pass of the step left (gradient accumulation:
+  ``accumulated_grads.py``) is measured too, on a plan's first step, with them added to both peaks; over the
+  budget every graph is re-planned next to them (each share holds them outside the graphs), and the settled
+  step a later process recalls carries them.
 - **A step no plan fits** (``judge_step``). A step measured over its budget after a round of re-plans that
   lowered its measured peak by less than ``MIN_CORRECTION_GAIN`` (or after ``MAX_STEP_CORRECTIONS`` rounds)
   is over by memory remat's plans do not hold: eager code between or inside the graphs (a Hugging

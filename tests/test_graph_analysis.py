@@ -51,3 +51,30 @@ def test_a_new_facts_object_starts_empty_and_nothing_else_holds_a_graph():
     del facts
     gc.collect()
     assert gone() is None and analysis() is None
+
+
+def test_a_simulation_is_remembered_until_the_graph_is_planned_and_its_schedule_decided_again():
+    """``evaluate`` remembers each partition's simulation in the analysis (at most ``SIMULATION_ENTRIES``, least
+    recently used dropped first): asked again it gives the same answer without simulating; a new facts object's
+    simulation of it is equal; ``hold_intermediates`` forgets that partition's (its schedule may change), and
+    ``forget_simulations`` all of them."""
+    from remat.passes.graph_analysis import SIMULATION_ENTRIES
+    from remat.simulator import evaluate
+    from remat.simulator.schedule import hold_intermediates
+
+    facts = _facts()
+    saved = frozenset(min_cut_saved(facts))
+    first = evaluate(facts, saved)
+    again = evaluate(facts, saved)
+    assert again.simulation is first.simulation and len(facts.analysis.simulations) == 1
+    fresh = evaluate(_facts(), saved)
+    assert (fresh.simulation, fresh.extra_time_s, fresh.backward_order) == (
+        first.simulation, first.extra_time_s, first.backward_order)
+    hold_intermediates(facts, first.partition)
+    assert not facts.analysis.simulations
+    evaluate(facts, saved)
+    for name in facts.order[:SIMULATION_ENTRIES + 2]:
+        evaluate(facts, saved | {name})
+    assert 0 < len(facts.analysis.simulations) <= SIMULATION_ENTRIES
+    facts.analysis.forget_simulations()
+    assert not facts.analysis.simulations

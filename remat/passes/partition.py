@@ -20,6 +20,11 @@ class Partition:
     recomputed: frozenset[str]             # forward candidates the backward recomputes
     forced: Mapping[str, str]              # saved although not chosen: name -> reason
 
+    @property
+    def simulated_as(self) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+        """What its simulation depends on (with the graph and its rebuild decision): the key it is remembered by."""
+        return self.saved, self.saved_primals, self.recomputed
+
 
 @dataclass(frozen=True)
 class Scheduled:

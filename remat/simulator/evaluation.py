@@ -10,8 +10,9 @@ value is recomputed) changes what the solvers optimise, not their correctness.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AbstractSet
+from typing import AbstractSet, Any
 
+from ..passes.graph_analysis import SIMULATION_ENTRIES
 from ..passes.joint_graph import JointGraphFacts
 from ..passes.partition import Partition, Scheduled
 from . import schedule
@@ -52,6 +53,29 @@ def evaluate(facts: JointGraphFacts, chosen_saved: AbstractSet[str]) -> Evaluate
     applies): a solver that then stops saving the owner frees the storage, where dropping one
     of two aliases would change nothing."""
     chosen, partition = partition_of(facts, chosen_saved)
-    run = schedule.simulate_partition(facts, partition)
-    extra = schedule.recompute_time_of(facts, run.order)
+    run, extra = simulated(facts, partition)
     return Evaluated(chosen, partition, run.simulation, extra, tuple(run.steps), frozenset(run.pinned), tuple(run.order))
+
+
+def simulated(facts: JointGraphFacts, partition: Partition) -> tuple[Any, float]:
+    """``schedule.simulate_partition`` of ``partition`` and the recompute time of its order, remembered in the
+    graph's analysis (``GraphAnalysis.simulations``: the last ``SIMULATION_ENTRIES``): a deterministic function of
+    the facts and the partition (and its rebuild decision, which ``schedule.hold_intermediates`` may set: it forgets
+    the partition's simulation), so a remembered answer is the one a new simulation would give."""
+    key = partition.simulated_as
+    known = facts.analysis.simulations
+    found = known.get(key)
+    if found is not None:
+        try:
+            known.move_to_end(key)
+        except KeyError:     # dropped by another thread meanwhile
+            pass
+        return found
+    run = schedule.simulate_partition(facts, partition)
+    found = known[key] = (run, schedule.recompute_time_of(facts, run.order))
+    while len(known) > SIMULATION_ENTRIES:
+        try:
+            known.popitem(last=False)
+        except KeyError:
+            break
+    return found

@@ -339,6 +339,7 @@ def hold_intermediates(facts: JointGraphFacts, partition: Partition) -> None:
     either way and chose per-use rebuilds; that code, which ran one BatchNorm block's convolution three
     times, measured 3,376,216 B, and holding measured 3,136,736 B, checkpointing's own peak."""
     facts.analysis.rebuilds[(partition.saved, partition.recomputed)] = False
+    facts.analysis.simulations.pop(partition.simulated_as, None)    # a simulation remembered with the other schedule
 
 
 def rebuilds_intermediates(facts: JointGraphFacts, partition: Partition) -> bool:
