@@ -27,7 +27,7 @@ import torch
 
 # calls of a graph after its compile that are looked at for accumulated gradients, when no optimizer step comes
 # first (a hand-written update): micro-batches past this many in one step are not looked for
-ACCUMULATION_WATCH_CALLS = 64
+ACCUMULATION_WATCH_CALLS = 1024     # (a block compiled once and run per layer calls its graph once per layer)
 
 
 class GradientLedger:
@@ -93,6 +93,11 @@ class AccumulationWatch:
 
     def stop(self) -> None:
         self._left = 0
+
+    @property
+    def watching(self) -> bool:
+        """Whether the calls now are still looked at (before ``look`` says otherwise)."""
+        return self._ledger is not None and self._left > 0 and self._ledger.optimizer_steps <= self._steps
 
     def look(self, tensors: Callable[[], Iterable[Any]], measured_anyway: bool) -> int:
         """The step's gradients ``tensors()`` hold now (``GradientLedger.accumulated_bytes``), where this call

@@ -224,7 +224,7 @@ class VerifiedGraph:
         self._window_runs = WindowRuns(None)    # the runs of this graph's last window
         # when to look for the step's gradients (accumulation), with the step's ledger (step_loop.StepHooks.grads)
         self._accumulation = AccumulationWatch(getattr(step, "grads", None) if verify_peak > 0 else None)
-        self._grad_leaves: Optional[list] = None     # its inputs that are leaves requiring gradients (weakly)
+        self._grad_leaves: dict[int, weakref.ref] = {}     # id -> an input that is a leaf requiring gradients
         self._lock = threading.Lock()
 
     @property
@@ -259,9 +259,8 @@ class VerifiedGraph:
         step = next(self._calls)
         if self._specs is None and self._recompile is not None:
             self._specs = input_specs(args)
-        if self._grad_leaves is None:
-            self._grad_leaves = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor) and a.is_leaf
-                                 and a.requires_grad]
+        if self._accumulation.watching or self._verify_left > 0:
+            self._note_grad_leaves(args)
         if self._step is not None:
             self._step.entered(self)     # may ask for a re-plan of this graph, made now
         with self._lock:
@@ -271,7 +270,7 @@ class VerifiedGraph:
         measured_by_step = self._step is not None and self._step.measures(self)   # remat/step_loop.py
         window = joined
         if window is None and not measured_by_step:
-            accumulated = self._accumulation.look(lambda: args, self._verify_left > 0)
+            accumulated = self._accumulation.look(self.grad_leaves, self._verify_left > 0)
             window = self._open_window(step, accumulated) if self._verify_left > 0 or accumulated else None
         out = self._fn(*args)
         if step == 0:
@@ -323,9 +322,19 @@ class VerifiedGraph:
             window.spoil(f"{self.record.graph_id} ran inside the window (a graph break: its peak is not one graph's)")
         return None
 
+    def _note_grad_leaves(self, args: tuple) -> None:
+        """Keep (weakly) this call's inputs that are leaves requiring gradients: its parameters, every run's (a
+        block compiled once and run per layer gets each layer's)."""
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.is_leaf and arg.requires_grad:
+                known = self._grad_leaves.get(id(arg))
+                if known is None or known() is not arg:
+                    self._grad_leaves[id(arg)] = weakref.ref(arg)
+
     def grad_leaves(self) -> list:
-        """Its inputs at its first call that are leaves requiring gradients (its parameters), those still alive."""
-        return [t for ref in self._grad_leaves or () if (t := ref()) is not None]
+        """The leaves requiring gradients its calls were given while the loop looked (``_note_grad_leaves``), those
+        still alive: whose gradients ``AccumulationWatch.look`` counts."""
+        return [t for ref in list(self._grad_leaves.values()) if (t := ref()) is not None]
 
     def _open_window(self, step: int, accumulated_grad_bytes: int = 0) -> Optional[StepWindow]:
         record = self.record
