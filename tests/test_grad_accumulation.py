@@ -143,3 +143,41 @@ def test_an_accumulating_step_split_at_a_graph_break_fits_after_the_correction(t
     assert accumulating[0].graph_id.startswith("step:")
     assert measured <= budget_bytes, (measured, budget_bytes, backend.feedback_events)
     assert_grads_close(grads_of(model), expected)
+
+
+def test_a_block_compiled_once_and_run_per_layer_counts_every_layers_gradients(tmp_path, monkeypatch) -> None:
+    """Regional compilation (``tests/test_stacked_runs.py``'s three blocks compiled one by one) over two
+    micro-batches: the stacked runs' window counts the accumulated gradients of every block's parameters, not the
+    first run's only, and the step after the re-plan fits (3,615,240 B at a 4,882,438 B budget)."""
+    from test_stacked_runs import regional_step
+
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "cache"))
+
+    def accumulating(backend: object) -> tuple[nn.Module, object]:
+        model, one_pass = regional_step(backend)
+
+        def step() -> None:
+            one_pass()       # gradients set to None, then the first micro-batch
+            model(INPUT).backward()
+        return model, step
+
+    from test_stacked_runs import INPUT
+    plain_model, plain_step = accumulating("inductor")
+    plain_step()
+    plain_peak = remat.measure_peak_bytes(plain_step).peak_bytes
+    expected = grads_of(plain_model)
+    block_grad_bytes = sum(p.numel() * p.element_size() for p in plain_model.blocks.parameters())
+
+    budget_bytes = int(0.8 * plain_peak)
+    backend = remat.backend(budget_bytes / 1e9)
+    model, step = accumulating(backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            step()
+    measured = remat.measure_peak_bytes(step).peak_bytes
+    accumulating_events = [e for e in backend.feedback_events if e.accumulated_grad_bytes]
+    assert accumulating_events[0].accumulated_grad_bytes == block_grad_bytes, backend.feedback_events
+    assert accumulating_events[0].runs == 3
+    assert measured <= budget_bytes, (measured, budget_bytes, backend.feedback_events)
+    assert_grads_close(grads_of(model), expected)
