@@ -59,7 +59,9 @@ With ``--micro-batches N`` every variant's step accumulates gradients over ``N``
 (gradient accumulation; the same inputs each time), its gradients set to None once, before the first: from the
 second pass on, the parameters hold the gradients of the earlier ones, part of the step's peak. Step 1 is the
 one that discovers it (remat's loop measures the second pass too, ``remat/accumulated_grads.py``); the probe's
-floor is one pass's.
+floor is one pass's. Where step 1 is measured inside a profiler (``--profile-first-step``, a step split at graph
+breaks), the loop cannot measure it, and the discovery moves to step 2: every variant then runs four steps, the
+fourth measured ("step 3" in the table).
 
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
@@ -280,8 +282,9 @@ def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_block
         record["measured_first_bytes"], loss = None, step()
     record["plans_first"] = _plans_summary(backend) if isinstance(backend, remat.RematBackend) else None
     grads_first = grads_of(built.model)
-    prepare()
-    step()
+    for _ in range(2 if micro_batches > 1 else 1):   # accumulation found in a profiled step 1: found in step 2
+        prepare()
+        step()
     prepare()
     later = remat.measure_peak_bytes(step, "cpu")
     record.update(measured_later_bytes=later.peak_bytes, loss_first=loss, loss_later=later.result,

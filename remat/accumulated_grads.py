@@ -77,27 +77,34 @@ class GradientLedger:
 
 class AccumulationWatch:
     """When a measured window or step looks for accumulated gradients (``look``): on the calls it is measured
-    anyway, and on a plan's first step (``restart`` after each compile or re-plan) until a call finds some (that
-    call is then measured too: gradient accumulation's second micro-batch, whose peak is the step's), the first
-    optimizer step, or ``ACCUMULATION_WATCH_CALLS`` calls. With no ledger (the loop off) it never looks."""
+    anyway, and on a plan's first step (``restart`` after each compile or re-plan) until the first optimizer step
+    or ``ACCUMULATION_WATCH_CALLS`` calls, or until a window holding the gradients a call found was measured (the
+    owner calls ``stop``; that call is measured too: gradient accumulation's second micro-batch, whose peak is the
+    step's). Found and not measured (a window cannot open inside the user's profiler), it goes on looking past
+    those limits: a first step profiled by the user leaves the discovery to a later step. With no ledger (the loop
+    off) it never looks."""
 
     def __init__(self, ledger: Optional[GradientLedger]) -> None:
         self._ledger = ledger
         self._left = 0
         self._steps = 0
+        self._found_unmeasured = False
         self.restart()
 
     def restart(self) -> None:
         if self._ledger is not None:
             self._left, self._steps = ACCUMULATION_WATCH_CALLS, self._ledger.optimizer_steps
+        self._found_unmeasured = False
 
     def stop(self) -> None:
-        self._left = 0
+        """Look no more (until ``restart``): a window holding the gradients found was measured, or the loop stopped."""
+        self._left, self._found_unmeasured = 0, False
 
     @property
     def watching(self) -> bool:
         """Whether the calls now are still looked at (before ``look`` says otherwise)."""
-        return self._ledger is not None and self._left > 0 and self._ledger.optimizer_steps <= self._steps
+        return self._ledger is not None and (self._found_unmeasured or (
+            self._left > 0 and self._ledger.optimizer_steps <= self._steps))
 
     def look(self, tensors: Callable[[], Iterable[Any]], measured_anyway: bool) -> int:
         """The step's gradients ``tensors()`` hold now (``GradientLedger.accumulated_bytes``), where this call
@@ -107,12 +114,11 @@ class AccumulationWatch:
             return 0
         if ledger.optimizer_steps > self._steps:
             self._left = 0          # the plan's first step is over
-        if self._left <= 0 and not measured_anyway:
+        if self._left <= 0 and not measured_anyway and not self._found_unmeasured:
             return 0
         self._left = max(self._left - 1, 0)
         accumulated = ledger.accumulated_bytes(tensors())
-        if accumulated:
-            self._left = 0
+        self._found_unmeasured = self._found_unmeasured or accumulated > 0
         return accumulated
 
 

@@ -392,6 +392,8 @@ class VerifiedGraph:
             return
         self._unmeasured = 0
         self._verify_left = max(self._verify_left - 1, 0)
+        if accumulated_grad_bytes:
+            self._accumulation.stop()     # measured with them: the watch has done its job
         own_predicted, own_peak = stacked_prediction(record, runs), peak_bytes
         predicted, peak_bytes = own_predicted + accumulated_grad_bytes, peak_bytes + accumulated_grad_bytes
         verdict = judge(plan.budget_bytes, record.base_target_bytes, predicted, peak_bytes,

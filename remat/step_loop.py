@@ -269,6 +269,8 @@ class StepHooks:
         if peak_bytes is None or any(w is None for w in wrappers):
             return
         self._verify_left = max(self._verify_left - 1, 0)
+        if accumulated_grad_bytes:
+            self._accumulation.stop()     # measured with them: the watch has done its job
         budget = min(w.record.plan.budget_bytes for w in wrappers)
         own_predicted, own_peak = self.account.step_peak_bytes(sequence), peak_bytes
         predicted, peak_bytes = own_predicted + accumulated_grad_bytes, peak_bytes + accumulated_grad_bytes

@@ -181,3 +181,25 @@ def test_a_block_compiled_once_and_run_per_layer_counts_every_layers_gradients(t
     assert accumulating_events[0].runs == 3
     assert measured <= budget_bytes, (measured, budget_bytes, backend.feedback_events)
     assert_grads_close(grads_of(model), expected)
+
+
+def test_accumulation_found_in_a_step_the_user_profiled_is_measured_in_the_next(tmp_path, monkeypatch) -> None:
+    """A first step inside the user's own profiler (``remat.measure_peak_bytes``: remat's window cannot open) finds
+    the accumulated gradients and cannot measure them; the watch goes on, the next step's second micro-batch is
+    measured and re-planned, and the step after fits. Before, the watch stopped at the first call that found
+    them, measured or not, and every later step ran over."""
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "cache"))
+    plain_model, plain_step = accumulating_step("inductor")
+    plain_step()
+    budget_bytes = int(0.8 * remat.measure_peak_bytes(plain_step).peak_bytes)
+    backend = remat.backend(budget_bytes / 1e9)
+    model, step = accumulating_step(backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        remat.measure_peak_bytes(step)
+        step()
+        step()
+    measured = remat.measure_peak_bytes(step).peak_bytes
+    assert any(e.accumulated_grad_bytes and e.action == "re-planned" for e in backend.feedback_events), \
+        backend.feedback_events
+    assert measured <= budget_bytes, (measured, budget_bytes, backend.feedback_events)
