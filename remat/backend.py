@@ -274,7 +274,7 @@ class RematBackend:
         if share is None and target_bytes is not None:   # graph breaks: one budget per step (remat/step_budget.py)
             step = self._step_hooks.account
             share = step.share_for_joint(slot_of(graph_id), target_bytes, joint, need_of(facts), num_fwd_outputs, static_indices,
-                                         getattr(self._replan, "follows", False), key, correction)
+                                         getattr(self._replan, "follows", False), key, correction, request.headroom_fraction)
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
         if getattr(self._replan, "step_key", None) is not None:   # a compile keyed by its share plans at it, or stops
             self._replan.step_key.check(share)

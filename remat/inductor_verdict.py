@@ -109,11 +109,12 @@ def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held
     """The refusal of ``budget_bytes`` whose plan ``plan`` is compiled for Inductor's check.
     ``target_for_budget``: the backend's planning target of a budget (the budget less headroom).
     A graph alone in its step is judged against that target; one sharing a step at graph breaks
-    (``share`` of kind "break", or "runs": its runs stack) against the largest peak its share admits next to what ``plan``
+    (``share`` of kind "break", or "runs": its runs stack, or "accumulated": next to the step's gradients) against the
+    largest peak its share admits next to what ``plan``
     holds (``held_of``), at the budget refused and at any budget named (``peak_limit_bytes``).
     The refusal keeps ``error`` without its tracebacks (``without_tracebacks``)."""
     without_tracebacks(error)
-    if share is None or share.kind not in ("break", "runs"):
+    if share is None or share.kind not in ("break", "runs", "accumulated"):
         return Refusal(error, target_for_budget, target_for_budget(budget_bytes))
     from .distributed_search import peak_limit_bytes
 
@@ -123,12 +124,13 @@ def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held
 
 
 def share_check_target(share: Optional["GraphShare"], held_bytes: int, target_bytes: int) -> Optional[int]:
-    """The peak Inductor's check judges a plan against under a known step's share (kind "break" or "runs"):
+    """The peak Inductor's check judges a plan against under a known step's share (kind "break", "runs" or
+    "accumulated"):
     the largest peak the share, at the real planning target ``target_bytes`` (no feedback correction:
     the checked peak is in real bytes), admits next to the ``held_bytes`` the plan holds; without the
     later graphs' reserve when the plan was taken without it (``reserve_met`` False). None for a graph
     alone in its step or planned before its step was known (judged against ``target_bytes``)."""
-    if share is None or share.kind not in ("break", "runs"):
+    if share is None or share.kind not in ("break", "runs", "accumulated"):
         return None
     from dataclasses import replace
 

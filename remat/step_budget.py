@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .distributed import GraphShare, piece_target
 from .errors import BudgetInfeasibleError
+from .options import target_for_budget
 from .runs_share import runs_share
 from .step_memory import recall_share
 from .units import format_bytes
@@ -240,12 +241,16 @@ class StepAccount:
 
     def share_for_joint(self, slot: str, step_target_bytes: int, joint: "fx.GraphModule", need_bytes: int,
                         num_fwd_outputs: int, static_indices: Optional[Sequence[int]],
-                        follows: bool = False, graph_key: str = "",
-                        made_for: Optional["Correction"] = None) -> Optional[GraphShare]:
+                        follows: bool = False, graph_key: str = "", made_for: Optional["Correction"] = None,
+                        headroom_fraction: float = 0.0) -> Optional[GraphShare]:
         """``share_for`` with the inputs and gradients read off the joint graph (``io_bytes``), and the runs and
-        accumulated gradients the feedback correction ``made_for`` measured (none: one run, none)."""
+        accumulated gradients the feedback correction ``made_for`` measured (none: one run, none). The gradients
+        count at ``1 - headroom_fraction`` of their bytes, in the step target's units: measured exactly, they take
+        no headroom, so a plan next to them gets ``target_for_budget(budget - gradients)`` (a floor named is the
+        graph's at its headroom plus the gradients)."""
         inputs, grads = self.io_bytes(slot, joint, num_fwd_outputs, static_indices)
-        runs, accumulated = (1, 0) if made_for is None else (made_for.runs, made_for.accumulated_grad_bytes)
+        runs, accumulated = (1, 0) if made_for is None else (
+            made_for.runs, target_for_budget(made_for.accumulated_grad_bytes, headroom_fraction))
         return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows, graph_key, runs, accumulated)
 
     def io_bytes(self, slot: str, joint: "fx.GraphModule", num_fwd_outputs: int,

@@ -22,6 +22,13 @@ from remat.testing.steps import assert_grads_close, grads_of
 MICRO_BATCHES = [torch.randn(1024, 128, generator=torch.Generator().manual_seed(i)) for i in range(2)]
 
 
+def isolated_caches(tmp_path, monkeypatch) -> None:
+    """This test's own caches and feedback store: a correction another test stored for the same graph would make
+    the first step plan next to the gradients already."""
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "feedback"))
+
+
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 128))
@@ -72,7 +79,7 @@ def test_an_accumulating_step_is_measured_and_fits_after_the_correction(tmp_path
     (its parameters hold the first one's gradients), counted with them, over the budget, and re-planned next to
     them; the next step fits, with plain Inductor's gradients. A new backend in the same cache plans next to them
     from its first step (the stored correction)."""
-    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "cache"))
+    isolated_caches(tmp_path, monkeypatch)
     plain_model, plain_step = accumulating_step("inductor")
     plain_step()
     plain_peak = remat.measure_peak_bytes(plain_step).peak_bytes
@@ -123,7 +130,7 @@ def test_an_accumulating_step_split_at_a_graph_break_fits_after_the_correction(t
     graphs' parameters, and every graph is re-planned next to them; the step after fits, with plain Inductor's
     gradients (9,180,168 B at a 10,279,737 B budget). Before, the step window measured from the second
     micro-batch's entry: 10,752,520 B on every step, 1.046x, its event "within budget" at 9,175,048 B."""
-    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "cache"))
+    isolated_caches(tmp_path, monkeypatch)
     plain_model, plain_step = accumulating_step("inductor", BrokenMLP)
     plain_step()
     plain_peak = remat.measure_peak_bytes(plain_step).peak_bytes
@@ -151,7 +158,7 @@ def test_a_block_compiled_once_and_run_per_layer_counts_every_layers_gradients(t
     first run's only, and the step after the re-plan fits (3,615,240 B at a 4,882,438 B budget)."""
     from test_stacked_runs import regional_step
 
-    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "cache"))
+    isolated_caches(tmp_path, monkeypatch)
 
     def accumulating(backend: object) -> tuple[nn.Module, object]:
         model, one_pass = regional_step(backend)
@@ -188,7 +195,7 @@ def test_accumulation_found_in_a_step_the_user_profiled_is_measured_in_the_next(
     the accumulated gradients and cannot measure them; the watch goes on, the next step's second micro-batch is
     measured and re-planned, and the step after fits. Before, the watch stopped at the first call that found
     them, measured or not, and every later step ran over."""
-    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "cache"))
+    isolated_caches(tmp_path, monkeypatch)
     plain_model, plain_step = accumulating_step("inductor")
     plain_step()
     budget_bytes = int(0.8 * remat.measure_peak_bytes(plain_step).peak_bytes)
