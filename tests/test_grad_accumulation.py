@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -209,4 +210,37 @@ def test_accumulation_found_in_a_step_the_user_profiled_is_measured_in_the_next(
     measured = remat.measure_peak_bytes(step).peak_bytes
     assert any(e.accumulated_grad_bytes and e.action == "re-planned" for e in backend.feedback_events), \
         backend.feedback_events
+    assert measured <= budget_bytes, (measured, budget_bytes, backend.feedback_events)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_accumulating_step_on_cuda_is_measured_and_fits(tmp_path, monkeypatch) -> None:
+    """On CUDA (the allocator's statistics measure the windows): the second micro-batch is measured with the
+    accumulated gradients, and from the step after the re-plan the whole step fits (run by tools/gpu_checks.sh)."""
+    isolated_caches(tmp_path, monkeypatch)
+
+    def step_on_cuda(backend: object) -> tuple[nn.Module, object]:
+        model = mlp().cuda()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        micro_batches = [x.cuda() for x in MICRO_BATCHES]
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            for x in micro_batches:
+                compiled(x).pow(2).mean().backward()
+        return model, step
+
+    _, plain_step = step_on_cuda("inductor")
+    plain_step()
+    budget_bytes = int(0.85 * remat.measure_peak_bytes(plain_step, "cuda").peak_bytes)
+    backend = remat.backend(budget_bytes / 1e9)
+    _, step = step_on_cuda(backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            step()
+    measured = remat.measure_peak_bytes(step, "cuda").peak_bytes
+    assert any(e.accumulated_grad_bytes for e in backend.feedback_events), backend.feedback_events
     assert measured <= budget_bytes, (measured, budget_bytes, backend.feedback_events)
