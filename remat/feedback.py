@@ -97,7 +97,7 @@ from .errors import BudgetInfeasibleError
 from .feedback_store import Correction, write_correction
 from .measure import StepWindow, open_window
 from .accumulated_grads import AccumulationWatch
-from .window_runs import WindowRuns
+from .window_runs import RunInFlight, WindowRuns, runs_in_flight
 
 log = logging.getLogger("remat")
 
@@ -255,7 +255,7 @@ class VerifiedGraph:
         return True
 
     def __call__(self, *args: Any) -> Any:
-        joined = self._settle_open_window()
+        joined, mid_step = self._settle_open_window()
         step = next(self._calls)
         if self._specs is None and self._recompile is not None:
             self._specs = input_specs(args)
@@ -269,10 +269,13 @@ class VerifiedGraph:
             self._replan(list(args), pending, step)
         measured_by_step = self._step is not None and self._step.measures(self)   # remat/step_loop.py
         window = joined
-        if window is None and not measured_by_step:
+        if window is None and not measured_by_step and not mid_step and not self._mid_step():
             accumulated = self._accumulation.look(self.grad_leaves, self._verify_left > 0)
             window = self._open_window(step, accumulated) if self._verify_left > 0 or accumulated else None
         out = self._fn(*args)
+        if self._verify_left > 0 or self._accumulation.watching:     # while a later call may open a window
+            in_flight = RunInFlight()
+            in_flight.track(self._watch_backward(out, in_flight.finish))
         if step == 0:
             # its compile ran inside this step (Dynamo compiles a graph when the step first reaches
             # it): the frames the compile left in reference cycles keep the calling frames, and with
@@ -294,33 +297,45 @@ class VerifiedGraph:
                 self._window_runs.track(index, node)
         return out
 
-    def _settle_open_window(self) -> Optional[StepWindow]:
+    def _settle_open_window(self) -> tuple[Optional[StepWindow], bool]:
         """The CPU window open on this thread, if any: a finished one, or this graph's own from an
         earlier step, is closed now (its result may ask for a re-plan before this call runs);
         another graph's unfinished one now holds this graph's run too, so it is spoiled. This graph's
         own unfinished window, where its plan was made for one run per step (``runs_stack``), is
         returned: the call joins it (its runs stack in one step: each keeps what it holds for its
         backward while the next runs), and the window ends when the last of their backwards does,
-        up to ``MAX_RUNS_PER_WINDOW`` runs."""
+        up to ``MAX_RUNS_PER_WINDOW`` runs. Also returns whether this call is in the middle of a step: it
+        found a window unfinished (a run's backward pending) and did not join it (``_mid_step``)."""
         window = open_window()
         if window is None:
-            return None
+            return None, False
         if self._step is not None and self._step.owns(window):   # the step's window: it holds every graph
             if window.marked:
                 window.close()
-            return None
+            return None, False
         if window.owner is self and not window.marked:
             runs = self._window_runs
             if (self._runs_stack and not window.spoiled_by and not runs.orphaned()
                     and runs.started < MAX_RUNS_PER_WINDOW):
-                return window
+                return window, False
             window.spoil("called again before its backward ran (a graph run several times per step: "
                          "its peak is not one call's)")
+        mid_step = not window.marked
         if window.marked or window.owner is self:
             window.close()
         else:
             window.spoil(f"{self.record.graph_id} ran inside the window (a graph break: its peak is not one graph's)")
-        return None
+        return None, mid_step
+
+    def _mid_step(self) -> bool:
+        """Whether another run's backward is pending as this one enters its forward (a run tracked on this thread,
+        ``window_runs.runs_in_flight``, budget or not; or one the step's account holds): a graph-break model called
+        twice per step runs A, B, A, B. No CPU window opens then: one opened there (its profiler started with
+        earlier runs' autograd graphs pending) corrupted memory (hf-1454 of the corpus, a Hugging Face GPT-2 split
+        at a graph break, called twice per step with no budget: gradients 1e6-6e35x off in its second step, or a
+        segmentation fault in the backward's garbage collection; none without the windows). It measured nothing
+        anyway: the other graph's run spoils it."""
+        return runs_in_flight() > 0 or (self._step is not None and self._step.account.pending_runs() > 1)
 
     def _note_grad_leaves(self, args: tuple) -> None:
         """Keep (weakly) this call's inputs that are leaves requiring gradients: its parameters, every run's (a

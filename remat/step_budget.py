@@ -286,6 +286,11 @@ class StepAccount:
         with self._lock:
             return tuple((s, g) for s in self._pending if (g := self._graph(s)) is not None)
 
+    def pending_runs(self) -> int:
+        """How many graph runs of this step entered their forward and have not finished their backward."""
+        with self._lock:
+            return len(self._pending)
+
     def forward_entered(self, slot: str) -> None:
         """Graph ``slot`` enters its forward (before any re-plan it runs now)."""
         with self._lock:

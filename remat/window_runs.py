@@ -4,11 +4,13 @@ A graph planned for one run per step may run again before its backward (one mode
 step; one compiled block run once per layer): its runs stack, each keeping what it holds for its backward
 while the next runs, and one window measures them all, from the first run's forward entry to the end of
 the last of their backwards. ``WindowRuns`` keeps, per run, its backward node (weakly) and whether its
-backward began and finished, and ends the window.
+backward began and finished, and ends the window. ``runs_in_flight`` says whether a forward enters in the middle
+of a step (another run's backward pending), where no window may open (``VerifiedGraph._mid_step``).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Callable, Optional
 
@@ -82,4 +84,45 @@ class WindowRuns:
             when_the_engine_returns(self.window.end_now)
 
 
-__all__ = ["WindowRuns"]
+class RunInFlight:
+    """One compiled run whose backward has not finished, on this thread's list (``runs_in_flight``) while the loop
+    may open a window: ``track`` its backward node (weakly: a run whose autograd graph was freed unrun is not in
+    flight), ``finish`` when its backward ends."""
+
+    __slots__ = ("node", "done")
+
+    def __init__(self) -> None:
+        self.node: Optional[weakref.ref] = None
+        self.done = False
+
+    def finish(self) -> None:
+        self.done = True
+
+    def track(self, node: Any) -> None:
+        if not node:
+            return
+        try:
+            self.node = weakref.ref(node)
+        except TypeError:
+            return
+        runs = getattr(_THREAD, "runs", None)
+        if runs is None:
+            runs = _THREAD.runs = []
+        runs.append(self)
+
+
+_THREAD = threading.local()     # this thread's runs in flight, as ``measure``'s open window is this thread's
+
+
+def runs_in_flight() -> int:
+    """How many tracked runs on this thread still wait for their backward (their autograd graph alive, their
+    backward not finished): where it is not 0, a forward entering now is in the middle of a step."""
+    runs = getattr(_THREAD, "runs", None)
+    if not runs:
+        return 0
+    alive = [run for run in runs if not run.done and run.node is not None and run.node() is not None]
+    _THREAD.runs = alive
+    return len(alive)
+
+
+__all__ = ["RunInFlight", "WindowRuns", "runs_in_flight"]

@@ -192,3 +192,62 @@ def test_two_graphs_run_twice_each_fit_after_the_first_step(tmp_path, monkeypatc
     assert backend.step_account.sequence == ("graph_000", "graph_000", "graph_001", "graph_001")
     assert measured <= budget_bytes, (measured, budget_bytes, backend.feedback_events)
     assert_grads_close(grads_of(model), expected)
+
+
+class BrokenBlock(nn.Module):
+    """One block with a graph break inside: two graphs, A then B."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(128, 512), nn.Linear(512, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.up(x))
+        torch._dynamo.graph_break()
+        return (x + self.down(h)).pow(2).mean()
+
+
+def test_no_window_opens_in_the_middle_of_a_step_of_interleaved_runs(monkeypatch) -> None:
+    """A model with a graph break called twice per step runs A, B, A, B: a window opened at the second A or B (the
+    earlier runs' backwards pending) started the CPU profiler mid-step, which corrupted memory on a Hugging Face
+    GPT-2 (gradients 1e6x off, or a segmentation fault: ``VerifiedGraph._mid_step``). No window opens where a run
+    is in flight, with or without a budget, and the gradients are plain Inductor's."""
+    from remat import measure
+    from remat.feedback import VerifiedGraph
+
+    entries, opened_at = [0], []      # compiled graph entries so far in this step; the entry each window opened at
+    real_open, real_call = measure.StepWindow.open, VerifiedGraph.__call__
+
+    def open_and_record(self) -> bool:
+        opened_at.append(entries[0])
+        return real_open(self)
+
+    def call_and_count(self, *args):
+        entries[0] += 1
+        return real_call(self, *args)
+    def twice_per_step(backend: object) -> tuple[nn.Module, object]:
+        torch.manual_seed(0)
+        model = BrokenBlock()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            entries[0] = 0
+            (compiled(INPUT) + compiled(INPUT * 0.5)).backward()
+        return model, step
+
+    plain_model, plain_step = twice_per_step("inductor")
+    plain_step()
+    expected = grads_of(plain_model)
+    monkeypatch.setattr(measure.StepWindow, "open", open_and_record)
+    monkeypatch.setattr(VerifiedGraph, "__call__", call_and_count)
+    for backend in (remat.backend(None), remat.backend(10.0)):
+        model, step = twice_per_step(backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                step()
+        assert opened_at and set(opened_at) == {1}, opened_at    # only at the step's first graph entry
+        assert_grads_close(grads_of(model), expected)
+        opened_at.clear()
