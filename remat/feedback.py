@@ -222,8 +222,7 @@ class VerifiedGraph:
         self._specs: Optional[tuple] = None    # its inputs' metadata (first call), for replan_ahead
         self._runs_stack = runs_stack
         self._window_runs = WindowRuns(None)    # the runs of this graph's last window
-        # when to look for the step's gradients (accumulation), with the step's ledger (step_loop.StepHooks.grads)
-        self._accumulation = AccumulationWatch(getattr(step, "grads", None) if verify_peak > 0 else None)
+        self._accumulation = AccumulationWatch(getattr(step, "grads", None) if verify_peak > 0 else None)  # its ledger
         self._grad_leaves: dict[int, weakref.ref] = {}     # id -> an input that is a leaf requiring gradients
         self._lock = threading.Lock()
 
@@ -273,7 +272,7 @@ class VerifiedGraph:
             accumulated = self._accumulation.look(self.grad_leaves, self._verify_left > 0)
             window = self._open_window(step, accumulated) if self._verify_left > 0 or accumulated else None
         out = self._fn(*args)
-        if self._verify_left > 0 or self._accumulation.watching:     # while a later call may open a window
+        if self.device.type == "cpu" and (self._verify_left > 0 or self._accumulation.watching):   # (_mid_step)
             in_flight = RunInFlight()
             in_flight.track(self._watch_backward(out, in_flight.finish))
         if step == 0:
@@ -328,14 +327,15 @@ class VerifiedGraph:
         return None, mid_step
 
     def _mid_step(self) -> bool:
-        """Whether another run's backward is pending as this one enters its forward (a run tracked on this thread,
+        """Whether another run's backward is pending as this one enters a CPU forward (a run tracked on this thread,
         ``window_runs.runs_in_flight``, budget or not; or one the step's account holds): a graph-break model called
         twice per step runs A, B, A, B. No CPU window opens then: one opened there (its profiler started with
         earlier runs' autograd graphs pending) corrupted memory (hf-1454 of the corpus, a Hugging Face GPT-2 split
         at a graph break, called twice per step with no budget: gradients 1e6-6e35x off in its second step, or a
-        segmentation fault in the backward's garbage collection; none without the windows). It measured nothing
-        anyway: the other graph's run spoils it."""
-        return runs_in_flight() > 0 or (self._step is not None and self._step.account.pending_runs() > 1)
+        segmentation fault in the backward's garbage collection; none without the windows); it measured nothing
+        anyway. A CUDA window reads the allocator (FSDP2's units still measure their last run per step)."""
+        return self.device.type == "cpu" and (
+            runs_in_flight() > 0 or (self._step is not None and self._step.account.pending_runs() > 1))
 
     def _note_grad_leaves(self, args: tuple) -> None:
         """Keep (weakly) this call's inputs that are leaves requiring gradients: its parameters, every run's (a

@@ -11,6 +11,7 @@ Inductor's peak, a Hugging Face BERT (hf-1456) 1.089x at 50%; this file's MLP at
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import pytest
 import torch
@@ -49,6 +50,28 @@ def accumulating_step(backend: object, make: object = None) -> tuple[nn.Module, 
     return model, step
 
 
+def plain_reference(make_step: Callable[[object], tuple[nn.Module, Callable[[], None]]]) -> tuple[int, dict, int]:
+    """Plain Inductor on the step ``make_step(backend)`` builds: its measured peak (second step), its gradients and
+    its parameters' gradient bytes."""
+    model, step = make_step("inductor")
+    step()
+    peak = remat.measure_peak_bytes(step).peak_bytes
+    return peak, grads_of(model), sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def remat_steps(make_step: Callable[[object], tuple[nn.Module, Callable[[], None]]], budget_bytes: int,
+                steps: int = 3) -> tuple[remat.RematBackend, nn.Module, int]:
+    """The step ``make_step(backend)`` builds under remat at ``budget_bytes``: ``steps`` steps (warnings silenced),
+    then one measured. Returns the backend, the model and that step's measured peak."""
+    backend = remat.backend(budget_bytes / 1e9)
+    model, step = make_step(backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            step()
+    return backend, model, remat.measure_peak_bytes(step).peak_bytes
+
+
 def test_the_ledger_counts_the_gradients_no_optimizer_step_has_seen() -> None:
     """Gradients a backward left count; after ``optimizer.step()`` the gradients present then are resident
     (``zero_grad(set_to_none=False)`` keeps them) and do not, while new ones (``set_to_none=True``) do. A
@@ -81,11 +104,7 @@ def test_an_accumulating_step_is_measured_and_fits_after_the_correction(tmp_path
     them; the next step fits, with plain Inductor's gradients. A new backend in the same cache plans next to them
     from its first step (the stored correction)."""
     isolated_caches(tmp_path, monkeypatch)
-    plain_model, plain_step = accumulating_step("inductor")
-    plain_step()
-    plain_peak = remat.measure_peak_bytes(plain_step).peak_bytes
-    expected = grads_of(plain_model)
-    grad_bytes = sum(p.numel() * p.element_size() for p in plain_model.parameters())
+    plain_peak, expected, grad_bytes = plain_reference(accumulating_step)
 
     budget_bytes = int(0.8 * plain_peak)
     backend = remat.backend(budget_bytes / 1e9)
@@ -132,20 +151,10 @@ def test_an_accumulating_step_split_at_a_graph_break_fits_after_the_correction(t
     gradients (9,180,168 B at a 10,279,737 B budget). Before, the step window measured from the second
     micro-batch's entry: 10,752,520 B on every step, 1.046x, its event "within budget" at 9,175,048 B."""
     isolated_caches(tmp_path, monkeypatch)
-    plain_model, plain_step = accumulating_step("inductor", BrokenMLP)
-    plain_step()
-    plain_peak = remat.measure_peak_bytes(plain_step).peak_bytes
-    expected = grads_of(plain_model)
-    grad_bytes = sum(p.numel() * p.element_size() for p in plain_model.parameters())
+    plain_peak, expected, grad_bytes = plain_reference(lambda backend: accumulating_step(backend, BrokenMLP))
 
     budget_bytes = int(0.8 * plain_peak)
-    backend = remat.backend(budget_bytes / 1e9)
-    model, step = accumulating_step(backend, BrokenMLP)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(3):
-            step()
-    measured = remat.measure_peak_bytes(step).peak_bytes
+    backend, model, measured = remat_steps(lambda backend: accumulating_step(backend, BrokenMLP), budget_bytes)
     accumulating = [e for e in backend.feedback_events if e.accumulated_grad_bytes]
     assert accumulating and accumulating[0].accumulated_grad_bytes == grad_bytes, backend.feedback_events
     assert accumulating[0].graph_id.startswith("step:")
@@ -157,7 +166,7 @@ def test_a_block_compiled_once_and_run_per_layer_counts_every_layers_gradients(t
     """Regional compilation (``tests/test_stacked_runs.py``'s three blocks compiled one by one) over two
     micro-batches: the stacked runs' window counts the accumulated gradients of every block's parameters, not the
     first run's only, and the step after the re-plan fits (3,615,240 B at a 4,882,438 B budget)."""
-    from test_stacked_runs import regional_step
+    from test_stacked_runs import INPUT, regional_step
 
     isolated_caches(tmp_path, monkeypatch)
 
@@ -169,7 +178,6 @@ def test_a_block_compiled_once_and_run_per_layer_counts_every_layers_gradients(t
             model(INPUT).backward()
         return model, step
 
-    from test_stacked_runs import INPUT
     plain_model, plain_step = accumulating("inductor")
     plain_step()
     plain_peak = remat.measure_peak_bytes(plain_step).peak_bytes
@@ -177,13 +185,7 @@ def test_a_block_compiled_once_and_run_per_layer_counts_every_layers_gradients(t
     block_grad_bytes = sum(p.numel() * p.element_size() for p in plain_model.blocks.parameters())
 
     budget_bytes = int(0.8 * plain_peak)
-    backend = remat.backend(budget_bytes / 1e9)
-    model, step = accumulating(backend)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(3):
-            step()
-    measured = remat.measure_peak_bytes(step).peak_bytes
+    backend, model, measured = remat_steps(accumulating, budget_bytes)
     accumulating_events = [e for e in backend.feedback_events if e.accumulated_grad_bytes]
     assert accumulating_events[0].accumulated_grad_bytes == block_grad_bytes, backend.feedback_events
     assert accumulating_events[0].runs == 3
@@ -197,9 +199,7 @@ def test_accumulation_found_in_a_step_the_user_profiled_is_measured_in_the_next(
     measured and re-planned, and the step after fits. Before, the watch stopped at the first call that found
     them, measured or not, and every later step ran over."""
     isolated_caches(tmp_path, monkeypatch)
-    plain_model, plain_step = accumulating_step("inductor")
-    plain_step()
-    budget_bytes = int(0.8 * remat.measure_peak_bytes(plain_step).peak_bytes)
+    budget_bytes = int(0.8 * plain_reference(accumulating_step)[0])
     backend = remat.backend(budget_bytes / 1e9)
     model, step = accumulating_step(backend)
     with warnings.catch_warnings():
