@@ -100,6 +100,13 @@ class AccumulationWatch:
         """Look no more (until ``restart``): a window holding the gradients found was measured, or the loop stopped."""
         self._left, self._found_unmeasured = 0, False
 
+    def count_call(self) -> bool:
+        """Count a call of the graph (or a step's first entry) against ``ACCUMULATION_WATCH_CALLS``, every call,
+        whether ``look`` is asked or not; returns whether it is watched (``watching`` before counting)."""
+        watched = self.watching
+        self._left = max(self._left - 1, 0)
+        return watched
+
     @property
     def watching(self) -> bool:
         """Whether the calls now are still looked at (before ``look`` says otherwise)."""
@@ -108,7 +115,7 @@ class AccumulationWatch:
 
     def look(self, tensors: Callable[[], Iterable[Any]], measured_anyway: bool) -> int:
         """The step's gradients ``tensors()`` hold now (``GradientLedger.accumulated_bytes``), where this call
-        is looked at; else 0."""
+        is looked at (the call counted by ``count_call`` first); else 0."""
         ledger = self._ledger
         if ledger is None:
             return 0
@@ -116,7 +123,6 @@ class AccumulationWatch:
             self._left = 0          # the plan's first step is over
         if self._left <= 0 and not measured_anyway and not self._found_unmeasured:
             return 0
-        self._left = max(self._left - 1, 0)
         accumulated = ledger.accumulated_bytes(tensors())
         self._found_unmeasured = self._found_unmeasured or accumulated > 0
         return accumulated

@@ -258,7 +258,7 @@ class VerifiedGraph:
         step = next(self._calls)
         if self._specs is None and self._recompile is not None:
             self._specs = input_specs(args)
-        if self._accumulation.watching or self._verify_left > 0:
+        if self._accumulation.count_call() or self._verify_left > 0:    # (every call counted: the watch ends)
             self._note_grad_leaves(args)
         if self._step is not None:
             self._step.entered(self)     # may ask for a re-plan of this graph, made now

@@ -16,6 +16,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 if TYPE_CHECKING:
     from .distributed import GraphShare
 
+# shares whose graph is judged against the largest peak the share admits next to what its plan holds (a known
+# step's graph at a break, stacked runs, a graph next to accumulated gradients); others against their target
+JUDGED_SHARE_KINDS = ("break", "runs", "accumulated")
+
+
 @dataclass(frozen=True)
 class Judgement:
     """Inductor's verdict on one compiled plan (bytes; 1 GB = 1e9 bytes).
@@ -114,7 +119,7 @@ def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held
     holds (``held_of``), at the budget refused and at any budget named (``peak_limit_bytes``).
     The refusal keeps ``error`` without its tracebacks (``without_tracebacks``)."""
     without_tracebacks(error)
-    if share is None or share.kind not in ("break", "runs", "accumulated"):
+    if share is None or share.kind not in JUDGED_SHARE_KINDS:
         return Refusal(error, target_for_budget, target_for_budget(budget_bytes))
     from .distributed_search import peak_limit_bytes
 
@@ -130,7 +135,7 @@ def share_check_target(share: Optional["GraphShare"], held_bytes: int, target_by
     the checked peak is in real bytes), admits next to the ``held_bytes`` the plan holds; without the
     later graphs' reserve when the plan was taken without it (``reserve_met`` False). None for a graph
     alone in its step or planned before its step was known (judged against ``target_bytes``)."""
-    if share is None or share.kind not in ("break", "runs", "accumulated"):
+    if share is None or share.kind not in JUDGED_SHARE_KINDS:
         return None
     from dataclasses import replace
 

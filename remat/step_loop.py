@@ -174,6 +174,7 @@ class StepHooks:
         if wrapper.replan_pending and self.owns(window):
             window.spoil(f"{wrapper.record.graph_id} was re-planned inside the step (its compile's allocations count)")
         elif first and window is None and not wrapper.replan_pending:
+            self._accumulation.count_call()
             accumulated = self._accumulation.look(self._grad_leaves, self._verify_left > 0)
             if self._verify_left > 0 or accumulated:
                 self._open(wrapper.device, self.account.sequence, accumulated)

@@ -105,10 +105,8 @@ class RunInFlight:
             self.node = weakref.ref(node)
         except TypeError:
             return
-        runs = getattr(_THREAD, "runs", None)
-        if runs is None:
-            runs = _THREAD.runs = []
-        runs.append(self)
+        runs_in_flight()         # drops the finished ones: the list holds only runs in flight, whoever asks
+        _THREAD.runs.append(self)
 
 
 _THREAD = threading.local()     # this thread's runs in flight, as ``measure``'s open window is this thread's
@@ -117,11 +115,8 @@ _THREAD = threading.local()     # this thread's runs in flight, as ``measure``'s
 def runs_in_flight() -> int:
     """How many tracked runs on this thread still wait for their backward (their autograd graph alive, their
     backward not finished): where it is not 0, a forward entering now is in the middle of a step."""
-    runs = getattr(_THREAD, "runs", None)
-    if not runs:
-        return 0
-    alive = [run for run in runs if not run.done and run.node is not None and run.node() is not None]
-    _THREAD.runs = alive
+    runs = getattr(_THREAD, "runs", None) or []
+    alive = _THREAD.runs = [run for run in runs if not run.done and run.node is not None and run.node() is not None]
     return len(alive)
 
 
