@@ -14,6 +14,8 @@ or the end of a ``StepMonitor`` step, whichever comes first. A step is not measu
 is) when its backward never ran, when another profiler already ran on the thread, when another
 remat graph ran inside the window (a graph break: the window's peak is then not this graph's;
 once the step's graphs are known, one window measures the whole step instead: remat/step_loop.py),
+or when another run's backward is pending at its entry (no CPU window opens mid-step: ``_mid_step``; a forward
+kept without its backward, a validation pass outside ``torch.no_grad()``, holds every later call so),
 or when a DDP/FSDP2 graph is called again before its backward ran (FSDP2's units, whose ledger
 counts their runs: then the window of its last call in the step is the one measured); after
 ``MAX_UNMEASURED`` such steps in a row the graph stops trying ("not measured: <why>"), so such
@@ -39,27 +41,8 @@ first step is watched for a call whose parameters hold such gradients (``accumul
 that call is measured too, the gradients added to its measured and predicted peaks, and over the budget the
 correction carries them: the graph is re-planned next to them (``runs_share.runs_share``'s outside bytes).
 
-Then ``judge`` compares the measured peak with the plan's budget:
-
-- at or under it: "within budget";
-- over it: the simulator's error on this plan is ``factor = measured / predicted``. The graph is
-  re-planned at ``base target / factor`` (the target without correction, i.e. the budget less
-  its headroom), which is always below the target the plan was made at (the plan's predicted
-  peak was at most that target and its measured peak over the budget), and recompiled from a
-  copy of Dynamo's graph at its next call ("re-planned"). A warning gives the budget, the
-  predicted and measured peaks, the factor and the new target. The new plan is measured again
-  on its next step, for up to ``MAX_REPLANS`` re-plans ("over budget after N re-plans" then).
-  If no plan meets the corrected target, that next call raises ``BudgetInfeasibleError`` naming
-  the budget that would pass under the correction, or with ``best_effort=True`` warns and runs
-  the smallest-peak plan;
-- over it with a best-effort plan (already the smallest peak found): nothing smaller to try. A plan
-  Inductor's check accepted where the simulator refused (``inductor_verdict.overrule_refusal``) is not
-  best effort: it was accepted as meeting the budget, and a measured overshoot re-plans it like any
-  other (measured on a drawn LM under bf16 autocast, rand-1385, whose eager loss allocates 1.5 MB the
-  graphs cannot see: 2.3x its budget on every step while the loop took it for best effort);
-- over it on a graph with dynamic shapes, or one planned under DDP/FSDP2's step ledger: the
-  correction is stored and applies from the next compile of that graph ("stored for the next
-  compile"), since recompiling in place would bypass Dynamo's guards or the step's ledger.
+Then ``feedback_verdict.judge`` compares the measured peak with the plan's budget (within it, re-planned,
+stored for the next compile, or best effort: that module says when each).
 
 Every factor is stored on disk (``feedback_store``): the next process, and any later compile of
 the same graph under the same plan options in this one, plans at the corrected target first.
@@ -95,14 +78,18 @@ import torch
 from ._torch_graph_breaks import fake_inputs, input_specs
 from .errors import BudgetInfeasibleError
 from .feedback_store import Correction, write_correction
+from .feedback_verdict import accepted_as_fitting, judge, planned_runs, stacked_prediction
 from .measure import StepWindow, open_window
 from .accumulated_grads import AccumulationWatch
 from .window_runs import RunInFlight, WindowRuns, runs_in_flight
 
 log = logging.getLogger("remat")
 
-MAX_REPLANS = 3     # re-plans of one graph by the loop before it gives up and warns
 MAX_UNMEASURED = 3  # windows in a row that measured nothing (see the module docstring) before it stops trying
+# why a call that found another run's backward pending measured nothing (no CPU window may open there: _mid_step)
+MID_STEP_WHY = ("another run's backward was pending at its entry (a forward kept without its backward, e.g. a "
+                "validation pass outside torch.no_grad(); runs of graphs of different backends interleaved): no CPU "
+                "window opens mid-step")
 MAX_RUNS_PER_WINDOW = 256   # runs of one graph one window may hold (a graph run many times per step); then spoiled
 
 
@@ -128,59 +115,6 @@ class FeedbackEvent:
     runs: int = 1      # the graph's runs the measured window held (several: they stacked in one step)
     # gradients of the step its parameters held at the window's entry (gradient accumulation): counted in both peaks
     accumulated_grad_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class Verdict:
-    action: str
-    factor: Optional[float] = None
-    new_target_bytes: Optional[int] = None
-
-
-def judge(budget_bytes: Optional[int], base_target_bytes: Optional[int], predicted_peak_bytes: int,
-          measured_peak_bytes: int, fits_budget: bool, replans_done: int, can_recompile: bool) -> Verdict:
-    """The loop's decision on one measured step (pure: numbers in, a verdict out).
-
-    Over budget, ``factor = measured / predicted`` and the new target is ``base_target / factor``;
-    it is below any target a plan that met its target and measured over the budget was made at."""
-    if budget_bytes is None or measured_peak_bytes <= budget_bytes:
-        return Verdict("within budget")
-    factor = measured_peak_bytes / max(predicted_peak_bytes, 1)
-    assert base_target_bytes is not None
-    new_target = min(base_target_bytes, int(base_target_bytes / factor))
-    if not fits_budget:
-        return Verdict("over budget: best-effort plan", factor)
-    if not can_recompile:
-        return Verdict("stored for the next compile", factor, new_target)
-    if replans_done >= MAX_REPLANS:
-        return Verdict(f"over budget after {replans_done} re-plans", factor)
-    return Verdict("re-planned", factor, new_target)
-
-
-def planned_runs(record: Any) -> int:
-    """The runs per step ``record``'s plan was made for (its share of kind "runs", ``runs_share.runs_share``)."""
-    share = getattr(record, "step_share", None)
-    return share.repeats if share is not None and share.kind == "runs" else 1
-
-
-def stacked_prediction(record: Any, runs: int) -> int:
-    """The predicted peak of ``runs`` runs of ``record``'s plan stacked in one step (each earlier run holding its
-    saved values and activation inputs: ``runs_share.stacked_peak_bytes``); its plan's peak for one run."""
-    from .runs_share import stacked_peak_bytes
-
-    plan = record.plan
-    if runs <= 1:
-        return plan.predicted_peak_bytes
-    inputs, grads = getattr(record, "input_activation_bytes", 0), getattr(record, "param_grad_bytes", 0)
-    return stacked_peak_bytes(plan.saved_bytes + inputs, inputs, grads, plan.predicted_peak_bytes, runs)
-
-
-def accepted_as_fitting(record: Any) -> bool:
-    """Whether the graph's plan was accepted as meeting its budget: by the simulator (``fits_budget``) or
-    by Inductor's check (a ``Judgement`` whose action starts with "accepted", an overruled refusal
-    among them); else it runs as best effort."""
-    judgement = getattr(record, "judgement", None)
-    return record.plan.fits_budget or (judgement is not None and judgement.action.startswith("accepted"))
 
 
 Recompile = Callable[[list, Correction], tuple[Callable[..., Any], Any]]
@@ -254,7 +188,7 @@ class VerifiedGraph:
         return True
 
     def __call__(self, *args: Any) -> Any:
-        joined, mid_step = self._settle_open_window()
+        joined, mid_step, own_spoiled = self._settle_open_window()
         step = next(self._calls)
         if self._specs is None and self._recompile is not None:
             self._specs = input_specs(args)
@@ -268,13 +202,19 @@ class VerifiedGraph:
             self._replan(list(args), pending, step)
         measured_by_step = self._step is not None and self._step.measures(self)   # remat/step_loop.py
         window = joined
-        if window is None and not measured_by_step and not mid_step and not self._mid_step():
-            accumulated = self._accumulation.look(self.grad_leaves, self._verify_left > 0)
-            window = self._open_window(step, accumulated) if self._verify_left > 0 or accumulated else None
+        if window is None and not measured_by_step:
+            if not mid_step and not self._mid_step():
+                accumulated = self._accumulation.look(self.grad_leaves, self._verify_left > 0)
+                window = self._open_window(step, accumulated) if self._verify_left > 0 or accumulated else None
+            elif self._verify_left > 0 and not own_spoiled:     # (a spoiled window of its own counted as it closed)
+                self._on_measured(self.record, step, None, MID_STEP_WHY)
         out = self._fn(*args)
         if self.device.type == "cpu" and (self._verify_left > 0 or self._accumulation.watching):   # (_mid_step)
+            # out of flight when its own backward node starts: the end ``watch_backward`` reports is the start of the
+            # next node, which a parameter's gradient node shared with every other run of the graph can be (a later
+            # run's backward then ended a forward kept without its backward: a window opened with it pending)
             in_flight = RunInFlight()
-            in_flight.track(self._watch_backward(out, in_flight.finish))
+            in_flight.track(self._watch_backward(out, None, at_start=in_flight.finish))
         if step == 0:
             # its compile ran inside this step (Dynamo compiles a graph when the step first reaches
             # it): the frames the compile left in reference cycles keep the calling frames, and with
@@ -296,7 +236,7 @@ class VerifiedGraph:
                 self._window_runs.track(index, node)
         return out
 
-    def _settle_open_window(self) -> tuple[Optional[StepWindow], bool]:
+    def _settle_open_window(self) -> tuple[Optional[StepWindow], bool, bool]:
         """The CPU window open on this thread, if any: a finished one, or this graph's own from an
         earlier step, is closed now (its result may ask for a re-plan before this call runs);
         another graph's unfinished one now holds this graph's run too, so it is spoiled. This graph's
@@ -304,27 +244,28 @@ class VerifiedGraph:
         returned: the call joins it (its runs stack in one step: each keeps what it holds for its
         backward while the next runs), and the window ends when the last of their backwards does,
         up to ``MAX_RUNS_PER_WINDOW`` runs. Also returns whether this call is in the middle of a step: it
-        found a window unfinished (a run's backward pending) and did not join it (``_mid_step``)."""
+        found a window unfinished (a run's backward pending) and did not join it (``_mid_step``), and whether that
+        window was its own (spoiled now: its close counts the step as unmeasured)."""
         window = open_window()
         if window is None:
-            return None, False
+            return None, False, False
         if self._step is not None and self._step.owns(window):   # the step's window: it holds every graph
             if window.marked:
                 window.close()
-            return None, False
+            return None, False, False
         if window.owner is self and not window.marked:
             runs = self._window_runs
             if (self._runs_stack and not window.spoiled_by and not runs.orphaned()
                     and runs.started < MAX_RUNS_PER_WINDOW):
-                return window, False
+                return window, False, False
             window.spoil("called again before its backward ran (a graph run several times per step: "
                          "its peak is not one call's)")
-        mid_step = not window.marked
-        if window.marked or window.owner is self:
+        mid_step, own = not window.marked, window.owner is self
+        if window.marked or own:
             window.close()
         else:
             window.spoil(f"{self.record.graph_id} ran inside the window (a graph break: its peak is not one graph's)")
-        return None, mid_step
+        return None, mid_step, mid_step and own
 
     def _mid_step(self) -> bool:
         """Whether another run's backward is pending as this one enters a CPU forward (a run tracked on this thread,

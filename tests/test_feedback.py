@@ -21,7 +21,8 @@ import torch
 
 import remat
 from remat import feedback_store
-from remat.feedback import MAX_REPLANS, VerifiedGraph, judge
+from remat.feedback import VerifiedGraph
+from remat.feedback_verdict import MAX_REPLANS, judge
 from remat.feedback_store import Correction, clear_corrections, read_correction, write_correction
 from remat.measure import close_open_window, profiler_running
 from conftest import assert_grads_close, grads_of, run_step, scale_simulated_peaks
@@ -57,7 +58,7 @@ def test_a_plan_inductors_check_accepted_is_re_planned_when_it_measures_over_not
     was accepted as meeting the budget; only a plan no verdict accepted runs as best effort. (A drawn LM under
     bf16 autocast, whose eager loss the graphs cannot see, ran 2.3x its budget on every step while the loop
     took its overruled plan for best effort.)"""
-    from remat.feedback import accepted_as_fitting
+    from remat.feedback_verdict import accepted_as_fitting
     from remat.inductor_verdict import Judgement
 
     def record(fits: bool, action: Optional[str]) -> SimpleNamespace:
@@ -131,6 +132,18 @@ def watch_grad_fn(out, at_end, at_start=None):
     return node
 
 
+class Double(torch.autograd.Function):
+    """``2 * a`` as one autograd node that lives as long as its graph, as AOTAutograd's compiled backward does."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a * 2.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0
+
+
 def fake_record(graph_id, budget_bytes, predicted_peak_bytes):
     plan = SimpleNamespace(budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes, fits_budget=True)
     return SimpleNamespace(plan=plan, graph_id=graph_id, graph_key="key", base_target_bytes=budget_bytes * 95 // 100)
@@ -195,6 +208,47 @@ def test_a_graph_called_twice_per_step_opens_no_window_at_its_second_call():
         close_open_window()
     assert [e.action.split(":")[0] for e in events] == ["not measured"], events
     assert "called again before its backward ran" in events[0].action
+
+
+def test_a_forward_kept_without_its_backward_is_reported_not_measured():
+    """A run whose output is kept and never backpropagated (a validation pass outside ``torch.no_grad()``) stays in
+    flight, so no CPU window opens at the later calls (``VerifiedGraph._mid_step``). Until session 36 the loop then
+    measured nothing with no word: now the blocked calls count as unmeasured steps, and after ``MAX_UNMEASURED``
+    of them an event says why."""
+    from remat.feedback import MAX_UNMEASURED
+
+    x = torch.ones(256, 256, requires_grad=True)
+    events = []
+    # an autograd.Function's node lives as long as its autograd graph (a built-in's Python node may not): as
+    # AOTAutograd's backward node, which the loop tracks weakly
+    graph = VerifiedGraph(lambda a: [Double.apply(a)], fake_record("g", 10**9, 900), device=torch.device("cpu"),
+                          verify_peak=1, events=events, recompile=None, watch_backward=watch_grad_fn)
+    kept = graph(x)                          # its backward never runs
+    for _ in range(MAX_UNMEASURED + 1):
+        graph(x)[0].sum().backward()
+        close_open_window()
+    assert [e.action.split(":")[0] for e in events] == ["not measured"], events
+    assert "backward was pending at its entry" in events[0].action
+    assert not profiler_running()
+    del kept
+
+
+def test_graphs_of_two_backends_interleaved_each_say_they_were_not_measured():
+    """Two graphs wrapped apart (two models compiled with two remat backends, no step account joining them) run in
+    one step: the second enters with the first's backward pending. Each is reported unmeasured, not only the first
+    (whose window the second spoils)."""
+    from remat.feedback import MAX_UNMEASURED
+
+    x = torch.ones(256, 256, requires_grad=True)
+    events = []
+    first, second = (VerifiedGraph(lambda a: [a * 2.0], fake_record(name, 10**9, 900), device=torch.device("cpu"),
+                                   verify_peak=1, events=events, recompile=None, watch_backward=watch_grad_fn)
+                     for name in ("enc", "dec"))
+    for _ in range(MAX_UNMEASURED):
+        second(first(x)[0])[0].sum().backward()
+        close_open_window()
+    assert sorted((e.graph_id, e.action.split(":")[0]) for e in events) == [("dec", "not measured"),
+                                                                          ("enc", "not measured")], events
 
 
 def test_runs_that_stack_are_measured_as_one_window():

@@ -251,3 +251,42 @@ def test_no_window_opens_in_the_middle_of_a_step_of_interleaved_runs(monkeypatch
         assert opened_at and set(opened_at) == {1}, opened_at    # only at the step's first graph entry
         assert_grads_close(grads_of(model), expected)
         opened_at.clear()
+
+
+def test_a_forward_kept_without_its_backward_keeps_later_windows_closed(monkeypatch) -> None:
+    """A forward whose output is kept and never backpropagated (a validation pass outside ``torch.no_grad()``) stays
+    in flight until its autograd graph is freed: no CPU window opens at the later calls. Before session 36 a later
+    run's backward ended it (the end hook was a pre-hook on the parameters' gradient nodes, which every run shares):
+    a window opened at the third call with its graph pending, and the loop said nothing of the first. Now the loop
+    reports the calls it could not measure, and the gradients are plain Inductor's."""
+    from remat import measure
+    from remat.feedback import MAX_UNMEASURED
+
+    opened, real_open = [], measure.StepWindow.open
+
+    def open_and_record(self) -> bool:
+        opened.append(self)
+        return real_open(self)
+
+    def kept_then_steps(backend: object) -> Block:
+        torch.manual_seed(0)
+        model = Block()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        kept = compiled(INPUT)
+        for _ in range(MAX_UNMEASURED + 2):
+            model.zero_grad(set_to_none=True)
+            compiled(INPUT * 0.5).pow(2).mean().backward()
+        assert kept.grad_fn is not None
+        return model
+
+    expected = grads_of(kept_then_steps("inductor"))
+    monkeypatch.setattr(measure.StepWindow, "open", open_and_record)
+    backend = remat.backend(10.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = kept_then_steps(backend)
+    assert len(opened) == 1, opened             # the kept call's own window only (spoiled by the next call)
+    assert [e.action.split(":")[0] for e in backend.feedback_events] == ["not measured"], backend.feedback_events
+    assert "backward was pending" in backend.feedback_events[0].action
+    assert_grads_close(grads_of(model), expected)
