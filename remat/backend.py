@@ -29,7 +29,7 @@ from .compile_cache import (CachedPlanner, CallCache, StepKey, cache_possible, c
 from .compiled_graph import CompiledGraph
 from .cost_model.tensors import has_symbolic_shapes
 from .devices import device_of, free_device_bytes
-from .distributed import GraphShare, StepLedger
+from .distributed import JUDGED_SHARE_KINDS, GraphShare, StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
 from .distributed_errors import ShareInfeasibleError
 from .errors import BudgetInfeasibleError
@@ -202,9 +202,9 @@ class RematBackend:
         """Whether a budget the simulator refused goes to Inductor's check first (the plan the refusal rests on
         is compiled and judged in ``__call__``, or by the re-planning caller): the check is on, no best effort,
         static shapes (the graphs ``_judged`` judges), and either the graph is alone in its step and this is not
-        a re-plan (whose refusal the re-planning caller handles), or it shares a step at graph breaks and the
-        refusal names the plan it rests on (``ShareInfeasibleError``: the budget named is read off its code)."""
-        shared = share is not None and share.kind == "break" and isinstance(error, ShareInfeasibleError)
+        a re-plan (whose refusal the re-planning caller handles), or it shares a step (``JUDGED_SHARE_KINDS``) and
+        the refusal names the plan it rests on (``ShareInfeasibleError``: the budget named is read off its code)."""
+        shared = share is not None and share.kind in JUDGED_SHARE_KINDS and isinstance(error, ShareInfeasibleError)
         return (self.options.inductor_check and self.options.budget_bytes is not None and not self.options.best_effort
                 and not has_symbolic_shapes(joint_inputs)
                 and not has_symbolic_shapes([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])

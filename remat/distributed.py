@@ -107,6 +107,12 @@ def largest_admitted(admits: Callable[[int], bool], high_bytes: int) -> int:
     return smallest_budget_bytes(lambda x: not admits(x), high) - 1
 
 
+# shares whose graph Inductor's check judges against the largest peak the share admits next to what its plan holds,
+# and whose refusal names its budget from the checked code of the plan it rests on (``ShareInfeasibleError``): a
+# known step's graph at a break, stacked runs, a graph next to accumulated gradients; others against their target
+JUDGED_SHARE_KINDS = ("break", "runs", "accumulated")
+
+
 @dataclass(frozen=True)
 class GraphShare:
     """What one graph of a distributed step was given, and why (all sizes bytes)."""

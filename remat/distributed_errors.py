@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class ShareInfeasibleError(BudgetInfeasibleError):
-    """No plan is admitted under a graph's share of the step at graph breaks (kind "break"): the
+    """No plan is admitted under a graph's share of its process's step (``distributed.JUDGED_SHARE_KINDS``): the
     error the user sees, plus ``named_plan``, the plan of the near-smallest candidates whose
     admission the named budget rests on (what it holds is the caller's ``held_of(named_plan)``).
     The backend compiles that plan so Inductor's check can name the budget from its generated

@@ -13,12 +13,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .distributed import JUDGED_SHARE_KINDS
+
 if TYPE_CHECKING:
     from .distributed import GraphShare
-
-# shares whose graph is judged against the largest peak the share admits next to what its plan holds (a known
-# step's graph at a break, stacked runs, a graph next to accumulated gradients); others against their target
-JUDGED_SHARE_KINDS = ("break", "runs", "accumulated")
 
 
 @dataclass(frozen=True)

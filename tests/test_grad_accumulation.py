@@ -132,6 +132,37 @@ def test_an_accumulating_step_is_measured_and_fits_after_the_correction(tmp_path
     assert measured <= budget_bytes, (measured, budget_bytes, again.feedback_events)
 
 
+def test_a_refusal_next_to_accumulated_gradients_is_named_from_inductors_check(tmp_path, monkeypatch) -> None:
+    """A budget that fits one pass but not the step's accumulated gradients: the loop's re-plan next to them is
+    refused, and the budget named rests on the generated code of the plan the refusal names (Inductor's check), not
+    on the simulator's error on another plan (before session 36 the loop's re-plans next to accumulated gradients
+    were named by the simulator: a corpus net, rand-1442, named 1.80 MB at 1.71 MB, measured over it on retrying
+    and was refused again naming 2.00 MB; from the check, 1.91 MB at both, accepted). Retrying at it is accepted
+    and fits, with plain Inductor's gradients."""
+    isolated_caches(tmp_path, monkeypatch)
+    _, expected, grad_bytes = plain_reference(accumulating_step)
+    torch._dynamo.reset()
+    probe = torch.compile(mlp(), backend=remat.backend(1e-6))
+    with pytest.raises(remat.BudgetInfeasibleError) as one_pass:
+        probe(MICRO_BATCHES[0]).pow(2).mean().backward()
+    budget_bytes = one_pass.value.min_budget_bytes + grad_bytes // 2    # a pass fits; not next to its gradients
+    backend = remat.backend(budget_bytes / 1e9)
+    _, step = accumulating_step(backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(remat.BudgetInfeasibleError) as refused:
+            for _ in range(3):
+                step()
+    assert any(e.accumulated_grad_bytes == grad_bytes for e in backend.feedback_events), backend.feedback_events
+    error = refused.value
+    assert "the lowest-checked plan's generated code peaks at" in str(error), str(error)
+    assert error.min_budget_bytes > budget_bytes and error.min_feasible_bytes + grad_bytes <= error.min_budget_bytes
+
+    backend, model, measured = remat_steps(accumulating_step, error.min_budget_bytes)
+    assert measured <= error.min_budget_bytes, (measured, error.min_budget_bytes, backend.feedback_events)
+    assert_grads_close(grads_of(model), expected)
+
+
 class BrokenMLP(nn.Module):
     """The MLP with a graph break after its first layer: two graphs, one step window (``step_loop.StepHooks``)."""
 
