@@ -54,7 +54,10 @@ plan still measures over (at most ``MAX_REPLANS``); in a later process a stored 
 the first step plan right. With CPU measurement skipped (another profiler running, no
 backward) the discovery moves to the next step measured. Dynamic-shape and DDP/FSDP2 graphs
 keep running over until they are next compiled. With ``verify_peak=0`` nothing is measured
-and only corrections already stored apply.
+and only corrections already stored apply. Gradients a step's earlier backwards left (gradient
+accumulation) do not make a step run over where the plan's accepted peak next to them says it would:
+the call that finds them is re-planned next to them before it runs (``_replan_next_to``; a step at
+graph breaks at its first entry, ``step_loop``), or refused there.
 
 Reusing it: ``VerifiedGraph.request_replan(correction)`` re-plans that graph at its next call
 at ``correction.corrected_target(base target)``, or earlier through ``replan_ahead`` (on fake
@@ -78,7 +81,7 @@ import torch
 from ._torch_graph_breaks import fake_inputs, input_specs
 from .errors import BudgetInfeasibleError
 from .feedback_store import Correction, write_correction
-from .feedback_verdict import accepted_as_fitting, judge, planned_runs, stacked_prediction
+from .feedback_verdict import FORESEEN_ACTION, accepted_as_fitting, judge, planned_runs, stacked_prediction
 from .measure import StepWindow, open_window
 from .accumulated_grads import AccumulationWatch
 from .window_runs import RunInFlight, WindowRuns, runs_in_flight
@@ -205,6 +208,8 @@ class VerifiedGraph:
         if window is None and not measured_by_step:
             if not mid_step and not self._mid_step():
                 accumulated = self._accumulation.look(self.grad_leaves, self._verify_left > 0)
+                if accumulated:
+                    self._replan_next_to(list(args), accumulated, step)
                 window = self._open_window(step, accumulated) if self._verify_left > 0 or accumulated else None
             elif self._verify_left > 0 and not own_spoiled:     # (a spoiled window of its own counted as it closed)
                 self._on_measured(self.record, step, None, MID_STEP_WHY)
@@ -324,10 +329,40 @@ class VerifiedGraph:
         self._verify_left = self._verify_peak
         self._accumulation.restart()
 
+    def _replan_next_to(self, args: list, accumulated_grad_bytes: int, step: int) -> None:
+        """Re-plan before this call runs when its parameters hold gradients earlier backwards of the step left
+        (``AccumulationWatch.look``) that its plan was not made next to, and its accepted peak next to them is over
+        the budget: the call that finds them then fits, where measuring it first ran it over (gradient
+        accumulation's second micro-batch in a plan's first step; before session 36 that step always ran over).
+        The window that follows measures the new plan with them, as any call that finds them. No budget, a
+        best-effort plan, no re-plan in place, or a plan made next to as much: nothing. May raise
+        ``BudgetInfeasibleError`` (before the call runs)."""
+        record = self.record
+        budget, made_for = record.plan.budget_bytes, getattr(record, "correction", None)
+        if (budget is None or self._recompile is None or not accepted_as_fitting(record)
+                or (made_for is not None and made_for.accumulated_grad_bytes >= accumulated_grad_bytes)):
+            return
+        predicted = stacked_prediction(record, planned_runs(record), accepted=True) + accumulated_grad_bytes
+        if predicted <= budget:
+            return
+        factor = made_for.factor if made_for is not None and not made_for.loosens else 1.0
+        correction = Correction(factor, budget, predicted, predicted, record.graph_id,
+                                f"foreseen: {record.graph_id} call {step} found {accumulated_grad_bytes} bytes of the "
+                                "step's gradients in its parameters", runs=planned_runs(record),
+                                accumulated_grad_bytes=accumulated_grad_bytes).keeping_step_use(made_for)
+        self._replan(args, correction, step)
+        self._store(record.graph_key, correction)      # a later process plans next to them from its first call
+        self._events.append(FeedbackEvent(record.graph_id, step, budget, predicted, None, None, FORESEEN_ACTION,
+                                          accumulated_grad_bytes=accumulated_grad_bytes))
+        log.info("remat %s: call %d found %d bytes of the step's gradients in its parameters; its plan predicted %d "
+                 "bytes next to them, over the budget %d: re-planned next to them before running", record.graph_id,
+                 step, accumulated_grad_bytes, predicted, budget)
+
     def _event_for(self, correction: Correction, step: int, action: str) -> None:
         self._events.append(FeedbackEvent(correction.graph_id, step, correction.budget_bytes,
                                           correction.predicted_peak_bytes, correction.measured_peak_bytes,
-                                          correction.factor, action))
+                                          correction.factor, action, runs=correction.runs,
+                                          accumulated_grad_bytes=correction.accumulated_grad_bytes))
 
     def _on_measured(self, record: Any, step: int, peak_bytes: Optional[int], why_not: str, runs: int = 1,
                      accumulated_grad_bytes: int = 0) -> None:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 MAX_REPLANS = 3     # re-plans of one graph by the loop before it gives up and warns
+# the event of a re-plan made before a call (or a step) whose parameters held gradients its plans were not made next to
+FORESEEN_ACTION = "re-planned next to accumulated gradients before running"
 
 
 @dataclass(frozen=True)
@@ -66,16 +68,27 @@ def planned_runs(record: Any) -> int:
     return share.repeats if share is not None and share.kind == "runs" else 1
 
 
-def stacked_prediction(record: Any, runs: int) -> int:
+def stacked_prediction(record: Any, runs: int, accepted: bool = False) -> int:
     """The predicted peak of ``runs`` runs of ``record``'s plan stacked in one step (each earlier run holding its
-    saved values and activation inputs: ``runs_share.stacked_peak_bytes``); its plan's peak for one run."""
+    saved values and activation inputs: ``runs_share.stacked_peak_bytes``); its plan's peak for one run. With
+    ``accepted``, from the peak the plan was accepted on (``accepted_peak_bytes``), else its simulated one."""
     from .runs_share import stacked_peak_bytes
 
     plan = record.plan
+    peak = accepted_peak_bytes(record) if accepted else plan.predicted_peak_bytes
     if runs <= 1:
-        return plan.predicted_peak_bytes
+        return peak
     inputs, grads = getattr(record, "input_activation_bytes", 0), getattr(record, "param_grad_bytes", 0)
-    return stacked_peak_bytes(plan.saved_bytes + inputs, inputs, grads, plan.predicted_peak_bytes, runs)
+    return stacked_peak_bytes(plan.saved_bytes + inputs, inputs, grads, peak, runs)
+
+
+def accepted_peak_bytes(record: Any) -> int:
+    """The peak ``record``'s plan was accepted on: Inductor's checked peak where the check accepted it, else the
+    simulated one."""
+    judgement = getattr(record, "judgement", None)
+    if judgement is not None and judgement.action.startswith("accepted") and judgement.checked_peak_bytes is not None:
+        return judgement.checked_peak_bytes
+    return record.plan.predicted_peak_bytes
 
 
 def accepted_as_fitting(record: Any) -> bool:

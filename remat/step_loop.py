@@ -166,18 +166,46 @@ class StepHooks:
         if why is not None:
             self._replan(wrapper, why)
         first = self.account.sequence[:1] == (slot,) and self.account.at_step_start()   # not a later run of it
-        if self.measures(wrapper) and first:
-            self._replan_ahead(self.account.sequence)
         if not self.measures(wrapper):
             return
+        accumulated = 0
+        if first and open_window() is None:
+            self._accumulation.count_call()
+            accumulated = self._accumulation.look(self._grad_leaves, self._verify_left > 0)
+            if accumulated:
+                self._replan_next_to(self.account.sequence, accumulated)
+        if first:
+            self._replan_ahead(self.account.sequence)
         window = open_window()
         if wrapper.replan_pending and self.owns(window):
             window.spoil(f"{wrapper.record.graph_id} was re-planned inside the step (its compile's allocations count)")
         elif first and window is None and not wrapper.replan_pending:
-            self._accumulation.count_call()
-            accumulated = self._accumulation.look(self._grad_leaves, self._verify_left > 0)
             if self._verify_left > 0 or accumulated:
                 self._open(wrapper.device, self.account.sequence, accumulated)
+
+    def _replan_next_to(self, sequence: tuple[str, ...], accumulated_grad_bytes: int) -> None:
+        """At the step's first entry, before anything runs: the step's gradients earlier backwards left in its graphs'
+        parameters (gradient accumulation) that their plans were not made next to, next to which the step's composed
+        prediction is over the budget: every graph is re-planned next to them now (``_replan_ahead``), so the pass
+        that finds them fits (``feedback.VerifiedGraph._replan_next_to`` for a graph alone)."""
+        from .feedback import FeedbackEvent
+        from .feedback_verdict import FORESEEN_ACTION
+
+        wrappers = [w for slot in dict.fromkeys(sequence) if (w := self._wrapper(slot)) is not None]
+        budgets = [w.record.plan.budget_bytes for w in wrappers if w.record.plan.budget_bytes is not None]
+        made_next_to = [getattr(w.record.correction, "accumulated_grad_bytes", 0) for w in wrappers]
+        predicted = self.account.step_peak_bytes(sequence) + accumulated_grad_bytes
+        if not budgets or predicted <= min(budgets) or min(made_next_to, default=0) >= accumulated_grad_bytes:
+            return
+        why = f"the step's parameters hold {format_bytes(accumulated_grad_bytes)} of its gradients (gradient accumulation)"
+        for wrapper in wrappers:
+            if wrapper.can_replan:
+                wrapper.request_replan(replace(step_correction(wrapper.record, why), accumulated_grad_bytes=max(
+                    accumulated_grad_bytes, getattr(wrapper.record.correction, "accumulated_grad_bytes", 0))))
+        self._events.append(FeedbackEvent(f"step:{sequence[0]}..{sequence[-1]}", self._steps + 1, min(budgets), predicted,
+                                          None, None, FORESEEN_ACTION, accumulated_grad_bytes=accumulated_grad_bytes))
+        log.info("remat: %s; the step's plans predict %d bytes next to them, over the budget: re-planning every graph "
+                 "next to them before the step runs", why, predicted)
 
     def _grad_leaves(self) -> list:
         """The parameters (leaves requiring gradients) of every graph of the step (``VerifiedGraph.grad_leaves``)."""
