@@ -303,7 +303,9 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         + (f" Every variant's step accumulates gradients over {header['micro_batches']} forward and backward passes"
            " (`--micro-batches`, the same inputs each time): step 1 is the one that discovers it, and the probe's floor"
            " is one pass's (`floor-named`: the budget a refused floor named). Four steps run, the last measured (the"
-           " table's step 3): where step 1 runs inside a profiler the discovery is step 2's." if (header.get("micro_batches") or 1) > 1 else ""),
+           " table's step 3): where step 1 runs inside a profiler the discovery is step 2's." if (header.get("micro_batches") or 1) > 1 else "")
+        + (" Every variant's model and 4-D inputs are in the channels-last memory format (`--channels-last`:"
+           " `remat.testing.corpus.to_channels_last`)." if header.get("channels_last") else ""),
         "",
         f"Models finished: {len(finished)} of the {len(models)} started ({sum(1 for m in finished if m.startswith('rand-'))} random nets, "
         f"{sum(1 for m in finished if m.startswith('cnn-'))} CNNs, {sum(1 for m in finished if m.startswith('hf-'))} Hugging Face models"

@@ -48,6 +48,24 @@ def test_checkpointed_build_has_the_same_parameters() -> None:
     assert all(_same(a, b) for a, b in zip(plain.model.parameters(), checkpointed.model.parameters(), strict=True))
 
 
+def test_channels_last_build_has_the_same_values_in_the_channels_last_format() -> None:
+    """``build(channels_last=True)`` (``fidelity.py --channels-last``): the same parameters and inputs, every 4-D one
+    laid out channels-last, and the same loss as the default layout's."""
+    from remat.testing import cnns
+
+    entry = corpus.cnn_entry(cnns.cnn_shape(DRAWN_SEEDS[0]), DRAWN_SEEDS[0])
+    plain, laid_out = entry.build(), entry.build(channels_last=True)
+    assert all(_same(a, b) for a, b in zip(plain.model.parameters(), laid_out.model.parameters(), strict=True))
+    four_d = [p for p in laid_out.model.parameters() if p.dim() == 4] + [t for t in laid_out.inputs if t.dim() == 4]
+    assert four_d and all(t.is_contiguous(memory_format=torch.channels_last) for t in four_d)
+    assert not laid_out.inputs[0].is_contiguous()       # (a 1x1 kernel is contiguous in both formats)
+    assert all(torch.equal(a, b) for a, b in zip(plain.inputs, laid_out.inputs, strict=True))
+    torch.manual_seed(STEP_SEED)
+    expected = plain.loss(plain.model)
+    torch.manual_seed(STEP_SEED)
+    assert torch.allclose(laid_out.loss(laid_out.model), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_grammar_covers_its_layers() -> None:
     """Over the test seeds every choice of the grammar occurs (a generator stuck on one branch fails)."""
     specs = [net_spec(s) for s in TEST_SEEDS]
