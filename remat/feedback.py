@@ -173,6 +173,11 @@ class VerifiedGraph:
         """Whether a re-plan was asked for and not made yet (it is made at the next call)."""
         return self._pending is not None
 
+    @property
+    def pending_correction(self) -> Optional[Correction]:
+        """The correction of the re-plan asked for and not made yet, or None."""
+        return self._pending
+
     def request_replan(self, correction: Correction) -> None:
         """Re-plan this graph at ``correction.corrected_target(base target)`` on its next call."""
         with self._lock:

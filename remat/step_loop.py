@@ -199,9 +199,10 @@ class StepHooks:
             return
         why = f"the step's parameters hold {format_bytes(accumulated_grad_bytes)} of its gradients (gradient accumulation)"
         for wrapper in wrappers:
-            if wrapper.can_replan:
-                wrapper.request_replan(replace(step_correction(wrapper.record, why), accumulated_grad_bytes=max(
-                    accumulated_grad_bytes, getattr(wrapper.record.correction, "accumulated_grad_bytes", 0))))
+            if wrapper.can_replan:      # the re-plan asked for already (a measured factor) keeps its correction
+                asked = wrapper.pending_correction or step_correction(wrapper.record, why)
+                wrapper.request_replan(replace(asked, accumulated_grad_bytes=max(accumulated_grad_bytes,
+                                                                                 asked.accumulated_grad_bytes)))
         self._events.append(FeedbackEvent(f"step:{sequence[0]}..{sequence[-1]}", self._steps + 1, min(budgets), predicted,
                                           None, None, FORESEEN_ACTION, accumulated_grad_bytes=accumulated_grad_bytes))
         log.info("remat: %s; the step's plans predict %d bytes next to them, over the budget: re-planning every graph "
