@@ -35,7 +35,7 @@ from .distributed_errors import ShareInfeasibleError
 from .errors import BudgetInfeasibleError
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
-from .inductor_verdict import refusal_for, share_check_target
+from .inductor_verdict import check_rule, refusal_for, share_check_target
 from .judge_loop import judge_compiled, refused_at
 from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
 from .passes.plan import Plan
@@ -287,8 +287,8 @@ class RematBackend:
         def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
                     best_effort: Optional[bool] = None) -> Plan:
             return planner(request.at(target_bytes, saved_cap_bytes, best_effort))
-
         refusal, asked_share = None, share
+        judged_by = lambda sh: check_rule(sh, correction, self.options, device_type, modeled)  # noqa: E731
         candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
         try:
             if share is None and candidate in REFUSAL_CANDIDATE_KINDS and refused_at(self._replan, target_bytes):
@@ -313,8 +313,8 @@ class RematBackend:
                 plan = error.named_plan       # the plan the named budget rests on
             else:
                 plan = plan_at(target_bytes, best_effort=True)
-            refusal = refusal_for(error, plan, share, held_of, lambda b: (self.options.check_target_for if share is None
-                                  else self.options.planning_target_for)(b, device_type, modeled), self.options.budget_bytes)
+            judged_share, target_of = judged_by(share)
+            refusal = refusal_for(error, plan, judged_share, held_of, target_of, self.options.budget_bytes)
         cache = planner.source(plan)
         if not plan.fits_budget and refusal is None:
             warnings.warn(f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the smallest-"
@@ -334,9 +334,9 @@ class RematBackend:
         if target_bytes is not None and (share is None or step_share is not None):
             note_step_plan(self._step_hooks.account, graph_id, step_share, plan, plan_at, joint, facts,
                            num_fwd_outputs, static_indices, target_bytes, dump_path, key, asked_share)
-        check_target = None if refusal is not None or base_target_bytes is None else share_check_target(
-            step_share, held_of(plan), base_target_bytes) if share is not None else self.options.check_target_for(
-            self.options.budget_bytes, device_type, modeled)   # alone in its step: the budget less the check's headroom
+        judged_share, check_target_of = judged_by(step_share or share)   # alone: the budget less the check's headroom
+        check_target = None if refusal is not None or base_target_bytes is None else check_target_of(self.options.budget_bytes) \
+            if share is None else share_check_target(step_share and judged_share, held_of(plan), check_target_of(self.options.budget_bytes))
         inputs, grads = self._step_hooks.account.io_bytes(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
         record = CompiledGraph(graph_id, current_compile_id(), plan, regions, dump_path, distributed, key, base_target_bytes,
                                correction, step_share=step_share, check_target_bytes=check_target, cache=cache,

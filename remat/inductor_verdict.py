@@ -126,6 +126,32 @@ def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held
     return Refusal(error, limit, limit(budget_bytes))
 
 
+def check_rule(share: Optional["GraphShare"], correction: Any, options: Any, device_type: str,
+               modeled: bool) -> tuple[Optional["GraphShare"], Callable[[int], int]]:
+    """What Inductor's check judges a plan of a graph planned under ``share`` against: (the share, the target of a
+    budget). A graph alone: (None, the budget less the check's headroom). A graph alone in its step whose runs stack
+    or that runs next to the step's accumulated gradients (kinds "runs", "accumulated": ``runs_share``): that share
+    rebuilt at the check's target of the budget, the gradients ``correction`` measured at the check's headroom, so
+    its own part gets the check's headroom as a graph alone does (until session 36 the planning headroom: 5% on CPU
+    where a graph alone gets 1%, and the floor named next to rand-1442's gradients was 1.005x plain Inductor's
+    accumulating peak). Any other share (other graphs of the step, whose plans are simulated; DDP/FSDP2 pieces):
+    (the share, the planning target)."""
+    from .options import target_for_budget
+    from .runs_share import runs_share
+
+    def checked(budget_bytes: int) -> int:
+        return options.check_target_for(budget_bytes, device_type, modeled)
+
+    if share is None:
+        return None, checked
+    if share.kind not in ("runs", "accumulated"):
+        return share, lambda budget_bytes: options.planning_target_for(budget_bytes, device_type, modeled)
+    accumulated = getattr(correction, "accumulated_grad_bytes", 0) if correction is not None else 0
+    return runs_share(checked(options.budget_bytes), share.input_activation_bytes, share.total_grad_bytes,
+                      share.needs[0], share.repeats,
+                      target_for_budget(accumulated, options.check_headroom_for(device_type, modeled))), checked
+
+
 def share_check_target(share: Optional["GraphShare"], held_bytes: int, target_bytes: int) -> Optional[int]:
     """The peak Inductor's check judges a plan against under a known step's share (kind "break", "runs" or
     "accumulated"):

@@ -115,3 +115,32 @@ def test_a_plan_under_a_known_steps_share_is_judged_against_what_the_share_admit
     # a graph alone in its step, or planned before its step was known: the whole target stands
     assert share_check_target(None, 400_000, target) is None
     assert share_check_target(replace(share, kind="break-partial"), 400_000, target) is None
+
+
+def test_a_graph_alone_next_to_accumulated_gradients_gets_the_checks_headroom() -> None:
+    """``check_rule``: a graph alone in its step next to the step's accumulated gradients (kind "accumulated") is
+    judged as a graph alone is, at the check's headroom (1% on CPU), with the gradients counted to the byte: its own
+    peak's limit (its own gradients in it) is ``(budget - accumulated gradients) * 0.99``, where the planning rule
+    gives 0.95 (session 35's rule for the check too, which named rand-1442's floor 1.005x plain Inductor's). Other
+    shares keep the planning rule."""
+    import remat
+    from remat.feedback_store import Correction
+    from remat.inductor_verdict import check_rule
+    from remat.runs_share import runs_share
+
+    budget, accumulated, own_grads, need = 10 * MB, 3 * MB, MB, 5 * MB
+    options = remat.backend(budget / 1e9).options
+    planning = options.planning_target_for(budget, "cpu")
+    share = runs_share(planning, 0, own_grads, need, 1,
+                       int(accumulated * (1 - options.headroom_for("cpu"))))
+    correction = Correction(1.0, budget, 0, 0, "g", "test", accumulated_grad_bytes=accumulated)
+    judged, target_of = check_rule(share, correction, options, "cpu", True)
+    assert judged.kind == "accumulated" and target_of(budget) == options.check_target_for(budget, "cpu")
+    own_limit = peak_limit_bytes(judged, 0)
+    assert abs(own_limit - (budget - accumulated) * 0.99) <= 2, own_limit
+    assert own_limit > peak_limit_bytes(share, 0) + 0.03 * (budget - accumulated)
+    # a graph alone: the check's target; a share of a step at graph breaks: unchanged, the planning rule
+    assert check_rule(None, None, options, "cpu", True)[0] is None
+    broken = _share(_headroom(4 * MB))
+    judged_break, planning_of = check_rule(broken, None, options, "cpu", True)
+    assert judged_break is broken and planning_of(budget) == planning
