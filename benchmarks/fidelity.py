@@ -58,7 +58,8 @@ discovers it (remat's loop measures the runs as one window and re-plans the grap
 With ``--micro-batches N`` every variant's step accumulates gradients over ``N`` forward and backward passes
 (gradient accumulation; the same inputs each time), its gradients set to None once, before the first: from the
 second pass on, the parameters hold the gradients of the earlier ones, part of the step's peak. Step 1 is the
-one that discovers it (remat's loop measures the second pass too, ``remat/accumulated_grads.py``); the probe's
+one that discovers it (remat's loop finds them at the second pass's entry, re-plans next to them before it runs
+where its plan would run over next to them, and measures that pass too: ``remat/accumulated_grads.py``); the probe's
 floor is one pass's. Where step 1 is measured inside a profiler (``--profile-first-step``, a step split at graph
 breaks), the loop cannot measure it, and the discovery moves to step 2: every variant then runs four steps, the
 fourth measured ("step 3" in the table).
