@@ -198,6 +198,23 @@ def test_an_accumulating_step_split_at_a_graph_break_fits_after_the_correction(t
     assert_grads_close(grads_of(model), expected)
 
 
+def test_a_graph_break_steps_provisional_replans_are_made_next_to_the_gradients(tmp_path, monkeypatch) -> None:
+    """At 95% of plain Inductor's peak, split at a graph break: the step becomes known after step 1's first pass,
+    and its provisional plans are re-planned at the second pass's first entry, where the gradients are found. The
+    provisional plans predict under the budget next to them; the re-plans are made next to them anyway (before
+    a46f254 they were made without them: that pass measured 12,587,528 B at a 12,207,188 B budget, 1.031x), so the
+    first pass measured with the gradients fits, and the step after, with plain Inductor's gradients."""
+    isolated_caches(tmp_path, monkeypatch)
+    plain_peak, expected, _ = plain_reference(lambda backend: accumulating_step(backend, BrokenMLP))
+
+    budget_bytes = int(0.95 * plain_peak)
+    backend, model, measured = remat_steps(lambda backend: accumulating_step(backend, BrokenMLP), budget_bytes)
+    accumulating = [e for e in backend.feedback_events if e.measured_peak_bytes is not None and e.accumulated_grad_bytes]
+    assert accumulating and accumulating[0].measured_peak_bytes <= budget_bytes, backend.feedback_events
+    assert measured <= budget_bytes, (measured, budget_bytes, backend.feedback_events)
+    assert_grads_close(grads_of(model), expected)
+
+
 def test_a_block_compiled_once_and_run_per_layer_counts_every_layers_gradients(tmp_path, monkeypatch) -> None:
     """Regional compilation (``tests/test_stacked_runs.py``'s three blocks compiled one by one) over two
     micro-batches: the stacked runs' window counts the accumulated gradients of every block's parameters, not the
