@@ -110,7 +110,10 @@ def largest_admitted(admits: Callable[[int], bool], high_bytes: int) -> int:
 # shares whose graph Inductor's check judges against the largest peak the share admits next to what its plan holds,
 # and whose refusal names its budget from the checked code of the plan it rests on (``ShareInfeasibleError``): a
 # known step's graph at a break, stacked runs, a graph next to accumulated gradients; others against their target
-JUDGED_SHARE_KINDS = ("break", "runs", "accumulated")
+# shares of a graph alone in its step whose runs stack, or that runs next to the step's accumulated gradients
+# (``runs_share.runs_share``): every other term of the step is exact (its own held bytes, the measured gradients)
+SINGLE_GRAPH_SHARE_KINDS = ("runs", "accumulated")
+JUDGED_SHARE_KINDS = ("break",) + SINGLE_GRAPH_SHARE_KINDS
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,7 @@ class GraphShare:
     @property
     def in_step(self) -> bool:
         """A share of one process's step (graph breaks, or one graph's stacked runs), not of a DDP/FSDP2 ledger."""
-        return self.kind.startswith("break") or self.kind in ("runs", "accumulated")
+        return self.kind.startswith("break") or self.kind in SINGLE_GRAPH_SHARE_KINDS
 
     def explain(self) -> str:
         """One paragraph for report.md: how the budget was split and why the step fits (``share_explain.py``)."""

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .distributed import JUDGED_SHARE_KINDS
+from .distributed import JUDGED_SHARE_KINDS, SINGLE_GRAPH_SHARE_KINDS
 
 if TYPE_CHECKING:
     from .distributed import GraphShare
@@ -144,7 +144,7 @@ def check_rule(share: Optional["GraphShare"], correction: Any, options: Any, dev
 
     if share is None:
         return None, checked
-    if share.kind not in ("runs", "accumulated"):
+    if share.kind not in SINGLE_GRAPH_SHARE_KINDS:
         return share, lambda budget_bytes: options.planning_target_for(budget_bytes, device_type, modeled)
     accumulated = getattr(correction, "accumulated_grad_bytes", 0) if correction is not None else 0
     return runs_share(checked(options.budget_bytes), share.input_activation_bytes, share.total_grad_bytes,

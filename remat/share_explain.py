@@ -13,7 +13,7 @@ GraphShare = Any    # a remat.distributed.GraphShare (not imported: distributed.
 
 def explain_share(share: GraphShare) -> str:
     """One paragraph for report.md: how the budget was split and why the step fits."""
-    if share.kind in ("runs", "accumulated"):
+    if share.kind in ("runs", "accumulated"):     # distributed.SINGLE_GRAPH_SHARE_KINDS (not importable here)
         return _explain_runs(share)
     if share.kind.startswith("break"):
         return _explain_break(share)

@@ -195,9 +195,9 @@ class StepHooks:
         wrappers = [w for slot in dict.fromkeys(sequence) if (w := self._wrapper(slot)) is not None]
         budgets = [w.record.plan.budget_bytes for w in wrappers if w.record.plan.budget_bytes is not None]
         made_next_to = [getattr(w.record.correction, "accumulated_grad_bytes", 0) for w in wrappers]
-        predicted = self.account.step_peak_bytes(sequence) + accumulated_grad_bytes
         if not budgets or min(made_next_to, default=0) >= accumulated_grad_bytes:
             return
+        predicted = self.account.step_peak_bytes(sequence) + accumulated_grad_bytes
         # the running plans' prediction, over the budget next to them; a re-plan already asked for (step 1's
         # provisional plans, made at this entry) is made next to them whatever the running plans predict: its
         # plan is not the running one (hf-1469, a GPT-2 split at a break: its provisional plans predicted under the
