@@ -21,7 +21,8 @@ built fresh from the entry's seed (same parameters and inputs) and run for three
   step split at graph breaks runs two steps (it refuses at the second, once its graphs are known).
 - ``none``, ``0.9``, ``0.7``, ``0.5``: ``remat.backend(budget_gb=...)`` at no budget and at
   those fractions of plain's peak (a fraction below the floor is recorded as infeasible, from
-  the probe, without compiling), and with ``--floor-point``, ``floor``: at the floor itself, and
+  the probe, without compiling; ``--fractions`` names others, ``--fractions none`` none), and with
+  ``--floor-point``, ``floor``: at the floor itself, and
   ``floor-named``, where the floor was refused once its steps ran (the closed loop's refusal, naming a
   budget): at the budget that refusal named, as a user retrying would.
 - ``checkpoint``: full per-block checkpointing (``entry.build(checkpoint_blocks=True)``, non-
@@ -437,6 +438,16 @@ class ModelRun:
 # ---- the driver ----------------------------------------------------------------------------------
 
 
+def parse_fractions(text: str) -> tuple[float, ...]:
+    """``0.9,0.7`` -> (0.9, 0.7); ``none`` -> (): each in (0, 1]."""
+    if text.strip().lower() == "none":
+        return ()
+    fractions = tuple(float(part) for part in text.split(",") if part.strip())
+    if not fractions or any(not 0 < f <= 1 for f in fractions):
+        raise argparse.ArgumentTypeError(f"--fractions {text!r}: give fractions in (0, 1] separated by commas, or 'none'")
+    return fractions
+
+
 def parse_seeds(text: str) -> tuple[int, ...]:
     """``"1000-1031"`` or ``"3,5,9"`` (or both, comma separated) -> the seeds."""
     seeds: list[int] = []
@@ -472,6 +483,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--md", type=Path, default=None, help="the table (default: the .jsonl's name with .md)")
     parser.add_argument("--floor-point", action="store_true", help="also compile and measure at the floor itself")
+    parser.add_argument("--fractions", type=parse_fractions, default=FRACTIONS,
+                        help="budgets as fractions of plain's peak, e.g. 0.9,0.7 (default 0.9,0.7,0.5); 'none': "
+                             "no fraction (with --floor-point: plain, no budget, the floor and checkpointing)")
     parser.add_argument("--jobs", type=int, default=1, help="models run at once (each in its own worker process)")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST_DTYPES), default=None,
                         help="run every variant's forward under CPU autocast to this dtype (plus a plain-fp32 reference)")
@@ -497,7 +511,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         entry = next(e for e in entries if e.name == args.worker)
         ModelRun(entry, args.out, AUTOCAST_DTYPES.get(args.autocast), args.freeze, args.user_checkpointing,
                  args.profile_first_step, args.runs_per_step, args.micro_batches, args.channels_last).run(
-                     FRACTIONS, args.floor_point)
+                     args.fractions, args.floor_point)
         return 0
     if not args.report_only:
         run_all(args, entries)
@@ -527,7 +541,7 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
                            "autocast": args.autocast, "freeze": args.freeze,
                            "user_checkpointing": args.user_checkpointing, "profile_first_step": args.profile_first_step,
                            "runs_per_step": args.runs_per_step, "micro_batches": args.micro_batches,
-                           "channels_last": args.channels_last,
+                           "channels_last": args.channels_last, "fractions": list(args.fractions),
                            "environment": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ}})
     todo = interleave_families([e for e in chosen if e.name not in finished])
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -559,6 +573,7 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
     command = [sys.executable, "-X", "faulthandler", __file__, "--worker", entry.name, "--out", str(args.out),
                "--seeds", ",".join(map(str, args.seeds)), "--cnn-seeds", ",".join(map(str, args.cnn_seeds)),
                "--hf-seeds", ",".join(map(str, args.hf_seeds))] + (["--floor-point"] if args.floor_point else []) \
+        + ["--fractions", ",".join(map(str, args.fractions)) or "none"] \
         + (["--autocast", args.autocast] if args.autocast else []) + (["--freeze", args.freeze] if args.freeze else []) \
         + (["--user-checkpointing"] if args.user_checkpointing else []) + (["--profile-first-step"] if args.profile_first_step else []) \
         + ["--runs-per-step", str(args.runs_per_step), "--micro-batches", str(args.micro_batches)] \
