@@ -69,6 +69,11 @@ With ``--channels-last`` every variant's model and 4-D inputs are in the channel
 (``remat.testing.corpus.to_channels_last``), as PyTorch's performance guide has CNN users train; a model with
 no 4-D tensor (the language models) runs as without it.
 
+With ``--model-dtype bf16`` every variant's model and floating inputs are in bfloat16 throughout (a pure
+bfloat16 model, no autocast: ``remat.testing.corpus.to_dtype``), and, as under ``--autocast``, a ``plain-fp32``
+variant runs first (plain Inductor on the float32 model) whose gradients are the reference for each point's
+accuracy.
+
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
 ``max_k(held by graphs before k + k's activation inputs + later graphs' gradients + peak of k)``,
@@ -256,14 +261,15 @@ def step_loss(built: Any, compiled: Any, runs: int) -> torch.Tensor:
 def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_blocks: bool = False,
                 measure_first: bool = True, autocast_dtype: Optional[torch.dtype] = None,
                 freeze: Optional[str] = None, runs: int = 1, micro_batches: int = 1,
-                channels_last: bool = False) -> dict[str, Any]:
+                channels_last: bool = False, model_dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
     """Compile a fresh copy of ``entry`` with ``backend`` and run three steps, the forward and loss under
     CPU autocast to ``autocast_dtype`` when given, the parameters ``freeze`` names frozen, the model called
     ``runs`` times per step (``step_loss``), the gradients accumulated over ``micro_batches`` forward and
-    backward passes per step, in the channels-last memory format with ``channels_last``; see the module docstring."""
+    backward passes per step, in the channels-last memory format with ``channels_last``, model and inputs in
+    ``model_dtype`` when given; see the module docstring."""
     fresh_caches()
     torch._dynamo.reset()
-    built = entry.build(checkpoint_blocks, freeze, channels_last)
+    built = entry.build(checkpoint_blocks, freeze, channels_last, model_dtype)
     compiled = torch.compile(built.model, backend=backend)
 
     def prepare() -> None:
@@ -307,11 +313,13 @@ class ModelRun:
 
     def __init__(self, entry: corpus_mod.CorpusEntry, out: Path, autocast_dtype: Optional[torch.dtype] = None,
                  freeze: Optional[str] = None, user_checkpointing: bool = False, profile_first_step: bool = False,
-                 runs_per_step: int = 1, micro_batches: int = 1, channels_last: bool = False) -> None:
+                 runs_per_step: int = 1, micro_batches: int = 1, channels_last: bool = False,
+                 model_dtype: Optional[torch.dtype] = None) -> None:
         self.entry, self.out, self.autocast_dtype, self.freeze = entry, out, autocast_dtype, freeze
         self.runs_per_step = runs_per_step      # calls of the model per step, before any backward (step_loss)
         self.micro_batches = micro_batches      # forward and backward passes per step, gradients accumulated
         self.channels_last = channels_last      # model and 4-D inputs in the channels-last memory format
+        self.model_dtype = model_dtype          # model and floating inputs in this dtype (None: as built, float32)
         # the model checkpoints its own blocks in every variant; step 1 runs inside a profiler even with the loop on
         self.user_checkpointing, self.profile_first_step = user_checkpointing, profile_first_step
         self.reference: Optional[dict[str, torch.Tensor]] = None        # plain Inductor's step-1 gradients
@@ -347,6 +355,7 @@ class ModelRun:
         kwargs.setdefault("runs", self.runs_per_step)
         kwargs.setdefault("micro_batches", self.micro_batches)
         kwargs.setdefault("channels_last", self.channels_last)
+        kwargs.setdefault("model_dtype", self.model_dtype)
         try:
             record = run_variant(self.entry, backend, **kwargs)
         except remat.BudgetInfeasibleError as error:
@@ -374,7 +383,7 @@ class ModelRun:
         Two steps: a step split at graph breaks refuses the budget at its second (``remat/step_budget.py``)."""
         fresh_caches()
         torch._dynamo.reset()
-        built = self.entry.build(self.user_checkpointing, self.freeze, self.channels_last)
+        built = self.entry.build(self.user_checkpointing, self.freeze, self.channels_last, self.model_dtype)
         compiled = torch.compile(built.model, backend=remat.backend(PROBE_BUDGET_GB))
         try:
             for _ in range(2):
@@ -397,10 +406,10 @@ class ModelRun:
     def run(self, fractions: tuple[float, ...], floor_point: bool) -> None:
         loop = loop_supported()
         measure_first = not loop or self.profile_first_step
-        if self.autocast_dtype is not None:
-            reference = self.measure("plain-fp32", "inductor", None, autocast_dtype=None)
+        if self.autocast_dtype is not None or self.model_dtype is not None:
+            reference = self.measure("plain-fp32", "inductor", None, autocast_dtype=None, model_dtype=None)
             if reference.get("error"):
-                self.write("done", error="plain Inductor without autocast failed")
+                self.write("done", error="plain Inductor in float32 without autocast failed")
                 return
         plain = self.measure("plain", "inductor", None)
         if plain.get("error"):
@@ -432,7 +441,8 @@ class ModelRun:
                    description=self.entry.description, seed=self.entry.seed,
                    autocast=str(self.autocast_dtype) if self.autocast_dtype is not None else None, freeze=self.freeze,
                    user_checkpointing=self.user_checkpointing, profile_first_step=self.profile_first_step,
-                   runs_per_step=self.runs_per_step, micro_batches=self.micro_batches, channels_last=self.channels_last)
+                   runs_per_step=self.runs_per_step, micro_batches=self.micro_batches, channels_last=self.channels_last,
+                   model_dtype=str(self.model_dtype) if self.model_dtype is not None else None)
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -501,6 +511,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="accumulate gradients over this many forward and backward passes per step")
     parser.add_argument("--channels-last", action="store_true",
                         help="every variant's model and 4-D inputs in the channels-last memory format (CNN training)")
+    parser.add_argument("--model-dtype", choices=sorted(AUTOCAST_DTYPES), default=None,
+                        help="every variant's model and floating inputs in this dtype, no autocast (plus a plain-fp32 reference)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -510,7 +522,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.worker is not None:
         entry = next(e for e in entries if e.name == args.worker)
         ModelRun(entry, args.out, AUTOCAST_DTYPES.get(args.autocast), args.freeze, args.user_checkpointing,
-                 args.profile_first_step, args.runs_per_step, args.micro_batches, args.channels_last).run(
+                 args.profile_first_step, args.runs_per_step, args.micro_batches, args.channels_last,
+                 AUTOCAST_DTYPES.get(args.model_dtype)).run(
                      args.fractions, args.floor_point)
         return 0
     if not args.report_only:
@@ -542,6 +555,7 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
                            "user_checkpointing": args.user_checkpointing, "profile_first_step": args.profile_first_step,
                            "runs_per_step": args.runs_per_step, "micro_batches": args.micro_batches,
                            "channels_last": args.channels_last, "fractions": list(args.fractions),
+                           "model_dtype": args.model_dtype,
                            "environment": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ}})
     todo = interleave_families([e for e in chosen if e.name not in finished])
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -577,7 +591,7 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
         + (["--autocast", args.autocast] if args.autocast else []) + (["--freeze", args.freeze] if args.freeze else []) \
         + (["--user-checkpointing"] if args.user_checkpointing else []) + (["--profile-first-step"] if args.profile_first_step else []) \
         + ["--runs-per-step", str(args.runs_per_step), "--micro-batches", str(args.micro_batches)] \
-        + (["--channels-last"] if args.channels_last else [])
+        + (["--channels-last"] if args.channels_last else []) + (["--model-dtype", args.model_dtype] if args.model_dtype else [])
     try:
         status: Any = subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False).returncode
     except subprocess.TimeoutExpired:

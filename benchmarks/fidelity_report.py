@@ -8,10 +8,10 @@ Definitions used in the tables:
 - over budget = step 3's measured peak above the budget (step 1's is counted separately: with the
   closed loop it is the step that may discover an overshoot);
 - a gradient mismatch = the largest per-parameter relative error against plain Inductor > 1e-4;
-- under ``--autocast`` (bf16), where compiled variants differ from one another at bf16's rounding,
-  accuracy = a point's gradient error against plain Inductor without autocast (the fp32 reference,
-  over all parameters at once where the row has it, else the largest per parameter) divided by plain
-  Inductor's own under autocast; a point is less accurate than plain Inductor when that ratio exceeds
+- in bf16 (``--autocast bf16`` or ``--model-dtype bf16``), where compiled variants differ from one another at
+  bf16's rounding, accuracy = a point's gradient error against plain Inductor in float32 without autocast (the
+  fp32 reference, over all parameters at once where the row has it, else the largest per parameter) divided by
+  plain Inductor's own in bf16; a point is less accurate than plain Inductor when that ratio exceeds
   ``ACCURACY_RATIO_TOL``.
 """
 
@@ -199,9 +199,9 @@ def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 def accuracy_ratios(models: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[float, str, str]]:
-    """Under autocast: ``(ratio, model, point)`` for every compiled remat point, the ratio being its gradient
-    error against the fp32 reference over plain Inductor's under autocast; largest first. Empty for a run
-    without autocast."""
+    """In bf16 (autocast or a bf16 model): ``(ratio, model, point)`` for every compiled remat point, the ratio
+    being its gradient error against the fp32 reference over plain Inductor's in bf16; largest first. Empty for
+    a run in float32."""
     out = []
     for name, points in models.items():
         key = _accuracy_key(points.get("plain") or {})
@@ -226,8 +226,8 @@ def _accuracy_lines(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     values = [r[0] for r in ratios]
     plain = [p["plain"][_accuracy_key(p["plain"])] for p in models.values()
              if (p.get("plain") or {}).get("grad_rel_err_fp32")]
-    return ["## Gradients under autocast: accuracy against the fp32 reference", "",
-            f"Plain Inductor under autocast, gradient error against the fp32 reference (over all parameters where "
+    return ["## Gradients in bf16: accuracy against the fp32 reference", "",
+            f"Plain Inductor in bf16 (under autocast or on the bf16 model), gradient error against the fp32 reference (over all parameters where "
             f"recorded, else the largest per parameter): median {statistics.median(plain):.1e}, "
             f"max {max(plain):.1e} over {len(plain)} models. remat's error over plain Inductor's, per point ({len(values)}): "
             f"median {statistics.median(values):.2f}, p95 {quantile(values, 0.95):.2f}, max {max(values):.2f}; "
@@ -305,7 +305,10 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
            " is one pass's (`floor-named`: the budget a refused floor named). Four steps run, the last measured (the"
            " table's step 3): where step 1 runs inside a profiler the discovery is step 2's." if (header.get("micro_batches") or 1) > 1 else "")
         + (" Every variant's model and 4-D inputs are in the channels-last memory format (`--channels-last`:"
-           " `remat.testing.corpus.to_channels_last`)." if header.get("channels_last") else ""),
+           " `remat.testing.corpus.to_channels_last`)." if header.get("channels_last") else "")
+        + (f" Every variant's model and floating inputs are in {header['model_dtype']} throughout, no autocast"
+           " (`--model-dtype`: `remat.testing.corpus.to_dtype`); the fp32 reference is plain Inductor on the float32"
+           " model." if header.get("model_dtype") else ""),
         "",
         f"Models finished: {len(finished)} of the {len(models)} started ({sum(1 for m in finished if m.startswith('rand-'))} random nets, "
         f"{sum(1 for m in finished if m.startswith('cnn-'))} CNNs, {sum(1 for m in finished if m.startswith('hf-'))} Hugging Face models"
@@ -336,7 +339,7 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"{'-' if s['worst_ratio'] is None else format(s['worst_ratio'], '.3f')}); "
         f"over budget at step 1: {s['over_budget_step1']}; points where the closed loop acted: {s['needed_loop']}",
         f"- gradient mismatch > {GRAD_TOL:g} vs plain Inductor: {s['grad_mismatch']} of {s['points']}"
-        + (" (under autocast every compiled variant differs at bf16's rounding: see the accuracy section)"
+        + (" (in bf16 every compiled variant differs at bf16's rounding: see the accuracy section)"
            if accuracy_ratios(models) else ""),
         f"- floor points refused at the budget the probe named (it must be accepted): {len(s['floor_refused'])} of "
         f"{s['floor_points']}" + "".join(f"; {m} then named {_mb(b)} MB" for m, b in s["floor_refused"].items()),

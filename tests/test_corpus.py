@@ -66,6 +66,25 @@ def test_channels_last_build_has_the_same_values_in_the_channels_last_format() -
     assert torch.allclose(laid_out.loss(laid_out.model), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_dtype_build_is_the_same_model_in_that_dtype() -> None:
+    """``build(dtype=torch.bfloat16)`` (``fidelity.py --model-dtype bf16``): every floating parameter, buffer and
+    input in bfloat16, equal to the float32 build's rounded, integer inputs unchanged; its loss trains (has a
+    gradient in bfloat16)."""
+    from remat.testing import cnns
+
+    for entry in (corpus.random_entry(TEST_SEEDS[0]), corpus.cnn_entry(cnns.cnn_shape(DRAWN_SEEDS[0]), DRAWN_SEEDS[0])):
+        plain, low = entry.build(), entry.build(dtype=torch.bfloat16)
+        tensors = [*low.model.parameters(), *low.model.buffers(), *low.inputs]
+        assert all(t.dtype == torch.bfloat16 for t in tensors if t.is_floating_point())
+        assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(plain.model.parameters(), low.model.parameters(), strict=True))
+        assert all(a.dtype == b.dtype for a, b in zip(plain.inputs, low.inputs, strict=True) if not a.is_floating_point())
+        torch.manual_seed(STEP_SEED)
+        low.loss(low.model).backward()
+        assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in low.model.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="not a floating dtype"):
+        corpus.random_entry(TEST_SEEDS[0]).build(dtype=torch.int64)
+
+
 def test_grammar_covers_its_layers() -> None:
     """Over the test seeds every choice of the grammar occurs (a generator stuck on one branch fails)."""
     specs = [net_spec(s) for s in TEST_SEEDS]

@@ -62,16 +62,36 @@ class CorpusEntry:
     checkpointing: str             # how build(checkpoint_blocks=True) checkpoints each block ("" if it cannot)
     make: Callable[[bool], Built] = field(repr=False, compare=False)
 
-    def build(self, checkpoint_blocks: bool = False, freeze: Optional[str] = None, channels_last: bool = False) -> Built:
+    def build(self, checkpoint_blocks: bool = False, freeze: Optional[str] = None, channels_last: bool = False,
+              dtype: Optional[torch.dtype] = None) -> Built:
         """A fresh model and inputs; two calls give equal parameters and inputs. With ``freeze`` (one of
         ``finetune.FREEZE_REGIMES``) the model is fine-tuned as that regime says (``finetune.freeze_parameters``);
-        with ``channels_last``, laid out as ``to_channels_last`` says."""
+        with ``channels_last``, laid out as ``to_channels_last`` says; with ``dtype`` (a floating dtype), in
+        that dtype as ``to_dtype`` says."""
         if checkpoint_blocks and not self.has_repeated_blocks:
             raise ValueError(f"{self.name} has no repeated blocks to checkpoint (has_repeated_blocks=False)")
         built = self.make(checkpoint_blocks)
         if freeze is not None:
             finetune.freeze_parameters(built.model, freeze)
+        if dtype is not None:
+            built = to_dtype(built, dtype)
         return to_channels_last(built) if channels_last else built
+
+
+def to_dtype(built: Built, dtype: torch.dtype) -> Built:
+    """``built`` trained in ``dtype`` throughout (a pure bfloat16 model, no autocast): ``model.to(dtype)``
+    (its floating parameters and buffers, in place) and every floating input tensor cast to it; integer
+    inputs (token ids, labels) are unchanged. The loss functions take the output as it comes."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype} is not a floating dtype: a corpus model trains in a floating dtype")
+    built.model.to(dtype)
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(dtype)
+        return value
+    return Built(built.model, tuple(cast(t) for t in built.inputs), built.loss_fn,
+                 {k: cast(v) for k, v in built.kwargs.items()})
 
 
 def to_channels_last(built: Built) -> Built:
