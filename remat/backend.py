@@ -300,7 +300,7 @@ class RematBackend:
                 plan, share = fit_in_step(share, lambda share: fit_plan(share, held_of, plan_at, self.options.budget_bytes,
                     request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at, held_of)
         except BudgetInfeasibleError as error:
-            if correction is not None and correction.factor != 1.0 and candidate not in REFUSAL_CANDIDATE_KINDS:
+            if correction and correction.factor != 1.0 and not correction.foreseen and candidate not in REFUSAL_CANDIDATE_KINDS:
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
                               f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "

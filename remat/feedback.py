@@ -103,7 +103,8 @@ class FeedbackEvent:
     ``step`` counts the calls of this compiled graph from 0 (re-plans included). ``action``:
     "within budget", "re-planned", "infeasible", "over budget: best-effort plan",
     "over budget after N re-plans", "stored for the next compile", "re-plan failed", "not measured: <why>"
-    (``measured_peak_bytes`` None). ``factor`` is
+    (``measured_peak_bytes`` None; None too for "infeasible" when the refusal was foreseen before the call ran:
+    ``Correction.foreseen``). ``factor`` is
     ``measured / predicted`` when over budget; ``new_target_bytes`` the target it re-plans at.
     """
 
@@ -354,7 +355,7 @@ class VerifiedGraph:
         correction = Correction(factor, budget, predicted, predicted, record.graph_id,
                                 f"foreseen: {record.graph_id} call {step} found {accumulated_grad_bytes} bytes of the "
                                 "step's gradients in its parameters", runs=planned_runs(record),
-                                accumulated_grad_bytes=accumulated_grad_bytes).keeping_step_use(made_for)
+                                accumulated_grad_bytes=accumulated_grad_bytes, foreseen=True).keeping_step_use(made_for)
         self._replan(args, correction, step)
         self._store(record.graph_key, correction)      # a later process plans next to them from its first call
         self._events.append(FeedbackEvent(record.graph_id, step, budget, predicted, None, None, FORESEEN_ACTION,
@@ -364,8 +365,11 @@ class VerifiedGraph:
                  step, accumulated_grad_bytes, predicted, budget)
 
     def _event_for(self, correction: Correction, step: int, action: str) -> None:
+        """The event of a re-plan at ``correction`` that ended in ``action``; its measured peak is the one the
+        correction was measured at, None for a foreseen correction (nothing ran: ``Correction.foreseen``)."""
+        measured = None if correction.foreseen else correction.measured_peak_bytes
         self._events.append(FeedbackEvent(correction.graph_id, step, correction.budget_bytes,
-                                          correction.predicted_peak_bytes, correction.measured_peak_bytes,
+                                          correction.predicted_peak_bytes, measured,
                                           correction.factor, action, runs=correction.runs,
                                           accumulated_grad_bytes=correction.accumulated_grad_bytes))
 

@@ -59,6 +59,9 @@ class Correction:
     # the gradients earlier backwards of the measured step had left in the graph's parameters when its forward
     # entered (gradient accumulation: accumulated_grads.py); its plan is then made next to them (runs_share.runs_share)
     accumulated_grad_bytes: int = 0
+    # made before any step measured it (the foresight next to accumulated gradients, a step's re-plan of a plan
+    # with no correction): ``measured_peak_bytes`` is then a prediction, and an event about it says nothing measured
+    foreseen: bool = False
 
     def keeping_step_use(self, made_for: Optional["Correction"]) -> "Correction":
         """This correction for a graph whose plan was made under ``made_for`` (None: none): a correction made for
@@ -108,7 +111,8 @@ def read_correction(key: str) -> Optional[Correction]:
         fields = {k: data[k] for k in ("factor", "budget_bytes", "predicted_peak_bytes", "measured_peak_bytes",
                                        "graph_id")}
         return Correction(**fields, source=f"stored: {path}", runs=max(int(data.get("runs", 1)), 1),
-                          accumulated_grad_bytes=max(int(data.get("accumulated_grad_bytes", 0)), 0))
+                          accumulated_grad_bytes=max(int(data.get("accumulated_grad_bytes", 0)), 0),
+                          foreseen=bool(data.get("foreseen", False)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -53,6 +53,10 @@ def correction_line(correction: Optional[Correction]) -> str:
     """The report's sentence on the feedback loop's correction of the planning target."""
     if correction is None:
         return "- feedback correction: none (the target is the budget less headroom)"
+    if correction.foreseen:
+        return (f"- feedback correction: target divided by {correction.factor:.3f}, made before any step measured "
+                f"`{correction.graph_id}` (its plan predicted {format_bytes(correction.predicted_peak_bytes)}; "
+                f"{correction.source})")
     return (f"- feedback correction: target divided by {correction.factor:.3f}, the measured / predicted peak of "
             f"`{correction.graph_id}` ({format_bytes(correction.measured_peak_bytes)} measured, "
             f"{format_bytes(correction.predicted_peak_bytes)} predicted; {correction.source})")

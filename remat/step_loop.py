@@ -375,4 +375,4 @@ def step_correction(record: Any, why: str) -> Correction:
         return replace(old, graph_id=record.graph_id)
     plan = record.plan
     return Correction(1.0, plan.budget_bytes, plan.predicted_peak_bytes, plan.predicted_peak_bytes, record.graph_id,
-                      f"step budget: {why}")
+                      f"step budget: {why}", foreseen=True)

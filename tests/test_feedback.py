@@ -95,6 +95,9 @@ def test_store_round_trip_and_clear(tmp_path, monkeypatch):
     assert read_correction("abc") is None
     path.write_text(json.dumps({"schema": 1, "factor": 0.5}))
     assert read_correction("abc") is None
+    foreseen = dataclasses.replace(correction, foreseen=True)
+    assert read_correction("abc") is None and write_correction("abc", foreseen) == path
+    assert read_correction("abc") == dataclasses.replace(foreseen, source=f"stored: {path}")
     write_correction("abc", correction)
     assert clear_corrections() == 1 and read_correction("abc") is None and clear_corrections() == 0
 
@@ -583,3 +586,16 @@ def test_a_replan_outside_dynamo_compiles_with_static_shapes(tmp_path, monkeypat
         ("graph_000", "re-planned"), ("graph_000_r1", "within budget")]
     assert backend.feedback_events[1].measured_peak_bytes <= backend.options.budget_bytes
     assert symbolic == [False, False], "the re-plan's joint graph should have the traced static shapes"
+
+
+def test_the_report_of_a_foreseen_correction_claims_no_measurement() -> None:
+    """A correction made before any step measured its graph (``Correction.foreseen``: the foresight next to
+    accumulated gradients, a step's re-plan) carries a predicted peak where a measured one would be; the report
+    says so instead of calling the prediction measured."""
+    from remat.report import correction_line
+
+    measured = Correction(1.25, 10_000, 8_000, 10_000, "graph_000", "measured in this process: graph_000 step 0")
+    foreseen = dataclasses.replace(measured, measured_peak_bytes=8_000, foreseen=True, source="foreseen: call 1")
+    assert "measured, " in correction_line(measured)
+    line = correction_line(foreseen)
+    assert "measured, " not in line and "made before any step measured `graph_000`" in line, line

@@ -154,6 +154,7 @@ def test_a_budget_refused_next_to_accumulated_gradients_is_refused_before_runnin
             step()
     events = backend.feedback_events
     assert events[-1].action == "infeasible" and events[-1].accumulated_grad_bytes == grad_bytes, events
+    assert events[-1].measured_peak_bytes is None, events    # refused before running: nothing measured
     assert all(e.measured_peak_bytes <= budget_bytes for e in events if e.action != "infeasible"), events
     assert refused.value.min_budget_bytes > budget_bytes
 
