@@ -305,8 +305,10 @@ class VerifiedGraph:
 
     def _open_window(self, step: int, accumulated_grad_bytes: int = 0) -> Optional[StepWindow]:
         record = self.record
-        window = StepWindow(self.device, owner=self, on_close=lambda peak, why_not: self._on_measured(
-            record, step, *runs.measured(peak, why_not), accumulated_grad_bytes=accumulated_grad_bytes))
+        def closed(peak: Optional[int], why_not: str) -> None:
+            self._accumulation.note_window(window.retained_bytes)
+            self._on_measured(record, step, *runs.measured(peak, why_not), accumulated_grad_bytes=accumulated_grad_bytes)
+        window = StepWindow(self.device, owner=self, on_close=closed)
         runs = self._window_runs = WindowRuns(window)
         return window if window.open() else None
 

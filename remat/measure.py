@@ -50,10 +50,12 @@ class PeakMeasurement:
 
 @dataclass(frozen=True)
 class WindowPeak:
-    """The running peak of allocations made inside a window, and what was freed there from before it."""
+    """The running peak of allocations made inside a window, and what was freed there from before it;
+    ``end_bytes``: what was allocated inside it and is still live at its last event."""
 
     peak_bytes: int
     foreign_freed_bytes: int
+    end_bytes: int = 0
 
 
 def window_peak(events: Iterable[tuple[int, int, int]]) -> WindowPeak:
@@ -73,7 +75,7 @@ def window_peak(events: Iterable[tuple[int, int, int]]) -> WindowPeak:
             live -= mine.pop(address)
         else:
             foreign -= size
-    return WindowPeak(peak, foreign)
+    return WindowPeak(peak, foreign, live)
 
 
 def _profiled_events(prof: Any) -> Iterator[Any]:
@@ -242,6 +244,9 @@ class StepWindow:
         self._hook: Any = None
         self._start_bytes = 0
         self._peak: Optional[int] = None
+        # bytes allocated in the window and live when it closed (CPU: every allocation the profiler recorded until
+        # then, past the end mark; CUDA: at the end mark): what the step goes on holding (AccumulationWatch)
+        self.retained_bytes: Optional[int] = None
         self.marked = False
         self.spoiled_by = ""
         self.closed = False
@@ -297,6 +302,7 @@ class StepWindow:
         self.marked = True
         if self.device.type == "cuda":
             self._peak = torch.cuda.max_memory_allocated(self.device) - self._start_bytes
+            self.retained_bytes = torch.cuda.memory_allocated(self.device) - self._start_bytes
         else:
             with torch.autograd.profiler.record_function(WINDOW_END_MARKER):
                 pass
@@ -314,6 +320,7 @@ class StepWindow:
             self._prof.__exit__(None, None, None)
             if self.marked:
                 self._peak = window_peak(cpu_allocation_events(self._prof, WINDOW_END_MARKER)).peak_bytes
+            self.retained_bytes = window_peak(cpu_allocation_events(self._prof)).end_bytes
             self._prof = None
         why_not = self.spoiled_by or ("" if self.marked else "no backward ran before the window closed")
         self._on_close(None if why_not else self._peak, why_not)

@@ -226,8 +226,10 @@ class StepHooks:
         with self._lock:
             self._steps += 1
             number = self._steps
-        window = StepWindow(device, lambda peak, why_not: self._on_measured(sequence, number, peak, why_not,
-                                                                            accumulated_grad_bytes), owner=self)
+        def closed(peak: Optional[int], why_not: str) -> None:
+            self._accumulation.note_window(window.retained_bytes)
+            self._on_measured(sequence, number, peak, why_not, accumulated_grad_bytes)
+        window = StepWindow(device, closed, owner=self)
         if window.open():
             self._window = window
 

@@ -22,6 +22,14 @@ from remat.accumulated_grads import GradientLedger
 from remat.testing.steps import assert_grads_close, grads_of
 
 MICRO_BATCHES = [torch.randn(1024, 128, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+# what the first pass's window leaves live besides the gradients when its backward returns (the loss scalar)
+LEFT_LIVE_SLACK_BYTES = 1024
+
+
+def counts_the_gradients(found_bytes: int, grad_bytes: int) -> bool:
+    """Whether the step's carried bytes a call found (``AccumulationWatch.look``) are its gradients and at most
+    ``LEFT_LIVE_SLACK_BYTES`` of small tensors the first pass left live."""
+    return grad_bytes <= found_bytes <= grad_bytes + LEFT_LIVE_SLACK_BYTES
 
 
 def isolated_caches(tmp_path, monkeypatch) -> None:
@@ -117,8 +125,8 @@ def test_the_call_that_finds_accumulated_gradients_is_replanned_before_it_runs(t
         step()
     measured = remat.measure_peak_bytes(step).peak_bytes
     events = backend.feedback_events
-    assert [(e.step, e.accumulated_grad_bytes, e.action) for e in events[1:]] == [
-        (1, grad_bytes, FORESEEN_ACTION), (1, grad_bytes, "within budget")], events
+    assert [(e.step, e.action) for e in events[1:]] == [(1, FORESEEN_ACTION), (1, "within budget")], events
+    assert all(counts_the_gradients(e.accumulated_grad_bytes, grad_bytes) for e in events[1:]), (grad_bytes, events)
     assert events[1].predicted_peak_bytes > budget_bytes >= events[2].measured_peak_bytes
     assert measured <= budget_bytes, (measured, budget_bytes, events)
     assert_grads_close(grads_of(model), expected)
@@ -128,7 +136,7 @@ def test_the_call_that_finds_accumulated_gradients_is_replanned_before_it_runs(t
     _, step = accumulating_step(again)
     step()
     measured = remat.measure_peak_bytes(step).peak_bytes
-    assert again.compiled_graphs[0].correction.accumulated_grad_bytes == grad_bytes
+    assert counts_the_gradients(again.compiled_graphs[0].correction.accumulated_grad_bytes, grad_bytes)
     assert [e.action for e in again.feedback_events] == ["within budget"] * 2, again.feedback_events
     assert measured <= budget_bytes, (measured, budget_bytes, again.feedback_events)
 
@@ -153,7 +161,7 @@ def test_a_budget_refused_next_to_accumulated_gradients_is_refused_before_runnin
         for _ in range(3):
             step()
     events = backend.feedback_events
-    assert events[-1].action == "infeasible" and events[-1].accumulated_grad_bytes == grad_bytes, events
+    assert events[-1].action == "infeasible" and counts_the_gradients(events[-1].accumulated_grad_bytes, grad_bytes), events
     assert events[-1].measured_peak_bytes is None, events    # refused before running: nothing measured
     assert all(e.measured_peak_bytes <= budget_bytes for e in events if e.action != "infeasible"), events
     assert refused.value.min_budget_bytes > budget_bytes
@@ -161,6 +169,32 @@ def test_a_budget_refused_next_to_accumulated_gradients_is_refused_before_runnin
     backend, model, measured = remat_steps(accumulating_step, refused.value.min_budget_bytes)
     assert measured <= refused.value.min_budget_bytes, (measured, refused.value.min_budget_bytes, backend.feedback_events)
     assert_grads_close(grads_of(model), expected)
+
+
+def test_the_gradients_of_layers_no_graph_reads_count_in_the_step(tmp_path, monkeypatch) -> None:
+    """Layers run eagerly next to the compiled graph (here ahead of it; a Hugging Face model whose checkpointed
+    layers run between its graphs) leave gradients in the step that no graph's parameters hold: the second
+    micro-batch's window counts what the first one's left live (``AccumulationWatch.note_window``), not only the
+    graph's parameters' gradients. Before session 37 it counted those alone: hf-1481 (2,605,056 B of gradients,
+    262,656 B of them its graphs') was judged within budget while its step measured 1.17x the budget."""
+    isolated_caches(tmp_path, monkeypatch)
+    torch.manual_seed(0)
+    eager, body = nn.Sequential(nn.Linear(128, 1024), nn.Linear(1024, 128)), mlp()
+    backend = remat.backend(1.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(body, backend=backend)
+    for _ in range(2):
+        eager.zero_grad(set_to_none=True)
+        body.zero_grad(set_to_none=True)
+        for x in MICRO_BATCHES:
+            compiled(eager(x)).pow(2).mean().backward()
+
+    def grad_bytes(module: nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+    found = [e for e in backend.feedback_events if e.accumulated_grad_bytes]
+    assert found, backend.feedback_events
+    assert found[0].accumulated_grad_bytes >= grad_bytes(eager) + grad_bytes(body), (grad_bytes(eager), found)
+    assert found[0].measured_peak_bytes is not None and found[0].action == "within budget", found
 
 
 class BrokenMLP(nn.Module):
@@ -190,7 +224,7 @@ def test_an_accumulating_step_split_at_a_graph_break_fits_after_the_correction(t
     budget_bytes = int(0.8 * plain_peak)
     backend, model, measured = remat_steps(lambda backend: accumulating_step(backend, BrokenMLP), budget_bytes)
     accumulating = [e for e in backend.feedback_events if e.accumulated_grad_bytes]
-    assert accumulating and accumulating[0].accumulated_grad_bytes == grad_bytes, backend.feedback_events
+    assert accumulating and counts_the_gradients(accumulating[0].accumulated_grad_bytes, grad_bytes), backend.feedback_events
     assert accumulating[0].graph_id.startswith("step:")
     # found at the second pass's first entry and re-planned for before it ran (session 36): that pass fits too
     assert [e.action for e in accumulating[:2]] == [FORESEEN_ACTION, "within budget"], backend.feedback_events
@@ -219,7 +253,8 @@ def test_a_graph_break_steps_provisional_replans_are_made_next_to_the_gradients(
 def test_a_block_compiled_once_and_run_per_layer_counts_every_layers_gradients(tmp_path, monkeypatch) -> None:
     """Regional compilation (``tests/test_stacked_runs.py``'s three blocks compiled one by one) over two
     micro-batches: the stacked runs' window counts the accumulated gradients of every block's parameters, not the
-    first run's only, and the step after the re-plan fits (3,615,240 B at a 4,882,438 B budget)."""
+    first run's only, and (session 37) those of the projection run eagerly ahead of the blocks; the step after the
+    re-plan fits (3,615,240 B at a 4,882,438 B budget)."""
     from test_stacked_runs import INPUT, regional_step
 
     isolated_caches(tmp_path, monkeypatch)
@@ -236,12 +271,12 @@ def test_a_block_compiled_once_and_run_per_layer_counts_every_layers_gradients(t
     plain_step()
     plain_peak = remat.measure_peak_bytes(plain_step).peak_bytes
     expected = grads_of(plain_model)
-    block_grad_bytes = sum(p.numel() * p.element_size() for p in plain_model.blocks.parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in plain_model.parameters())    # the blocks' and the projection's
 
     budget_bytes = int(0.8 * plain_peak)
     backend, model, measured = remat_steps(accumulating, budget_bytes)
     accumulating_events = [e for e in backend.feedback_events if e.accumulated_grad_bytes]
-    assert accumulating_events[0].accumulated_grad_bytes == block_grad_bytes, backend.feedback_events
+    assert counts_the_gradients(accumulating_events[0].accumulated_grad_bytes, grad_bytes), backend.feedback_events
     assert accumulating_events[0].runs == 3
     assert measured <= budget_bytes, (measured, budget_bytes, backend.feedback_events)
     assert_grads_close(grads_of(model), expected)

@@ -13,11 +13,11 @@ MIB = 1 << 20
 def test_window_peak_table():
     # (time, size, address): allocations positive, frees negative
     assert window_peak([]) == WindowPeak(0, 0)
-    assert window_peak([(0, 100, 1), (1, 50, 2), (2, -100, 1), (3, 30, 3)]) == WindowPeak(150, 0)
+    assert window_peak([(0, 100, 1), (1, 50, 2), (2, -100, 1), (3, 30, 3)]) == WindowPeak(150, 0, 80)  # 80 live at the end
     # a free of a block allocated before the window does not lower the running sum
-    assert window_peak([(0, -40, 9), (1, 100, 1)]) == WindowPeak(100, 40)
+    assert window_peak([(0, -40, 9), (1, 100, 1)]) == WindowPeak(100, 40, 100)
     # events out of order are sorted by time
-    assert window_peak([(3, 30, 3), (2, -100, 1), (0, 100, 1), (1, 50, 2)]) == WindowPeak(150, 0)
+    assert window_peak([(3, 30, 3), (2, -100, 1), (0, 100, 1), (1, 50, 2)]) == WindowPeak(150, 0, 80)
     # a block freed twice (or freed from before and re-freed) counts once
     assert window_peak([(0, 10, 1), (1, -10, 1), (2, -10, 1)]) == WindowPeak(10, 10)
 
