@@ -101,6 +101,8 @@ class StepHooks:
         self._corrections = 0
         self._over_bytes: list[int] = []            # the measured step peaks over the budget, in order
         self._refusal: Optional[BudgetInfeasibleError] = None   # raised at the next step's first forward entry
+        # the last re-plan round asked for: (step, budget, predicted, measured, each graph's saved set then)
+        self._round: Optional[tuple[int, int, int, int, dict[str, Any]]] = None
         self._steps = 0
         self._window: Optional[StepWindow] = None
         self._remembered: Optional[RememberedStep] = None    # the settled step last stored (step_memory.py)
@@ -176,6 +178,7 @@ class StepHooks:
                 self._replan_next_to(self.account.sequence, accumulated)
         if first:
             self._replan_ahead(self.account.sequence)
+            self._round_changed_nothing(self.account.sequence)
         window = open_window()
         if wrapper.replan_pending and self.owns(window):
             window.spoil(f"{wrapper.record.graph_id} was re-planned inside the step (its compile's allocations count)")
@@ -334,20 +337,12 @@ class StepHooks:
             action = (f"infeasible: over budget after {self._corrections} step correction(s), the last lowering the "
                       f"measured peak from {last} to {peak_bytes} bytes")
             self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, action))
-            named = max(self._over_bytes)
-            self._refusal = BudgetInfeasibleError(
-                f"budget {format_bytes(budget)} is below what this step of {len(sequence)} graphs measures: "
-                f"{format_bytes(peak_bytes)} (step {number} measured, its plans composing a predicted "
-                f"{format_bytes(predicted)}) after {self._corrections} round(s) of re-planning every graph"
-                + (f", the last taking it from {format_bytes(last)}" if last is not None else "")
-                + ": the rest is memory the plans do not hold (eager code between or inside the graphs). The budget "
-                f"named is the largest step peak measured here ({len(self._over_bytes)} step(s)): plans made for it "
-                f"have at least the room every plan tried had. " + raise_budget_hint(named), budget_bytes=budget,
-                min_feasible_bytes=min(self._over_bytes), min_budget_bytes=named,
-                reasons=(f"{format_bytes(peak_bytes - predicted)} of the measured step is not in the plans' "
-                         "composed prediction",))
+            self._refuse(sequence, f"step {number} measured", budget, predicted, peak_bytes,
+                         f", the last taking it from {format_bytes(last)}" if last is not None else "")
             return
         self._corrections += 1
+        saved_now = {slot_of(w.record.graph_id): w.record.plan.saved for w in wrappers}
+        self._round = (number, budget, predicted, peak_bytes, saved_now)
         self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, "re-planned",
                                           accumulated_grad_bytes=accumulated_grad_bytes))
         if accumulated_grad_bytes:    # the simulator's error is the graphs' own; the gradients are planned next to
@@ -367,6 +362,38 @@ class StepHooks:
                                                   accumulated_grad_bytes=accumulated_grad_bytes))
         self._verify_left = self._verify_peak
         self._accumulation.restart()
+
+    def _refuse(self, sequence: tuple[str, ...], measured: str, budget: int, predicted: int, peak_bytes: int,
+                last: str) -> None:
+        """Refuse the budget at the step's next first entry, naming the largest step peak measured over it."""
+        named = max(self._over_bytes)
+        self._refusal = BudgetInfeasibleError(
+            f"budget {format_bytes(budget)} is below what this step of {len(sequence)} graphs measures: "
+            f"{format_bytes(peak_bytes)} ({measured}, its plans composing a predicted {format_bytes(predicted)}) after "
+            f"{self._corrections} round(s) of re-planning every graph{last}: the rest is memory the plans do not hold "
+            f"(eager code between or inside the graphs). The budget named is the largest step peak measured here "
+            f"({len(self._over_bytes)} step(s)): plans made for it have at least the room every plan tried had. "
+            + raise_budget_hint(named), budget_bytes=budget, min_feasible_bytes=min(self._over_bytes),
+            min_budget_bytes=named, reasons=(f"{format_bytes(peak_bytes - predicted)} of the measured step is not in "
+                                             "the plans' composed prediction",))
+
+    def _round_changed_nothing(self, sequence: tuple[str, ...]) -> None:
+        """After a round's re-plans were made (``_replan_ahead``): where none changed a graph's saved set, the step
+        runs the code that measured over the budget again, and would measure the same: refuse now, not after
+        running it (hf-1481, a Qwen2 whose checkpointed layers run eagerly between its graphs, accumulating: its
+        second round re-made the first round's plans, and the step ran 1.11x over once more before the refusal)."""
+        wrappers = [self._wrapper(slot) for slot in dict.fromkeys(sequence)]
+        if self._round is None or any(w is None or w.replan_pending for w in wrappers):
+            return
+        (number, budget, predicted, peak_bytes, saved), self._round = self._round, None
+        if self._refuses and all(w.record.plan.saved == saved.get(slot_of(w.record.graph_id)) for w in wrappers):
+            from .feedback import FeedbackEvent
+
+            self._events.append(FeedbackEvent(f"step:{sequence[0]}..{sequence[-1]}", number, budget, predicted, None, None,
+                                              "infeasible: the last round of re-plans changed no graph's plan"))
+            self._refuse(sequence, f"step {number} measured", budget, predicted, peak_bytes,
+                         ", the last changing no graph's plan")
+            raise passthrough_error_class(BudgetInfeasibleError)(self._refusal)
 
 
 def step_correction(record: Any, why: str) -> Correction:

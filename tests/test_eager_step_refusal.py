@@ -79,3 +79,25 @@ def test_the_step_verdict_refuses_a_round_that_does_not_lower_the_step_unless_be
     assert judge_step(budget, 1100, [1500], MAX_STEP_CORRECTIONS) == "refuse"   # out of rounds
     assert judge_step(budget, 1495, [1500], 1, refuses=False) == "run over"     # best_effort=True
     assert judge_step(budget, 1500, [], 0, refuses=False) == "re-plan"     # best effort still re-plans first
+
+
+def test_a_round_of_replans_that_changes_no_plan_is_refused_before_the_step_runs_again():
+    """Once a re-plan round re-makes the plans that measured over the budget (the graphs are at their floors; the
+    rest is eager memory), the step would run the same code and measure the same: it is refused at that round's
+    first entry. Before session 37 it ran once more, over, and was refused the step after (the sixth step here,
+    now the fourth)."""
+    plain_step = _run("inductor", 1)
+    budget_bytes = int(0.6 * remat.measure_peak_bytes(plain_step).peak_bytes)
+    backend = remat.backend(budget_bytes / 1e9)
+    _, step = compiled_loss_step(EagerBetween, (INPUT,), backend)
+    ran = 0
+    with pytest.raises(remat.BudgetInfeasibleError) as refused, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(STEPS):
+            step()
+            ran += 1
+    assert ran == 3, (ran, backend.feedback_events)
+    assert backend.feedback_events[-1].action == "infeasible: the last round of re-plans changed no graph's plan"
+    assert backend.feedback_events[-1].measured_peak_bytes is None      # nothing ran to measure it
+    assert "the last changing no graph's plan" in str(refused.value)
+    assert refused.value.min_budget_bytes > budget_bytes
