@@ -214,7 +214,7 @@ class StepHooks:
                                                                                  asked.accumulated_grad_bytes)))
         if not over:
             return
-        self._events.append(FeedbackEvent(f"step:{sequence[0]}..{sequence[-1]}", self._steps + 1, min(budgets), predicted,
+        self._events.append(FeedbackEvent(step_name(sequence), self._steps + 1, min(budgets), predicted,
                                           None, None, FORESEEN_ACTION, accumulated_grad_bytes=accumulated_grad_bytes))
         log.info("remat: %s; the step's plans predict %d bytes next to them, over the budget: re-planning every graph "
                  "next to them before the step runs", why, predicted)
@@ -317,7 +317,7 @@ class StepHooks:
         budget = min(w.record.plan.budget_bytes for w in wrappers)
         own_predicted, own_peak = self.account.step_peak_bytes(sequence), peak_bytes
         predicted, peak_bytes = own_predicted + accumulated_grad_bytes, peak_bytes + accumulated_grad_bytes
-        name = f"step:{sequence[0]}..{sequence[-1]}"
+        name = step_name(sequence)
         if peak_bytes <= budget:
             self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, None, "within budget",
                                               accumulated_grad_bytes=accumulated_grad_bytes))
@@ -389,11 +389,16 @@ class StepHooks:
         if self._refuses and all(w.record.plan.saved == saved.get(slot_of(w.record.graph_id)) for w in wrappers):
             from .feedback import FeedbackEvent
 
-            self._events.append(FeedbackEvent(f"step:{sequence[0]}..{sequence[-1]}", number, budget, predicted, None, None,
+            self._events.append(FeedbackEvent(step_name(sequence), number, budget, predicted, None, None,
                                               "infeasible: the last round of re-plans changed no graph's plan"))
             self._refuse(sequence, f"step {number} measured", budget, predicted, peak_bytes,
                          ", the last changing no graph's plan")
             raise passthrough_error_class(BudgetInfeasibleError)(self._refusal)
+
+
+def step_name(sequence: tuple[str, ...]) -> str:
+    """The name a step's feedback events carry: ``step:<first graph>..<last graph>``."""
+    return f"step:{sequence[0]}..{sequence[-1]}"
 
 
 def step_correction(record: Any, why: str) -> Correction:

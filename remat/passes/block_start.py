@@ -21,9 +21,10 @@ floor is held against. On a drawn MobileNet-style CNN (GroupNorm, SiLU; cnn-1403
 the stem's and the head's GroupNorm outputs (a SiLU's gradient reads them; the stem's is 196 kB), and
 Inductor's code for that start peaked at 6,325,640 B, the search's smallest-peak plan measured
 6,305,488 B, against per-block checkpointing's measured 6,128,848 B; from the new start the search
-found a plan measuring 6,108,880 B. Over 11 never-run corpus models with blocks (benchmarks/results/
+found a plan measuring 6,108,880 B. Over 15 never-run corpus models with blocks (benchmarks/results/
 fidelity-floors-blockstart-cpu.md) the floor fell on two CNNs (0.91x, 0.82x: both had sat at checkpointing's peak)
-and rose on one language model (rand-1445, 1.034x: a plan the simulator ranks lower checks higher).
+and a random net (0.94x), and rose on one language model (rand-1445, 1.034x: a plan the simulator ranks lower
+checks higher).
 
 Why the search needs it: descents that drop one value at a time from saving everything or from the
 min-cut stop in plans whose recompute chains cross block boundaries, so a value recomputed for one
