@@ -83,6 +83,10 @@ def child(model_name: str, backend_name: str, dump_dir: str) -> dict[str, Any]:
     start = time.perf_counter()
     step().backward()
     seconds = time.perf_counter() - start
+    # a training step's gradients are new each step (an optimizer step would follow): without this, the second
+    # step's backward adds to the first's, which remat takes for gradient accumulation (since session 35) and
+    # re-plans for (session 37: the zoo GPT's warm process then planned next to them and missed AOTAutograd's cache)
+    model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     step().backward()
     out: dict[str, Any] = {"seconds": seconds, "second_step_seconds": time.perf_counter() - start, "load": load}
