@@ -91,11 +91,20 @@ def cpu_allocation_events(prof: Any, end_marker: Optional[str] = None) -> list[t
     """``(time_ns, size_bytes, address)`` of the CPU allocation events a finished
     ``torch.profiler.profile(profile_memory=True)`` recorded; with ``end_marker``, only those
     before the first ``record_function(end_marker)`` event (none if it never ran)."""
+    events, end_ns = allocations_and_marker(prof, end_marker)
+    if end_marker is None:
+        return events
+    return [] if end_ns is None else [e for e in events if e[0] <= end_ns]
+
+
+def allocations_and_marker(prof: Any, marker: Optional[str]) -> tuple[list[tuple[int, int, int]], Optional[int]]:
+    """Every CPU allocation event of a finished profile (as ``cpu_allocation_events``) and the time of the
+    first ``record_function(marker)`` event (None if it never ran), in one walk of the profile."""
     from torch._C._profiler import _EventType
 
     events, markers = [], []
     for event in _profiled_events(prof):
-        if end_marker is not None and event.name == end_marker:
+        if marker is not None and event.name == marker:
             markers.append(event.start_time_ns)
         if event.tag != _EventType.Allocation:
             continue
@@ -103,10 +112,7 @@ def cpu_allocation_events(prof: Any, end_marker: Optional[str] = None) -> list[t
         if extra.device.type != "cpu":
             continue
         events.append((event.start_time_ns, extra.alloc_size, extra.ptr))
-    if end_marker is None:
-        return events
-    end_ns = min(markers, default=None)
-    return [] if end_ns is None else [e for e in events if e[0] <= end_ns]
+    return events, min(markers, default=None)
 
 
 def _cpu_peak(fn: Callable[[], Any]) -> tuple[WindowPeak, Any]:
@@ -318,9 +324,10 @@ class StepWindow:
         if self._prof is not None:
             self._hook.remove()
             self._prof.__exit__(None, None, None)
+            events, end_ns = allocations_and_marker(self._prof, WINDOW_END_MARKER)
             if self.marked:
-                self._peak = window_peak(cpu_allocation_events(self._prof, WINDOW_END_MARKER)).peak_bytes
-            self.retained_bytes = window_peak(cpu_allocation_events(self._prof)).end_bytes
+                self._peak = window_peak([e for e in events if end_ns is not None and e[0] <= end_ns]).peak_bytes
+            self.retained_bytes = window_peak(events).end_bytes
             self._prof = None
         why_not = self.spoiled_by or ("" if self.marked else "no backward ran before the window closed")
         self._on_close(None if why_not else self._peak, why_not)
