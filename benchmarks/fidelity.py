@@ -114,7 +114,7 @@ DEFAULT_OUT = RESULTS / "fidelity-cpu.jsonl"
 FRACTIONS = (0.9, 0.7, 0.5)
 PROBE_BUDGET_GB = 1e-6          # 1 kB: below any model's floor
 STEP_SEED = 1234
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
+DTYPES = {"bf16": torch.bfloat16}     # the names --autocast and --model-dtype take
 WORKER_TIMEOUT_S = 3600
 # The environment of the committed run of 9da0372, whose header predates "environment" (run from a
 # `git archive` snapshot of that commit in /tmp/snap).
@@ -497,7 +497,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="budgets as fractions of plain's peak, e.g. 0.9,0.7 (default 0.9,0.7,0.5); 'none': "
                              "no fraction (with --floor-point: plain, no budget, the floor and checkpointing)")
     parser.add_argument("--jobs", type=int, default=1, help="models run at once (each in its own worker process)")
-    parser.add_argument("--autocast", choices=sorted(AUTOCAST_DTYPES), default=None,
+    parser.add_argument("--autocast", choices=sorted(DTYPES), default=None,
                         help="run every variant's forward under CPU autocast to this dtype (plus a plain-fp32 reference)")
     parser.add_argument("--freeze", choices=finetune.FREEZE_REGIMES, default=None,
                         help="fine-tune every variant so (remat.testing.finetune.freeze_parameters)")
@@ -511,7 +511,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="accumulate gradients over this many forward and backward passes per step")
     parser.add_argument("--channels-last", action="store_true",
                         help="every variant's model and 4-D inputs in the channels-last memory format (CNN training)")
-    parser.add_argument("--model-dtype", choices=sorted(AUTOCAST_DTYPES), default=None,
+    parser.add_argument("--model-dtype", choices=sorted(DTYPES), default=None,
                         help="every variant's model and floating inputs in this dtype, no autocast (plus a plain-fp32 reference)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
@@ -521,9 +521,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     md = args.md or args.out.with_suffix(".md")
     if args.worker is not None:
         entry = next(e for e in entries if e.name == args.worker)
-        ModelRun(entry, args.out, AUTOCAST_DTYPES.get(args.autocast), args.freeze, args.user_checkpointing,
+        ModelRun(entry, args.out, DTYPES.get(args.autocast), args.freeze, args.user_checkpointing,
                  args.profile_first_step, args.runs_per_step, args.micro_batches, args.channels_last,
-                 AUTOCAST_DTYPES.get(args.model_dtype)).run(
+                 DTYPES.get(args.model_dtype)).run(
                      args.fractions, args.floor_point)
         return 0
     if not args.report_only:

@@ -92,8 +92,11 @@ def cpu_allocation_events(prof: Any, end_marker: Optional[str] = None) -> list[t
     ``torch.profiler.profile(profile_memory=True)`` recorded; with ``end_marker``, only those
     before the first ``record_function(end_marker)`` event (none if it never ran)."""
     events, end_ns = allocations_and_marker(prof, end_marker)
-    if end_marker is None:
-        return events
+    return events if end_marker is None else events_until(events, end_ns)
+
+
+def events_until(events: list[tuple[int, int, int]], end_ns: Optional[int]) -> list[tuple[int, int, int]]:
+    """The allocation events at or before ``end_ns`` (none when the end was never marked: None)."""
     return [] if end_ns is None else [e for e in events if e[0] <= end_ns]
 
 
@@ -326,7 +329,7 @@ class StepWindow:
             self._prof.__exit__(None, None, None)
             events, end_ns = allocations_and_marker(self._prof, WINDOW_END_MARKER)
             if self.marked:
-                self._peak = window_peak([e for e in events if end_ns is not None and e[0] <= end_ns]).peak_bytes
+                self._peak = window_peak(events_until(events, end_ns)).peak_bytes
             self.retained_bytes = window_peak(events).end_bytes
             self._prof = None
         why_not = self.spoiled_by or ("" if self.marked else "no backward ran before the window closed")

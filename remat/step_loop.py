@@ -101,8 +101,9 @@ class StepHooks:
         self._corrections = 0
         self._over_bytes: list[int] = []            # the measured step peaks over the budget, in order
         self._refusal: Optional[BudgetInfeasibleError] = None   # raised at the next step's first forward entry
-        # the last re-plan round asked for: (step, budget, predicted, measured, each graph's saved set then)
-        self._round: Optional[tuple[int, int, int, int, dict[str, Any]]] = None
+        # the last re-plan round asked for: (the step measured, its composed prediction, each graph's saved set then);
+        # its measured peak is the last of _over_bytes
+        self._round: Optional[tuple[int, int, dict[str, Any]]] = None
         self._steps = 0
         self._window: Optional[StepWindow] = None
         self._remembered: Optional[RememberedStep] = None    # the settled step last stored (step_memory.py)
@@ -337,12 +338,11 @@ class StepHooks:
             action = (f"infeasible: over budget after {self._corrections} step correction(s), the last lowering the "
                       f"measured peak from {last} to {peak_bytes} bytes")
             self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, action))
-            self._refuse(sequence, f"step {number} measured", budget, predicted, peak_bytes,
+            self._refuse(sequence, number, budget, predicted, peak_bytes,
                          f", the last taking it from {format_bytes(last)}" if last is not None else "")
             return
         self._corrections += 1
-        saved_now = {slot_of(w.record.graph_id): w.record.plan.saved for w in wrappers}
-        self._round = (number, budget, predicted, peak_bytes, saved_now)
+        self._round = (number, predicted, {slot_of(w.record.graph_id): w.record.plan.saved for w in wrappers})
         self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, "re-planned",
                                           accumulated_grad_bytes=accumulated_grad_bytes))
         if accumulated_grad_bytes:    # the simulator's error is the graphs' own; the gradients are planned next to
@@ -363,13 +363,14 @@ class StepHooks:
         self._verify_left = self._verify_peak
         self._accumulation.restart()
 
-    def _refuse(self, sequence: tuple[str, ...], measured: str, budget: int, predicted: int, peak_bytes: int,
+    def _refuse(self, sequence: tuple[str, ...], number: int, budget: int, predicted: int, peak_bytes: int,
                 last: str) -> None:
-        """Refuse the budget at the step's next first entry, naming the largest step peak measured over it."""
+        """Refuse the budget at the step's next first entry, naming the largest step peak measured over it
+        (``peak_bytes``: step ``number``'s, the last measured)."""
         named = max(self._over_bytes)
         self._refusal = BudgetInfeasibleError(
             f"budget {format_bytes(budget)} is below what this step of {len(sequence)} graphs measures: "
-            f"{format_bytes(peak_bytes)} ({measured}, its plans composing a predicted {format_bytes(predicted)}) after "
+            f"{format_bytes(peak_bytes)} (step {number} measured, its plans composing a predicted {format_bytes(predicted)}) after "
             f"{self._corrections} round(s) of re-planning every graph{last}: the rest is memory the plans do not hold "
             f"(eager code between or inside the graphs). The budget named is the largest step peak measured here "
             f"({len(self._over_bytes)} step(s)): plans made for it have at least the room every plan tried had. "
@@ -385,14 +386,14 @@ class StepHooks:
         wrappers = [self._wrapper(slot) for slot in dict.fromkeys(sequence)]
         if self._round is None or any(w is None or w.replan_pending for w in wrappers):
             return
-        (number, budget, predicted, peak_bytes, saved), self._round = self._round, None
+        (number, predicted, saved), self._round = self._round, None
         if self._refuses and all(w.record.plan.saved == saved.get(slot_of(w.record.graph_id)) for w in wrappers):
             from .feedback import FeedbackEvent
 
+            budget = min(w.record.plan.budget_bytes for w in wrappers)
             self._events.append(FeedbackEvent(step_name(sequence), number, budget, predicted, None, None,
                                               "infeasible: the last round of re-plans changed no graph's plan"))
-            self._refuse(sequence, f"step {number} measured", budget, predicted, peak_bytes,
-                         ", the last changing no graph's plan")
+            self._refuse(sequence, number, budget, predicted, self._over_bytes[-1], ", the last changing no graph's plan")
             raise passthrough_error_class(BudgetInfeasibleError)(self._refusal)
 
 

@@ -90,8 +90,7 @@ def to_dtype(built: Built, dtype: torch.dtype) -> Built:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.to(dtype)
         return value
-    return Built(built.model, tuple(cast(t) for t in built.inputs), built.loss_fn,
-                 {k: cast(v) for k, v in built.kwargs.items()})
+    return _with_inputs(built, cast)
 
 
 def to_channels_last(built: Built) -> Built:
@@ -104,8 +103,13 @@ def to_channels_last(built: Built) -> Built:
         if isinstance(value, torch.Tensor) and value.dim() == 4:
             return value.contiguous(memory_format=torch.channels_last)
         return value
-    return Built(built.model, tuple(laid_out(t) for t in built.inputs), built.loss_fn,
-                 {k: laid_out(v) for k, v in built.kwargs.items()})
+    return _with_inputs(built, laid_out)
+
+
+def _with_inputs(built: Built, change: Callable[[Any], Any]) -> Built:
+    """``built`` with ``change`` applied to each of its inputs, positional and keyword."""
+    return Built(built.model, tuple(change(t) for t in built.inputs), built.loss_fn,
+                 {k: change(v) for k, v in built.kwargs.items()})
 
 
 def weighted_sum(shape: tuple[int, ...]) -> Callable[[Any], torch.Tensor]:
