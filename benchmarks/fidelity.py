@@ -74,6 +74,11 @@ bfloat16 model, no autocast: ``remat.testing.corpus.to_dtype``), and, as under `
 variant runs first (plain Inductor on the float32 model) whose gradients are the reference for each point's
 accuracy.
 
+With ``--eager-cross-entropy`` every variant's loss is a cross-entropy computed outside the compiled model, on
+its output taken as class logits (``remat.testing.corpus.to_eager_cross_entropy``; a Hugging Face model's
+``logits`` against its labels, the model no longer computing its loss), as most training loops write
+``F.cross_entropy(model(x), y)`` next to a compiled model: eager memory in the step that no graph's plan sees.
+
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
 ``max_k(held by graphs before k + k's activation inputs + later graphs' gradients + peak of k)``,
@@ -261,15 +266,17 @@ def step_loss(built: Any, compiled: Any, runs: int) -> torch.Tensor:
 def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_blocks: bool = False,
                 measure_first: bool = True, autocast_dtype: Optional[torch.dtype] = None,
                 freeze: Optional[str] = None, runs: int = 1, micro_batches: int = 1,
-                channels_last: bool = False, model_dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
+                channels_last: bool = False, model_dtype: Optional[torch.dtype] = None,
+                eager_cross_entropy: bool = False) -> dict[str, Any]:
     """Compile a fresh copy of ``entry`` with ``backend`` and run three steps, the forward and loss under
     CPU autocast to ``autocast_dtype`` when given, the parameters ``freeze`` names frozen, the model called
     ``runs`` times per step (``step_loss``), the gradients accumulated over ``micro_batches`` forward and
     backward passes per step, in the channels-last memory format with ``channels_last``, model and inputs in
-    ``model_dtype`` when given; see the module docstring."""
+    ``model_dtype`` when given, the loss a cross-entropy outside the model with ``eager_cross_entropy``; see the
+    module docstring."""
     fresh_caches()
     torch._dynamo.reset()
-    built = entry.build(checkpoint_blocks, freeze, channels_last, model_dtype)
+    built = entry.build(checkpoint_blocks, freeze, channels_last, model_dtype, eager_cross_entropy)
     compiled = torch.compile(built.model, backend=backend)
 
     def prepare() -> None:
@@ -314,12 +321,13 @@ class ModelRun:
     def __init__(self, entry: corpus_mod.CorpusEntry, out: Path, autocast_dtype: Optional[torch.dtype] = None,
                  freeze: Optional[str] = None, user_checkpointing: bool = False, profile_first_step: bool = False,
                  runs_per_step: int = 1, micro_batches: int = 1, channels_last: bool = False,
-                 model_dtype: Optional[torch.dtype] = None) -> None:
+                 model_dtype: Optional[torch.dtype] = None, eager_cross_entropy: bool = False) -> None:
         self.entry, self.out, self.autocast_dtype, self.freeze = entry, out, autocast_dtype, freeze
         self.runs_per_step = runs_per_step      # calls of the model per step, before any backward (step_loss)
         self.micro_batches = micro_batches      # forward and backward passes per step, gradients accumulated
         self.channels_last = channels_last      # model and 4-D inputs in the channels-last memory format
         self.model_dtype = model_dtype          # model and floating inputs in this dtype (None: as built, float32)
+        self.eager_cross_entropy = eager_cross_entropy   # the loss a cross-entropy outside the compiled model
         # the model checkpoints its own blocks in every variant; step 1 runs inside a profiler even with the loop on
         self.user_checkpointing, self.profile_first_step = user_checkpointing, profile_first_step
         self.reference: Optional[dict[str, torch.Tensor]] = None        # plain Inductor's step-1 gradients
@@ -356,6 +364,7 @@ class ModelRun:
         kwargs.setdefault("micro_batches", self.micro_batches)
         kwargs.setdefault("channels_last", self.channels_last)
         kwargs.setdefault("model_dtype", self.model_dtype)
+        kwargs.setdefault("eager_cross_entropy", self.eager_cross_entropy)
         try:
             record = run_variant(self.entry, backend, **kwargs)
         except remat.BudgetInfeasibleError as error:
@@ -383,7 +392,8 @@ class ModelRun:
         Two steps: a step split at graph breaks refuses the budget at its second (``remat/step_budget.py``)."""
         fresh_caches()
         torch._dynamo.reset()
-        built = self.entry.build(self.user_checkpointing, self.freeze, self.channels_last, self.model_dtype)
+        built = self.entry.build(self.user_checkpointing, self.freeze, self.channels_last, self.model_dtype,
+                                 self.eager_cross_entropy)
         compiled = torch.compile(built.model, backend=remat.backend(PROBE_BUDGET_GB))
         try:
             for _ in range(2):
@@ -442,7 +452,8 @@ class ModelRun:
                    autocast=str(self.autocast_dtype) if self.autocast_dtype is not None else None, freeze=self.freeze,
                    user_checkpointing=self.user_checkpointing, profile_first_step=self.profile_first_step,
                    runs_per_step=self.runs_per_step, micro_batches=self.micro_batches, channels_last=self.channels_last,
-                   model_dtype=str(self.model_dtype) if self.model_dtype is not None else None)
+                   model_dtype=str(self.model_dtype) if self.model_dtype is not None else None,
+                   eager_cross_entropy=self.eager_cross_entropy)
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -513,6 +524,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="every variant's model and 4-D inputs in the channels-last memory format (CNN training)")
     parser.add_argument("--model-dtype", choices=sorted(DTYPES), default=None,
                         help="every variant's model and floating inputs in this dtype, no autocast (plus a plain-fp32 reference)")
+    parser.add_argument("--eager-cross-entropy", action="store_true",
+                        help="every variant's loss a cross-entropy outside the compiled model, on its output as logits")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -523,7 +536,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         entry = next(e for e in entries if e.name == args.worker)
         ModelRun(entry, args.out, DTYPES.get(args.autocast), args.freeze, args.user_checkpointing,
                  args.profile_first_step, args.runs_per_step, args.micro_batches, args.channels_last,
-                 DTYPES.get(args.model_dtype)).run(
+                 DTYPES.get(args.model_dtype), args.eager_cross_entropy).run(
                      args.fractions, args.floor_point)
         return 0
     if not args.report_only:
@@ -555,7 +568,7 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
                            "user_checkpointing": args.user_checkpointing, "profile_first_step": args.profile_first_step,
                            "runs_per_step": args.runs_per_step, "micro_batches": args.micro_batches,
                            "channels_last": args.channels_last, "fractions": list(args.fractions),
-                           "model_dtype": args.model_dtype,
+                           "model_dtype": args.model_dtype, "eager_cross_entropy": args.eager_cross_entropy,
                            "environment": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ}})
     todo = interleave_families([e for e in chosen if e.name not in finished])
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -591,7 +604,8 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
         + (["--autocast", args.autocast] if args.autocast else []) + (["--freeze", args.freeze] if args.freeze else []) \
         + (["--user-checkpointing"] if args.user_checkpointing else []) + (["--profile-first-step"] if args.profile_first_step else []) \
         + ["--runs-per-step", str(args.runs_per_step), "--micro-batches", str(args.micro_batches)] \
-        + (["--channels-last"] if args.channels_last else []) + (["--model-dtype", args.model_dtype] if args.model_dtype else [])
+        + (["--channels-last"] if args.channels_last else []) + (["--model-dtype", args.model_dtype] if args.model_dtype else []) \
+        + (["--eager-cross-entropy"] if args.eager_cross_entropy else [])
     try:
         status: Any = subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False).returncode
     except subprocess.TimeoutExpired:

@@ -308,7 +308,10 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
            " `remat.testing.corpus.to_channels_last`)." if header.get("channels_last") else "")
         + (f" Every variant's model and floating inputs are in {header['model_dtype']} throughout, no autocast"
            " (`--model-dtype`: `remat.testing.corpus.to_dtype`); the fp32 reference is plain Inductor on the float32"
-           " model." if header.get("model_dtype") else ""),
+           " model." if header.get("model_dtype") else "")
+        + (" Every variant's loss is a cross-entropy computed outside the compiled model on its output as logits"
+           " (`--eager-cross-entropy`: `remat.testing.corpus.to_eager_cross_entropy`): eager memory no plan sees."
+           if header.get("eager_cross_entropy") else ""),
         "",
         f"Models finished: {len(finished)} of the {len(models)} started ({sum(1 for m in finished if m.startswith('rand-'))} random nets, "
         f"{sum(1 for m in finished if m.startswith('cnn-'))} CNNs, {sum(1 for m in finished if m.startswith('hf-'))} Hugging Face models"

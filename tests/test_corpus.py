@@ -85,6 +85,35 @@ def test_dtype_build_is_the_same_model_in_that_dtype() -> None:
         corpus.random_entry(TEST_SEEDS[0]).build(dtype=torch.int64)
 
 
+def test_eager_cross_entropy_build_scores_the_output_outside_the_model() -> None:
+    """``build(eager_cross_entropy=True)`` (``fidelity.py --eager-cross-entropy``): the same model and inputs, the
+    loss ``F.cross_entropy`` of the output's last dimension against targets fixed across builds; a model that
+    returns its own loss keeps it; a Hugging Face model is not given its labels and its logits are scored
+    against them (the model's own loss, unshifted)."""
+    import torch.nn.functional as F
+
+    outside = next(s for s in TEST_SEEDS if net_spec(s).kind == "lm" and not net_spec(s).loss_inside)
+    inside = next(s for s in TEST_SEEDS if net_spec(s).kind == "lm" and net_spec(s).loss_inside)
+    entry = corpus.random_entry(outside)
+    first, second = entry.build(eager_cross_entropy=True), entry.build(eager_cross_entropy=True)
+    logits = first.model(*first.inputs)
+    targets = torch.randint(0, logits.shape[-1], logits.shape[:-1], generator=torch.Generator().manual_seed(corpus.LOSS_SEED))
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    assert torch.equal(first.loss_fn(logits), expected) and torch.equal(second.loss(second.model), expected)
+    own = corpus.random_entry(inside)
+    assert torch.equal(own.build(eager_cross_entropy=True).loss(own.build().model), own.build().loss(own.build().model))
+    if hf_skip_reason() is not None:
+        return
+    hf = next(e for e in corpus.entries((), include_cnns=False) if e.name == "hf-bert-mlm")
+    plain, eager = hf.build(), hf.build(eager_cross_entropy=True)
+    assert "labels" not in eager.kwargs and "labels" in plain.kwargs
+    torch.manual_seed(STEP_SEED)     # (dropout)
+    out = eager.model(*eager.inputs, **eager.kwargs)
+    assert out.loss is None
+    torch.manual_seed(STEP_SEED)
+    assert torch.allclose(eager.loss_fn(out), plain.model(**plain.kwargs).loss)
+
+
 def test_grammar_covers_its_layers() -> None:
     """Over the test seeds every choice of the grammar occurs (a generator stuck on one branch fails)."""
     specs = [net_spec(s) for s in TEST_SEEDS]

@@ -63,11 +63,12 @@ class CorpusEntry:
     make: Callable[[bool], Built] = field(repr=False, compare=False)
 
     def build(self, checkpoint_blocks: bool = False, freeze: Optional[str] = None, channels_last: bool = False,
-              dtype: Optional[torch.dtype] = None) -> Built:
+              dtype: Optional[torch.dtype] = None, eager_cross_entropy: bool = False) -> Built:
         """A fresh model and inputs; two calls give equal parameters and inputs. With ``freeze`` (one of
         ``finetune.FREEZE_REGIMES``) the model is fine-tuned as that regime says (``finetune.freeze_parameters``);
         with ``channels_last``, laid out as ``to_channels_last`` says; with ``dtype`` (a floating dtype), in
-        that dtype as ``to_dtype`` says."""
+        that dtype as ``to_dtype`` says; with ``eager_cross_entropy``, its loss computed outside the model as
+        ``to_eager_cross_entropy`` says."""
         if checkpoint_blocks and not self.has_repeated_blocks:
             raise ValueError(f"{self.name} has no repeated blocks to checkpoint (has_repeated_blocks=False)")
         built = self.make(checkpoint_blocks)
@@ -75,7 +76,37 @@ class CorpusEntry:
             finetune.freeze_parameters(built.model, freeze)
         if dtype is not None:
             built = to_dtype(built, dtype)
+        if eager_cross_entropy:
+            built = to_eager_cross_entropy(built)
         return to_channels_last(built) if channels_last else built
+
+
+def to_eager_cross_entropy(built: Built) -> Built:
+    """``built`` with its loss a cross-entropy computed outside the model, on its output's last dimension
+    taken as class logits, as most training loops write ``F.cross_entropy(model(x), y)`` next to a compiled
+    model: a Hugging Face model is no longer given its ``labels`` (an encoder-decoder gets the
+    ``decoder_input_ids`` it made from them) and its ``logits`` are scored against them; any other output
+    against targets drawn once, at the first call, from a generator seeded with ``LOSS_SEED`` (equal across
+    builds). A model that returns its own loss (a scalar: a random LM with ``loss_inside``) keeps it."""
+    kwargs = dict(built.kwargs)
+    labels = kwargs.pop("labels", None)
+    if labels is not None and getattr(getattr(built.model, "config", None), "is_encoder_decoder", False):
+        kwargs["decoder_input_ids"] = built.model.prepare_decoder_input_ids_from_labels(labels=labels)
+    drawn: list[torch.Tensor] = []
+
+    def loss(out: Any) -> torch.Tensor:
+        logits = out.logits if labels is not None else out
+        if labels is None and logits.dim() == 0:
+            return built.loss_fn(out)
+        if labels is not None:
+            targets = labels
+        else:
+            if not drawn:
+                drawn.append(torch.randint(0, logits.shape[-1], tuple(logits.shape[:-1]),
+                                           generator=torch.Generator().manual_seed(LOSS_SEED)))
+            targets = drawn[0]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return Built(built.model, built.inputs, loss, kwargs)
 
 
 def to_dtype(built: Built, dtype: torch.dtype) -> Built:
