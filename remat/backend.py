@@ -41,7 +41,7 @@ from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
 from .pipeline import (REFUSAL_CANDIDATE_KINDS, candidate_plan, estimated_plan_for, plan_graph, prepare_graph,
-                       replan_estimate, request_for)
+                       replan_estimate, request_for, with_eager_loss_reserve)
 from .simulator.library_scratch import scratch_key
 from .step_budget import StepAccount, need_of, note_step_plan, slot_of
 from .step_fit import fit_in_step
@@ -75,9 +75,7 @@ class RematBackend:
         source, feedback corrections, dump settings; in a compile keyed by a step's share, ``StepKey``)."""
         return partitioner_uuid(self.options, dict(self._corrections), getattr(self._replan, "step_key", None))
 
-    @property
-    def step_account(self) -> StepAccount:   # the account of the step's graphs (remat/step_budget.py)
-        return self._step_hooks.account
+    step_account = property(lambda self: self._step_hooks.account)   # the step's graphs' (remat/step_budget.py)
 
     def new_graph_id(self) -> str:     # graph_000, graph_001, ...
         with self._lock:
@@ -87,7 +85,6 @@ class RematBackend:
                                     kwargs: dict[str, Any]) -> tuple[fx.GraphModule, fx.GraphModule]:
         """``partition`` at the sizes dynamic shapes are planned at, no guard added (``dynamic.py``)."""
         from .dynamic import partition_at_planned_sizes
-
         return partition_at_planned_sizes(self.partition, self.options, self.compiled_graphs, joint, joint_inputs, kwargs)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -158,9 +155,10 @@ class RematBackend:
             return fn, self.compiled_graphs[-1]
 
         wrapper = VerifiedGraph(fn, self.compiled_graphs[-1], device=device_of(example_inputs),
-                                verify_peak=self.options.verify_peak, events=self.feedback_events,
+                                verify_peak=self.options.verify_peak, events=self.feedback_events, runs_stack=in_step,
                                 recompile=recompile if in_place else None, watch_backward=watch_compiled_backward,
-                                store=self._remember, step=self._step_hooks if in_step else None, runs_stack=in_step)
+                                store=self._remember, step=self._step_hooks if in_step else None,
+                                outputs_held=self.options.outputs_held)
         if in_step:
             self._step_hooks.register(wrapper, identity)
         if verify:
@@ -278,6 +276,7 @@ class RematBackend:
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
         if getattr(self._replan, "step_key", None) is not None:   # a compile keyed by its share plans at it, or stops
             self._replan.step_key.check(share)
+        facts = with_eager_loss_reserve(facts, share, correction)   # alone in its step: an eager loss on its outputs
 
         # every answer kept by its request, here and on disk (compile_cache.CachedPlanner)
         planner = CachedPlanner(key, self.options, profile, device_type, modeled, static_indices,
@@ -339,8 +338,8 @@ class RematBackend:
             if share is None else share_check_target(step_share and judged_share, held_of(plan), check_target_of(self.options.budget_bytes))
         inputs, grads = self._step_hooks.account.io_bytes(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
         record = CompiledGraph(graph_id, current_compile_id(), plan, regions, dump_path, distributed, key, base_target_bytes,
-                               correction, step_share=step_share, check_target_bytes=check_target, cache=cache,
-                               refusal=refusal, input_activation_bytes=inputs, param_grad_bytes=grads, facts=facts)
+                               correction, step_share=step_share, check_target_bytes=check_target, cache=cache, refusal=refusal,
+                               input_activation_bytes=inputs, param_grad_bytes=grads, facts=facts, eager_loss_bytes=facts.eager_loss_bytes)
         self.compiled_graphs.append(record)
         facts.analysis.forget_simulations()     # planned: the record keeps its facts, not the search's simulations
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)

@@ -85,13 +85,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+# what an eager loss on the step's outputs holds next to everything the pieces hold (a DDP step's last piece)
+from .passes.joint_graph import LOSS_OUTPUT_COPIES
 
-
-# An eager loss on the step's outputs (cross-entropy on logits: measured on the zoo GPT under
-# DDP) holds, when the backward starts, its log-softmax of the outputs, the gradient of that,
-# and the outputs' gradient it hands the last piece: three tensors the size of the outputs,
-# next to everything the pieces hold. remat never sees the loss; this is what it reserves.
-LOSS_OUTPUT_COPIES = 3
 
 
 def largest_admitted(admits: Callable[[int], bool], high_bytes: int) -> int:

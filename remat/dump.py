@@ -72,7 +72,7 @@ def write_dump(
         + annotated_code(bw, regions)
     )
     (directory / "plan.json").write_text(dumps_plan(plan_to_json(plan, graph_id, regions, profile, correction)))
-    report = render_report(plan, graph_id, regions, profile, correction)
+    report = render_report(plan, graph_id, regions, profile, correction, facts.eager_loss_bytes)
     report += render_symbolic_sizes(plan, facts, (fw.graph, bw.graph))
     if pareto_points > 0:
         curve = curve_for_graph(facts, 0, n_points=pareto_points)   # the index is remat.pareto's; named by graph_id

@@ -73,7 +73,6 @@ import logging
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -81,8 +80,10 @@ import torch
 from ._torch_graph_breaks import fake_inputs, input_specs
 from .errors import BudgetInfeasibleError
 from .feedback_store import Correction, write_correction
-from .feedback_verdict import FORESEEN_ACTION, accepted_as_fitting, judge, planned_runs, stacked_prediction
-from .measure import StepWindow, open_window
+from .feedback_verdict import (FORESEEN_ACTION, FeedbackEvent, accepted_as_fitting, judge, planned_runs,
+                               stacked_prediction)
+from .eager_loss import eager_loss_correction, measured_eager_loss_bytes, output_bytes
+from .measure import BACKWARD_STARTED_MARKER, FORWARD_RETURNED_MARKER, StepWindow, open_window
 from .accumulated_grads import AccumulationWatch
 from .window_runs import RunInFlight, WindowRuns, runs_in_flight
 
@@ -94,31 +95,6 @@ MID_STEP_WHY = ("another run's backward was pending at its entry (a forward kept
                 "validation pass outside torch.no_grad(); runs of graphs of different backends interleaved): no CPU "
                 "window opens mid-step")
 MAX_RUNS_PER_WINDOW = 256   # runs of one graph one window may hold (a graph run many times per step); then spoiled
-
-
-@dataclass(frozen=True)
-class FeedbackEvent:
-    """What the loop concluded from one measured step of one graph (bytes; 1 GB = 1e9 bytes).
-
-    ``step`` counts the calls of this compiled graph from 0 (re-plans included). ``action``:
-    "within budget", "re-planned", "infeasible", "over budget: best-effort plan",
-    "over budget after N re-plans", "stored for the next compile", "re-plan failed", "not measured: <why>"
-    (``measured_peak_bytes`` None; None too for "infeasible" when the refusal was foreseen before the call ran:
-    ``Correction.foreseen``). ``factor`` is
-    ``measured / predicted`` when over budget; ``new_target_bytes`` the target it re-plans at.
-    """
-
-    graph_id: str
-    step: int
-    budget_bytes: Optional[int]
-    predicted_peak_bytes: int
-    measured_peak_bytes: Optional[int]
-    factor: Optional[float]
-    action: str
-    new_target_bytes: Optional[int] = None
-    runs: int = 1      # the graph's runs the measured window held (several: they stacked in one step)
-    # gradients of the step its parameters held at the window's entry (gradient accumulation): counted in both peaks
-    accumulated_grad_bytes: int = 0
 
 
 Recompile = Callable[[list, Correction], tuple[Callable[..., Any], Any]]
@@ -136,14 +112,13 @@ class VerifiedGraph:
     the backward node it watches (``_torch_compile.watch_compiled_backward``), or a false value if no
     output leads to one.
     ``store(graph_key, correction)`` keeps a correction (default: the on-disk store) and
-    returns where, or None.
+    returns where, or None. ``outputs_held``: ``RematOptions.outputs_held``.
     """
 
     def __init__(self, fn: Callable[..., Any], record: Any, *, device: torch.device, verify_peak: int,
-                 events: list[FeedbackEvent], recompile: Optional[Recompile],
-                 watch_backward: Callable[..., bool],
+                 events: list[FeedbackEvent], recompile: Optional[Recompile], watch_backward: Callable[..., bool],
                  store: Callable[[str, Correction], Optional[str]] = write_correction, step: Any = None,
-                 runs_stack: bool = False) -> None:
+                 runs_stack: bool = False, outputs_held: bool = False) -> None:
         self._fn = fn
         self.record = record
         self.device = device
@@ -162,6 +137,9 @@ class VerifiedGraph:
         self._window_runs = WindowRuns(None)    # the runs of this graph's last window
         self._accumulation = AccumulationWatch(getattr(step, "grads", None) if verify_peak > 0 else None)  # its ledger
         self._grad_leaves: dict[int, weakref.ref] = {}     # id -> an input that is a leaf requiring gradients
+        # what the forward measured last returned for the loss (``eager_loss.output_bytes``), unless the caller holds its
+        # outputs through the backward (``outputs_held``: they are the plan's to count, not the loss's)
+        self._returned_bytes, self._outputs_held = 0, outputs_held
         self._lock = threading.Lock()
 
     @property
@@ -237,8 +215,11 @@ class VerifiedGraph:
             step_hooks = self._step
             self._watch_backward(out, lambda: step_hooks.backward_done(self))
         if window is not None:
+            window.mark_phase(FORWARD_RETURNED_MARKER)     # what an eager loss holds: until the backward starts
+            self._returned_bytes = 0 if self._outputs_held else output_bytes(out)
             index, began, finished = self._window_runs.start()
-            node = self._watch_backward(out, finished, at_start=began)
+            node = self._watch_backward(out, finished,
+                                        at_start=lambda: (window.mark_phase(BACKWARD_STARTED_MARKER), began()))
             if not node:
                 # no backward to wait for: nothing measured (a run joining the window spoils it)
                 window.spoil("a run of the graph in the window has no backward")
@@ -307,7 +288,9 @@ class VerifiedGraph:
         record = self.record
         def closed(peak: Optional[int], why_not: str) -> None:
             self._accumulation.note_window(window.retained_bytes)
-            self._on_measured(record, step, *runs.measured(peak, why_not), accumulated_grad_bytes=accumulated_grad_bytes)
+            eager = measured_eager_loss_bytes(window.between_bytes, self._returned_bytes) if runs.started == 1 else None
+            self._on_measured(record, step, *runs.measured(peak, why_not), accumulated_grad_bytes=accumulated_grad_bytes,
+                              eager_loss_bytes=None if accumulated_grad_bytes else eager)
         window = StepWindow(self.device, owner=self, on_close=closed)
         runs = self._window_runs = WindowRuns(window)
         return window if window.open() else None
@@ -376,11 +359,13 @@ class VerifiedGraph:
                                           accumulated_grad_bytes=correction.accumulated_grad_bytes))
 
     def _on_measured(self, record: Any, step: int, peak_bytes: Optional[int], why_not: str, runs: int = 1,
-                     accumulated_grad_bytes: int = 0) -> None:
+                     accumulated_grad_bytes: int = 0, eager_loss_bytes: Optional[int] = None) -> None:
         """A window closed: judge it, record the event, warn and re-plan when over budget. ``runs``: the
         graph's runs the window held (several when they stack in one step, ``_settle_open_window``).
         ``accumulated_grad_bytes``: the step's gradients held at the window's entry (``AccumulationWatch``),
-        below the window's baseline but part of the step's peak: added to the measured and predicted peaks."""
+        below the window's baseline but part of the step's peak: added to the measured and predicted peaks.
+        ``eager_loss_bytes``: what an eager loss held between the forward and the backward (``eager_loss.py``):
+        within the budget and under the plan's reserve, the graph is re-planned for it."""
         if record is not self.record:
             return      # a window of a plan already replaced
         plan = record.plan
@@ -400,9 +385,20 @@ class VerifiedGraph:
         predicted, peak_bytes = own_predicted + accumulated_grad_bytes, peak_bytes + accumulated_grad_bytes
         verdict = judge(plan.budget_bytes, record.base_target_bytes, predicted, peak_bytes,
                         accepted_as_fitting(record), self._replans, self._recompile is not None)
+        eager = eager_loss_correction(record, eager_loss_bytes, peak_bytes, step) \
+            if self._recompile is not None and verdict.action in ("within budget", "re-planned") else None
         self._events.append(FeedbackEvent(record.graph_id, step, plan.budget_bytes, predicted, peak_bytes,
-                                          verdict.factor, verdict.action, verdict.new_target_bytes, runs,
-                                          accumulated_grad_bytes))
+                                          verdict.factor, eager[0] if eager else verdict.action,
+                                          None if eager else verdict.new_target_bytes, runs, accumulated_grad_bytes))
+        if eager is not None:    # for what the loss held (remat/eager_loss.py); measured again after the re-plan
+            self.request_replan(eager[1])
+            path = self._store(record.graph_key, eager[1])
+            if peak_bytes > plan.budget_bytes:
+                warnings.warn(f"remat {record.graph_id}: step {step} measured a peak of {peak_bytes / 1e9:.6f} GB, over "
+                              f"the budget {plan.budget_bytes / 1e9:.6f} GB: its eager loss held {eager_loss_bytes} bytes "
+                              f"between the forward and the backward where {record.eager_loss_bytes} were reserved; "
+                              f"re-planning it for them from its next call (correction stored in {path}).", stacklevel=2)
+            return
         if verdict.action == "within budget":
             return
         self._verify_left = 0
@@ -426,7 +422,8 @@ class VerifiedGraph:
         correction = Correction(max(own_peak / max(own_predicted, 1), 1.0) if stepped else verdict.factor,
                                 plan.budget_bytes, predicted, peak_bytes, record.graph_id,
                                 f"measured in this process: {record.graph_id} step {step}", runs=runs,
-                                accumulated_grad_bytes=accumulated_grad_bytes)
+                                accumulated_grad_bytes=accumulated_grad_bytes,   # and the eager loss, as measured
+                                eager_loss_bytes=eager_loss_bytes if getattr(record, "eager_loss_bytes", 0) else None)
         path = self._store(record.graph_key, correction)
         stored = f"stored in {path}" if path else "not stored (the feedback store is not writable)"
         if verdict.action == "re-planned":

@@ -62,14 +62,21 @@ class Correction:
     # made before any step measured it (the foresight next to accumulated gradients, a step's re-plan of a plan
     # with no correction): ``measured_peak_bytes`` is then a prediction, and an event about it says nothing measured
     foreseen: bool = False
+    # what the eager loss on the graph's outputs was measured to hold between its forward and backward (bytes), which
+    # its plan is then made for instead of the reserve assumed (``passes.joint_graph.eager_loss_reserve_bytes``);
+    # None: not measured
+    eager_loss_bytes: Optional[int] = None
 
     def keeping_step_use(self, made_for: Optional["Correction"]) -> "Correction":
         """This correction for a graph whose plan was made under ``made_for`` (None: none): a correction made for
-        another reason (the check's re-plan of a plan made for stacked runs or accumulated gradients) keeps them."""
+        another reason (the check's re-plan of a plan made for stacked runs or accumulated gradients) keeps them, and
+        the eager loss's bytes measured where it measured none."""
         if made_for is None:
             return self
         return replace(self, runs=max(self.runs, made_for.runs),
-                       accumulated_grad_bytes=max(self.accumulated_grad_bytes, made_for.accumulated_grad_bytes))
+                       accumulated_grad_bytes=max(self.accumulated_grad_bytes, made_for.accumulated_grad_bytes),
+                       eager_loss_bytes=made_for.eager_loss_bytes if self.eager_loss_bytes is None
+                       else self.eager_loss_bytes)
 
     def corrected_target(self, target_bytes: int) -> int:
         """The planning target once the simulator's error is known: ``target / factor``, floored,
@@ -112,7 +119,9 @@ def read_correction(key: str) -> Optional[Correction]:
                                        "graph_id")}
         return Correction(**fields, source=f"stored: {path}", runs=max(int(data.get("runs", 1)), 1),
                           accumulated_grad_bytes=max(int(data.get("accumulated_grad_bytes", 0)), 0),
-                          foreseen=bool(data.get("foreseen", False)))
+                          foreseen=bool(data.get("foreseen", False)),
+                          eager_loss_bytes=None if data.get("eager_loss_bytes") is None
+                          else max(int(data["eager_loss_bytes"]), 0))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -36,6 +36,32 @@ FORESEEN_ACTION = "re-planned next to accumulated gradients before running"
 
 
 @dataclass(frozen=True)
+class FeedbackEvent:
+    """What the loop concluded from one measured step of one graph (bytes; 1 GB = 1e9 bytes).
+
+    ``step`` counts the calls of this compiled graph from 0 (re-plans included). ``action``:
+    "within budget", "re-planned", "infeasible", "over budget: best-effort plan",
+    "over budget after N re-plans", "stored for the next compile", "re-plan failed", "not measured: <why>",
+    "re-planned: its eager loss held less than reserved" / "... more than reserved" (``eager_loss_correction``)
+    (``measured_peak_bytes`` None; None too for "infeasible" when the refusal was foreseen before the call ran:
+    ``Correction.foreseen``). ``factor`` is
+    ``measured / predicted`` when over budget; ``new_target_bytes`` the target it re-plans at.
+    """
+
+    graph_id: str
+    step: int
+    budget_bytes: Optional[int]
+    predicted_peak_bytes: int
+    measured_peak_bytes: Optional[int]
+    factor: Optional[float]
+    action: str
+    new_target_bytes: Optional[int] = None
+    runs: int = 1      # the graph's runs the measured window held (several: they stacked in one step)
+    # gradients of the step its parameters held at the window's entry (gradient accumulation): counted in both peaks
+    accumulated_grad_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class Verdict:
     action: str
     factor: Optional[float] = None

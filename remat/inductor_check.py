@@ -90,8 +90,10 @@ class CheckedPeak:
 
     ``forward_peak_bytes``: the forward's; ``handed_bytes``: what the forward returned that
     the backward starts with (plus its incoming gradients, ``tangent_bytes``);
-    ``backward_peak_bytes``: the backward's peak, those included. ``peak_bytes`` is the larger
-    of the two peaks. ``held_output_bytes``: the forward's user outputs the backward does not
+    ``backward_peak_bytes``: the backward's peak, those included. ``peak_bytes`` is the largest
+    of the two peaks and, for a graph with an eager loss reserve (``JointGraphFacts.eager_loss_bytes``),
+    ``eager_loss_peak_bytes``: what the forward hands its backward (its incoming gradients aside) plus that
+    reserve, live while the loss runs between them. ``held_output_bytes``: the forward's user outputs the backward does not
     read that were counted live through the backward (0 unless the caller holds its outputs,
     ``outputs_held``). ``unsized`` counts library-call outputs of unknown size (0 bytes)."""
 
@@ -102,6 +104,7 @@ class CheckedPeak:
     tangent_bytes: int
     unsized: int
     held_output_bytes: int = 0
+    eager_loss_peak_bytes: int = 0
     # the library calls both graphs make (``extern_kernels.mm`` -> "mm", ``torch.ops.aten.x.default`` -> "x"):
     # what they allocate inside themselves is the part of the step the check cannot see, unless measured
     library_calls: frozenset[str] = frozenset()
@@ -280,11 +283,14 @@ def _output_storage(state: _Live, value: str) -> Optional[str]:
 
 
 def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
-                      fallback_itemsize: int = 4, outputs_held: bool = False) -> Optional[CheckedPeak]:
+                      fallback_itemsize: int = 4, outputs_held: bool = False,
+                      eager_loss_bytes: int = 0) -> Optional[CheckedPeak]:
     """The step's peak above its start, composed from the generated forward and backward (see
     the module docstring); None when either wrapper cannot be read exactly. ``outputs_held``:
     the caller keeps the forward's user outputs through the backward (else they die when the
-    forward returns, unless the backward reads them; ``JointGraphFacts.outputs_held``)."""
+    forward returns, unless the backward reads them; ``JointGraphFacts.outputs_held``).
+    ``eager_loss_bytes``: what an eager loss holds between the two, next to what the forward
+    hands the backward (``JointGraphFacts.eager_loss_bytes``)."""
     fw = replay_wrapper(forward.source_code, {}, device_type, fallback_itemsize, "forward", forward.library_itemsizes,
                         forward.library_scratch, forward.call_scratch)
     if fw is None or len(fw.outputs) != len(forward.output_names):
@@ -318,20 +324,23 @@ def checked_step_peak(forward: GraphCode, backward: GraphCode, device_type: str,
     if bw is None:
         return None
     handed_bytes = sum(fw.storage_bytes[s] for s in handed)
+    between = {i.storage: i.nbytes for name, i in inputs.items() if not name.startswith("tangents_")}
+    loss_peak = sum(between.values()) + eager_loss_bytes if eager_loss_bytes else 0
     # an op's working memory is known where the joint graph's probe measured every node of it, or where
     # each graph that calls it had every call of it measured again in its own layouts
     remeasured = {op for op in fw.library_calls | bw.library_calls
                   if all(op not in replay.library_calls or op in code.remeasured_calls
                          for replay, code in ((fw, forward), (bw, backward)))}
-    return CheckedPeak(max(fw.peak_bytes, bw.peak_bytes), fw.peak_bytes, bw.peak_bytes, handed_bytes, tangent_bytes,
-                       len(fw.unsized) + len(bw.unsized), sum(fw.storage_bytes[s] for s in held & user_storages),
+    return CheckedPeak(max(fw.peak_bytes, bw.peak_bytes, loss_peak), fw.peak_bytes, bw.peak_bytes, handed_bytes,
+                       tangent_bytes, len(fw.unsized) + len(bw.unsized), sum(fw.storage_bytes[s] for s in held & user_storages),
+                       loss_peak,
                        fw.library_calls | bw.library_calls,
                        ((forward.measured_calls | backward.measured_calls) - (forward.unmeasured_calls | backward.unmeasured_calls))
                        | remeasured, (forward.unmeasured_calls | backward.unmeasured_calls) - remeasured)
 
 
 def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: str,
-                    outputs_held: bool = False) -> Optional[CheckedPeak]:
+                    outputs_held: bool = False, eager_loss_bytes: int = 0) -> Optional[CheckedPeak]:
     """The step's Inductor-checked peak from the graphs one compile produced, as
     ``(is_backward, code, activation itemsize)``: None unless exactly one forward and one backward
     were compiled, both can be read, and every library-call output's size is stated (a check
@@ -340,5 +349,6 @@ def checked_peak_of(graphs: Sequence[tuple[bool, GraphCode, int]], device_type: 
     backwards = [code for is_backward, code, _ in graphs if is_backward]
     if len(forwards) != 1 or len(backwards) != 1:
         return None
-    checked = checked_step_peak(forwards[0][0], backwards[0], device_type, forwards[0][1], outputs_held)
+    checked = checked_step_peak(forwards[0][0], backwards[0], device_type, forwards[0][1], outputs_held,
+                                eager_loss_bytes)
     return None if checked is None or checked.unsized else checked

@@ -78,7 +78,7 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         if rejected:
             compiled_graphs.pop()      # the plan this one replaces
         compiled_graphs.append(record)
-        checked = checked_peak_of(capture.graphs, device_type, outputs_held)
+        checked = checked_peak_of(capture.graphs, device_type, outputs_held, record.eager_loss_bytes)
         if record.refusal is not None:
             # A graph sharing a step has no candidates: compiling one repeats the share's search (minutes on
             # GPT-2's body under load), and what they save is what a share rarely admits.
@@ -243,7 +243,8 @@ def _checked_replan(recompile: Callable[..., tuple[Callable[..., Any], "CodeCapt
                     correction: Correction) -> tuple[Callable[..., Any], Optional[int]]:
     """Compile a re-plan of the last record's graph at ``correction``; its callable and trusted checked peak."""
     fn, capture = recompile(correction, compiled_graphs[-1].graph_key, None)
-    return fn, trusted_peak_bytes(checked_peak_of(capture.graphs, device_type, outputs_held),
+    return fn, trusted_peak_bytes(checked_peak_of(capture.graphs, device_type, outputs_held,
+                                                  compiled_graphs[-1].eager_loss_bytes),
                                   compiled_graphs[-1].plan.predicted_peak_bytes)
 
 
@@ -253,7 +254,7 @@ def _checked_candidate(compile_candidate: Callable[["CompiledGraph", str], tuple
     """Compile candidate ``kind``'s plan of the graph whose record ``refused`` is (its record is appended) and
     read its checked peak."""
     fn, capture = compile_candidate(refused, kind)
-    return fn, checked_peak_of(capture.graphs, device_type, outputs_held)
+    return fn, checked_peak_of(capture.graphs, device_type, outputs_held, refused.eager_loss_bytes)
 
 
 def refused_at(replan: Any, target_bytes: Optional[int]) -> bool:

@@ -103,19 +103,47 @@ def events_until(events: list[tuple[int, int, int]], end_ns: Optional[int]) -> l
 def allocations_and_marker(prof: Any, marker: Optional[str]) -> tuple[list[tuple[int, int, int]], Optional[int]]:
     """Every CPU allocation event of a finished profile (as ``cpu_allocation_events``) and the time of the
     first ``record_function(marker)`` event (None if it never ran), in one walk of the profile."""
+    events, times = allocations_and_markers(prof, () if marker is None else (marker,))
+    return events, times.get(marker) if marker is not None else None
+
+
+def allocations_and_markers(prof: Any, markers: Sequence[str]) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
+    """``allocations_and_marker`` for several markers: the time of each one's first event (absent if it never ran)."""
     from torch._C._profiler import _EventType
 
-    events, markers = [], []
+    events, times = [], {}
     for event in _profiled_events(prof):
-        if marker is not None and event.name == marker:
-            markers.append(event.start_time_ns)
+        if event.name in markers:
+            times[event.name] = min(times.get(event.name, event.start_time_ns), event.start_time_ns)
         if event.tag != _EventType.Allocation:
             continue
         extra = event.extra_fields
         if extra.device.type != "cpu":
             continue
         events.append((event.start_time_ns, extra.alloc_size, extra.ptr))
-    return events, min(markers, default=None)
+    return events, times
+
+
+def live_between(events: Iterable[tuple[int, int, int]], start_ns: int, end_ns: int) -> tuple[int, int]:
+    """(live bytes at ``start_ns``, the most live from then to ``end_ns``) of the allocations made inside a
+    window, by ``window_peak``'s rule (a free of memory allocated before the window lowers nothing). Pure."""
+    live, at_start, most = 0, None, 0
+    mine: dict[int, int] = {}
+    for time_ns, size, address in sorted(events, key=lambda e: e[0]):
+        if time_ns > start_ns and at_start is None:
+            at_start = most = live
+        if time_ns > end_ns:
+            break
+        if size > 0:
+            live += size - mine.pop(address, 0)
+            mine[address] = size
+        elif address in mine:
+            live -= mine.pop(address)
+        if at_start is not None:
+            most = max(most, live)
+    if at_start is None:
+        at_start = most = live
+    return at_start, most
 
 
 def _cpu_peak(fn: Callable[[], Any]) -> tuple[WindowPeak, Any]:
@@ -212,6 +240,10 @@ def _marker_spans(prof: Any, prefix: str) -> dict[int, tuple[int, int]]:
 
 
 WINDOW_END_MARKER = "remat::measured_window_end"
+# where the measured graph's forward returned and its backward started (``StepWindow.mark_phase``): what eager code
+# between them (a loss) holds is read off the allocations between the two
+FORWARD_RETURNED_MARKER = "remat::forward_returned"
+BACKWARD_STARTED_MARKER = "remat::backward_started"
 PROFILER_RUNNING_WARNING = (
     "remat: a torch.profiler is recording on this thread, so remat's closed loop cannot measure this step "
     "(on the CPU its measurement needs a profiler of its own); it measures the first step run without one. "
@@ -256,6 +288,9 @@ class StepWindow:
         # bytes allocated in the window and live when it closed (CPU: every allocation the profiler recorded until
         # then, past the end mark; CUDA: at the end mark): what the step goes on holding (AccumulationWatch)
         self.retained_bytes: Optional[int] = None
+        # CPU, both phases marked (``mark_phase``): (live bytes when the forward returned, the most live until the
+        # backward started), allocations inside the window only
+        self.between_bytes: Optional[tuple[int, int]] = None
         self.marked = False
         self.spoiled_by = ""
         self.closed = False
@@ -304,6 +339,13 @@ class StepWindow:
         if self._mark():
             self.close()
 
+    def mark_phase(self, marker: str) -> None:
+        """CPU: a ``FORWARD_RETURNED_MARKER`` / ``BACKWARD_STARTED_MARKER`` event (safe inside the autograd engine),
+        from which ``between_bytes`` is read at close; CUDA, or once the end is marked: nothing."""
+        if self._prof is not None and not self.marked:
+            with torch.autograd.profiler.record_function(marker):
+                pass
+
     def _mark(self) -> bool:
         """Record the end (CUDA: the allocator's peak; CPU: a marker event); False if already marked or closed."""
         if self.marked or self.closed:
@@ -327,9 +369,14 @@ class StepWindow:
         if self._prof is not None:
             self._hook.remove()
             self._prof.__exit__(None, None, None)
-            events, end_ns = allocations_and_marker(self._prof, WINDOW_END_MARKER)
+            events, times = allocations_and_markers(self._prof, (WINDOW_END_MARKER, FORWARD_RETURNED_MARKER,
+                                                                 BACKWARD_STARTED_MARKER))
+            end_ns = times.get(WINDOW_END_MARKER)
             if self.marked:
                 self._peak = window_peak(events_until(events, end_ns)).peak_bytes
+            if self.marked and FORWARD_RETURNED_MARKER in times and BACKWARD_STARTED_MARKER in times:
+                self.between_bytes = live_between(events, times[FORWARD_RETURNED_MARKER],
+                                                  times[BACKWARD_STARTED_MARKER])
             self.retained_bytes = window_peak(events).end_bytes
             self._prof = None
         why_not = self.spoiled_by or ("" if self.marked else "no backward ran before the window closed")

@@ -36,7 +36,7 @@ from .devices import device_of
 from .feedback_store import Correction
 from .options import DEFAULT_MILP_TIME_LIMIT_S, RematOptions, target_for_budget
 from .passes.block_start import block_checkpoint_saved
-from .passes.joint_graph import JointGraphFacts, read_joint_graph
+from .passes.joint_graph import JointGraphFacts, eager_loss_reserve_bytes, read_joint_graph
 from .passes.plan import Plan, block_checkpoint_plan, make_plan, saved_set_plan
 from .passes.gradient_sums import accumulate_into_scatters
 from .passes.random_ops import split_dropout_outputs
@@ -100,6 +100,23 @@ def prepare_graph(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd
     if default is not None:
         facts = dataclasses.replace(facts, default_saved=default)
     return PreparedGraph(facts, profile, device.type, simulator_models(facts, device.type))
+
+
+def with_eager_loss_reserve(facts: JointGraphFacts, share: Any,
+                            correction: Optional[Correction] = None) -> JointGraphFacts:
+    """``facts`` of a graph alone in its step (``share`` None, or a share of its own stacked runs or of the
+    step's accumulated gradients: ``distributed.SINGLE_GRAPH_SHARE_KINDS``) with the reserve for an eager
+    loss on its outputs (``JointGraphFacts.eager_loss_bytes``): what ``correction`` measured the loss to hold,
+    else ``eager_loss_reserve_bytes`` (``remat/eager_loss.py``). Its simulated peaks and Inductor's checked ones
+    then count it between its forward and its backward. Any other graph's unchanged: a graph at a break hands
+    its outputs to the next graph, and a DDP step's loss is in its last piece's share."""
+    from .distributed import SINGLE_GRAPH_SHARE_KINDS
+
+    if share is not None and share.kind not in SINGLE_GRAPH_SHARE_KINDS:
+        return facts
+    measured = correction.eager_loss_bytes if correction is not None else None
+    reserve = eager_loss_reserve_bytes(facts) if measured is None else measured
+    return dataclasses.replace(facts, eager_loss_bytes=reserve) if reserve != facts.eager_loss_bytes else facts
 
 
 def facts_at_sizes(joint: fx.GraphModule, num_fwd_outputs: int, profile: HardwareProfile,
@@ -272,4 +289,4 @@ __all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "CHASE_CANDIDATE", "FREE_MINCUT_CANDIDA
            "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "device_request", "free_mincut_candidate",
            "refusal_candidates", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
            "replan_estimate", "EstimatedPlan", "estimated_plan_for", "request_for", "simulator_models",
-           "trace_joint_facts"]
+           "trace_joint_facts", "with_eager_loss_reserve"]

@@ -15,7 +15,7 @@ from .cost_model.symbolic import evaluate as evaluate_expr
 from .cost_model.symbolic import format_expr, shape_hints, symbol_sources, to_sympy
 from .dynamic import size_environment
 from .feedback_store import Correction
-from .passes.joint_graph import JointGraphFacts
+from .passes.joint_graph import LOSS_OUTPUT_COPIES, JointGraphFacts
 from .simulator import evaluate
 from .simulator.kernel_facts import CHANNELS_LAST_SUFFIX, COPY_SUFFIX, RECOMPUTE_SUFFIX
 from .passes.plan import Plan
@@ -62,8 +62,19 @@ def correction_line(correction: Optional[Correction]) -> str:
             f"{format_bytes(correction.predicted_peak_bytes)} predicted; {correction.source})")
 
 
+def eager_loss_line(eager_loss_bytes: int, correction: Optional[Correction]) -> str:
+    """The report's sentence on what the plan reserves for a loss computed outside the graph (``eager_loss.py``)."""
+    if not eager_loss_bytes:
+        return "- eager loss outside the graph: nothing reserved (the graph returns its loss, or shares its step)"
+    if correction is not None and correction.eager_loss_bytes == eager_loss_bytes:
+        return (f"- eager loss outside the graph: {format_bytes(eager_loss_bytes)} between the forward and the "
+                f"backward, as measured ({correction.source})")
+    return (f"- eager loss outside the graph: {format_bytes(eager_loss_bytes)} reserved between the forward and the "
+            f"backward ({LOSS_OUTPUT_COPIES} times the outputs' bytes, a cross-entropy's, until a step measures it)")
+
+
 def render_report(plan: Plan, graph_id: str, regions: tuple[RegionSummary, ...], profile: HardwareProfile,
-                  correction: Optional[Correction] = None) -> str:
+                  correction: Optional[Correction] = None, eager_loss_bytes: int = 0) -> str:
     lines = [
         f"# remat report: {graph_id}",
         "",
@@ -82,6 +93,7 @@ def render_report(plan: Plan, graph_id: str, regions: tuple[RegionSummary, ...],
            f"(the budget less {1 - plan.target_bytes / plan.budget_bytes:.0%} headroom, kept for what the memory "
            "simulator may miss in Inductor's code: `headroom_fraction`, by default 5% on CPU and 15% elsewhere)"),
         correction_line(correction),
+        eager_loss_line(eager_loss_bytes, correction),
         f"- fits the budget: {'yes' if plan.fits_budget else 'NO (best effort)'}",
         f"- solver: {plan.solver}",
         "",

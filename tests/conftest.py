@@ -25,7 +25,8 @@ import torch
 
 import remat
 from remat.testing.steps import (  # noqa: F401  (the tests import these from conftest too)
-    GRAD_REL_TOL, LOSS_SEED, STEP_SEED, ZERO_GRAD_FRACTION, assert_grads_close, assert_tensors_close, buffers_of,
+    GRAD_REL_TOL, LOSS_SEED, STEP_SEED, WITHIN_BUDGET_ACTIONS, ZERO_GRAD_FRACTION, assert_grads_close,
+    assert_tensors_close, buffers_of,
     grads_of, loss_weights, prime_loss_weights, relative_error, run_step, zero_grads,
 )
 from remat.testing.zoo import ZOO

@@ -21,6 +21,7 @@ import torch
 
 import remat
 from remat import judge_loop
+from remat.eager_loss import LOOSENED_ACTION
 from conftest import (
     BaselineCache, CompiledRun, assert_grads_close, assert_tensors_close, compile_and_run, fresh_model, grads_of,
     run_step, zero_grads,
@@ -116,9 +117,14 @@ def test_the_no_remat_baseline_recomputes_nothing(no_remat_peak):
 
 
 def _only_plan(run: CompiledRun) -> remat.Plan:
+    """The plan the run's one graph ran last: its first, or the re-plan the feedback loop made for what the step's
+    eager loss held (a weighted sum of the outputs holds their gradient, less than remat reserves for an eager
+    cross-entropy: remat/eager_loss.py)."""
     graphs = run.backend.compiled_graphs
-    assert len(graphs) == 1, f"{run.name}: expected one partitioned graph, got {[g.graph_id for g in graphs]}"
-    return graphs[0].plan
+    replanned = [e for e in run.backend.feedback_events if e.action == LOOSENED_ACTION]
+    assert len(graphs) == 1 + len(replanned) <= 2, \
+        f"{run.name}: expected one partitioned graph, got {[g.graph_id for g in graphs]}"
+    return graphs[-1].plan
 
 
 def _numbers(run: CompiledRun, plan: remat.Plan) -> str:
@@ -151,7 +157,7 @@ def test_measured_peak_within_budget(name, fraction, no_remat_peak, tmp_path_fac
         return
     assert plan.budget_bytes == round(case_run.budget_gb * 1e9)
     # accepted on the simulator's number, or on Inductor's check where the simulator refused the budget
-    verdict = case_run.backend.compiled_graphs[0].judgement
+    verdict = case_run.backend.compiled_graphs[-1].judgement
     if plan.fits_budget:
         assert plan.predicted_peak_bytes <= plan.target_bytes, _numbers(case_run, plan)
     else:
@@ -184,7 +190,7 @@ def test_buffers_equal_eager_after_one_step(name, fraction, no_remat_peak, tmp_p
 def test_dump_is_written_and_parses(name, fraction, no_remat_peak, tmp_path_factory):
     case_run = _run(no_remat_peak, tmp_path_factory, name, fraction)
     plan = _only_plan(case_run)
-    graph = case_run.backend.compiled_graphs[0]
+    graph = case_run.backend.compiled_graphs[-1]
     directory = Path(case_run.dump_dir) / graph.graph_id
     assert graph.dump_path == str(directory)
     for file in ("forward.py", "backward.py", "plan.json", "report.md"):
@@ -248,11 +254,13 @@ def inductor_gpt_grads() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def gpt_infeasible() -> remat.BudgetInfeasibleError:
+def gpt_infeasible(tmp_path_factory) -> remat.BudgetInfeasibleError:
     """The error a 1 kB budget raises on gpt (the simulator refuses it; Inductor's check of the
-    smallest-peak plan, compiled for it, names the budget)."""
+    smallest-peak plan, compiled for it, names the budget), with no correction stored: an earlier test's
+    measured eager loss (``Correction.eager_loss_bytes``) would name a budget only its options' plans meet."""
     model, inputs = fresh_model("gpt")
-    with pytest.raises(remat.BudgetInfeasibleError) as info:
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(remat.BudgetInfeasibleError) as info:
+        patch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path_factory.mktemp("gpt_infeasible_store")))
         run_step(torch.compile(model, backend=remat.backend(1e-6)), model, inputs)
     return info.value
 
@@ -277,8 +285,8 @@ def _gpt_step_at(budget_gb: float, dump_dir: Path) -> tuple[remat.Plan, dict[str
     grads = grads_of(model)
     zero_grads(model)
     measured = remat.measure_peak_bytes(lambda: run_step(compiled, model, inputs)).peak_bytes
-    assert len(backend.compiled_graphs) == 1
-    return backend.compiled_graphs[0].plan, grads, measured
+    assert len(backend.compiled_graphs) <= 2     # (a re-plan for what the eager loss held: remat/eager_loss.py)
+    return backend.compiled_graphs[-1].plan, grads, measured
 
 
 def _recomputed_random(plan: remat.Plan) -> list[str]:
@@ -294,6 +302,7 @@ def test_dropout_masks_survive_recomputation(gpt_infeasible, inductor_gpt_grads,
     off here: it replaces the planner's plan near the floor with a faster one that saves the mask
     (``judge_loop.faster_within_check``), and this test is about the mask recomputed."""
     monkeypatch.setattr(judge_loop, "MAX_ROOM_REPLANS", 0)
+    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))   # as the error's: nothing stored
     budget_gb = gpt_infeasible.min_budget_gb
     plan, grads, measured = _gpt_step_at(budget_gb, tmp_path / "named")
     assert measured <= plan.budget_bytes, (

@@ -563,10 +563,10 @@ def test_a_replan_outside_dynamo_compiles_with_static_shapes(tmp_path, monkeypat
 
     measured = VerifiedGraph._on_measured
 
-    def first_over_budget(self, record, step, peak_bytes, why_not, runs=1, accumulated_grad_bytes=0):
+    def first_over_budget(self, record, step, peak_bytes, why_not, runs=1, accumulated_grad_bytes=0, **kwargs):
         if step == 0 and peak_bytes is not None:
             peak_bytes = record.plan.budget_bytes + 1     # as if the plan's real peak were over the budget
-        measured(self, record, step, peak_bytes, why_not, runs, accumulated_grad_bytes)
+        measured(self, record, step, peak_bytes, why_not, runs, accumulated_grad_bytes, **kwargs)
 
     monkeypatch.setattr(RematBackend, "partition", spying)
     monkeypatch.setattr(VerifiedGraph, "_on_measured", first_over_budget)

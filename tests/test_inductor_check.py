@@ -20,7 +20,7 @@ from remat.simulator.kernel_lowering import EXTERN
 from remat.simulator.schedule import memory_steps, partition_nodes
 from remat.wrapper_text import call_body
 from remat.inductor_verdict import judge_plan
-from conftest import assert_grads_close, grads_of, prime_loss_weights, run_step, scale_simulated_peaks
+from conftest import WITHIN_BUDGET_ACTIONS, assert_grads_close, grads_of, prime_loss_weights, run_step, scale_simulated_peaks
 from remat.testing.zoo import MLP
 
 MiB = 1 << 20
@@ -207,8 +207,9 @@ def test_the_judge_repairs_a_wrong_plan_before_the_first_step(scaled_simulator, 
         first_grads = grads_of(model)
     (event,) = backend.feedback_events
     first_peak, budget = event.measured_peak_bytes, backend.options.budget_bytes
-    assert event.action == "within budget" and event.step == 0
-    (accepted,) = backend.compiled_graphs          # the plans the judge rejected leave the list
+    assert event.action in WITHIN_BUDGET_ACTIONS and event.step == 0
+    accepted = backend.compiled_graphs[0]          # the plans the judge rejected leave the list (a re-plan for
+    assert len(backend.compiled_graphs) == 1 or event.action != "within budget"   # the eager loss may follow)
     first = accepted.judgement.rejected[0]
     assert first.graph_id == "graph_000" and first.action == "re-plan", first
     assert first.simulated_peak_bytes <= first.target_bytes < first.checked_peak_bytes, first
@@ -255,12 +256,12 @@ def test_a_budget_no_checked_plan_meets_is_refused_naming_one_that_fits(scaled_s
     backend = remat.backend(probe.value.min_budget_gb, inductor_check=True)
     run_step(torch.compile(model, backend=backend), model, inputs)
     close_open_window()
-    graph = backend.compiled_graphs[-1]
+    graph = backend.compiled_graphs[0]
     (event,) = backend.feedback_events
     assert graph.judgement.action.startswith("accepted"), graph.judgement
     assert graph.judgement.target_bytes == backend.options.check_target_for(backend.options.budget_bytes, "cpu")
     assert graph.judgement.checked_peak_bytes <= graph.judgement.target_bytes or graph.judgement.action == "accepted over target"
-    assert event.action == "within budget" and event.measured_peak_bytes <= backend.options.budget_bytes, (event, graph.judgement)
+    assert event.action in WITHIN_BUDGET_ACTIONS and event.measured_peak_bytes <= backend.options.budget_bytes, (event, graph.judgement)
 
 
 
@@ -502,14 +503,16 @@ def test_a_cnn_with_pooling_is_checked_and_its_check_is_what_the_step_measures(t
     measured = backend.feedback_events[-1].measured_peak_bytes
     loss_weights_bytes = model(x).numel() * 4
     assert checked.peak_bytes <= measured <= checked.peak_bytes + loss_weights_bytes + 64, (checked, measured)
-    trusted = trusted_peak_bytes(checked, graph.plan.predicted_peak_bytes)
+    # the plan was judged with the reserve for an eager loss on its outputs (remat/eager_loss.py)
+    reserved = checked_peak_of(captures[-1].graphs, "cpu", eager_loss_bytes=graph.eager_loss_bytes)
+    trusted = trusted_peak_bytes(reserved, graph.plan.predicted_peak_bytes)
     assert graph.judgement.checked_peak_bytes == trusted
     # every convolution's working memory was measured and counted, and so was max-pool's backward, which
     # is Inductor's in-place scatter_reduce_ in the generated code only (no FX node of its own: measured in
     # the layouts the wrapper hands it, ``wrapper_call_scratch``), so the check is trusted either way
     assert {"convolution", "convolution_backward", "scatter_reduce_"} <= checked.measured_calls
     assert checked.library_calls - checked.measured_calls == {"randint"}
-    assert trusted == checked.peak_bytes
+    assert trusted == reserved.peak_bytes
 
 
 def test_with_no_budget_the_check_reports_the_plans_peak(tmp_path, monkeypatch):

@@ -151,7 +151,7 @@ def test_a_refused_re_plan_over_the_budget_compiles_and_judges_the_smallest_peak
     from remat import judge_loop
 
     checked = {"first": 1300, "smallest": 990}
-    monkeypatch.setattr(judge_loop, "checked_peak_of", lambda capture, device, held: CheckedPeak(
+    monkeypatch.setattr(judge_loop, "checked_peak_of", lambda capture, device, held, eager_loss_bytes=0: CheckedPeak(
         checked[capture], checked[capture], checked[capture], 0, 0, 0, library_calls=frozenset({"mm"})))
     plan = SimpleNamespace(predicted_peak_bytes=950, budget_bytes=BUDGET, fits_budget=True)
     graphs = [CompiledGraph("graph_000", "0/0", plan, (), None, graph_key="key", base_target_bytes=TARGET)]
@@ -187,7 +187,7 @@ def test_a_refused_re_plan_keeps_the_last_plan_when_it_checks_within_the_budget(
         raise BudgetInfeasibleError("refused", budget_bytes=BUDGET, min_feasible_bytes=900, min_budget_bytes=1300,
                                     reasons=())
 
-    monkeypatch.setattr(judge_loop, "checked_peak_of", lambda capture, device, held: CheckedPeak(
+    monkeypatch.setattr(judge_loop, "checked_peak_of", lambda capture, device, held, eager_loss_bytes=0: CheckedPeak(
         1040, 1040, 1040, 0, 0, 0, library_calls=frozenset({"mm"})))
     assert judge_loop.judge_compiled("first", SimpleNamespace(graphs=None), "cpu", False, graphs, recompile) == "first"
     assert graphs[-1].judgement.action == "accepted over target: no plan meets the corrected target"

@@ -15,6 +15,8 @@ import textwrap
 
 import pytest
 
+from remat.testing.steps import WITHIN_BUDGET_ACTIONS
+
 SCRIPT = textwrap.dedent("""
     import torch, remat
     from remat.measure import open_window, profiler_running
@@ -34,4 +36,5 @@ def test_one_measured_step_then_exit_leaves_no_profiler_and_exits_cleanly(tmp_pa
     run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, f"exit code {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
     assert "window open after the step: False profiler running: False" in run.stdout
-    assert "events: ['within budget']" in run.stdout
+    # within the budget (its loss, a sum, held less than remat reserves for an eager loss: re-planned for it)
+    assert any(f"events: [{action!r}]" in run.stdout for action in WITHIN_BUDGET_ACTIONS), run.stdout

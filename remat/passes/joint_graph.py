@@ -88,6 +88,10 @@ class JointGraphFacts:
     # False: they die when the forward returns, unless the backward reads them; the usual training step
     # ``loss_fn(model(x)).backward()`` drops them before its backward starts (``RematOptions.outputs_held``).
     outputs_held: bool = False
+    # What an eager loss on the forward's outputs holds between the forward and the backward, next to what the
+    # forward keeps for its backward (``eager_loss_reserve_bytes``); 0 for a graph that is not alone in its step
+    # (its outputs feed a later graph or a DDP piece, accounted by the step) or that computes its own loss.
+    eager_loss_bytes: int = 0
     # The values PyTorch's default partitioner (plain Inductor's) saves for this graph, None when not known:
     # a saved set whose partition plain Inductor is measured to reach, which the planner starts from too.
     default_saved: Optional[frozenset[str]] = None
@@ -97,6 +101,25 @@ class JointGraphFacts:
 
     def position(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.order)}
+
+
+# An eager loss on a graph's outputs (cross-entropy on logits, the usual ``F.cross_entropy(model(x), y)`` next to a
+# compiled model; measured on the zoo GPT, alone and under DDP) holds, when the backward starts, its log-softmax
+# of the outputs, the gradient of that, and the outputs' gradient it hands the graph's backward: three tensors the
+# size of the outputs, next to everything the forward keeps. remat never sees the loss; this is what it reserves.
+LOSS_OUTPUT_COPIES = 3
+
+
+def eager_loss_reserve_bytes(facts: JointGraphFacts) -> int:
+    """What an eager loss on the graph's outputs is taken to hold between the forward and the backward:
+    ``LOSS_OUTPUT_COPIES`` times the bytes of the outputs that get a gradient (the backward's incoming
+    gradients, its tangents), for a graph none of whose outputs with a gradient is a scalar. 0 for one
+    that returns a scalar with a gradient: it computes its loss (a Hugging Face model given its labels
+    returns the loss and the logits; the logits' gradient is zeros, no eager loss reads them)."""
+    tangents = [node for name, node in facts.nodes.items() if node.role == "tangent" and name.startswith("tangents")]
+    if not tangents or any(node.numel <= 1 for node in tangents):
+        return 0
+    return LOSS_OUTPUT_COPIES * sum(node.numel * node.itemsize for node in tangents)
 
 
 def _placeholder_role(node: fx.Node) -> str:

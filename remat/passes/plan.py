@@ -34,9 +34,11 @@ from ..units import format_bytes, format_gb_up, format_seconds
 from ..simulator import Evaluated, evaluate, partition_of
 from .held_cap import reduce_saved_bytes
 from .block_start import block_checkpoint_saved
-from .joint_graph import JointGraphFacts
+from .joint_graph import LOSS_OUTPUT_COPIES, JointGraphFacts
 from .partition import Scheduled
 from ..simulator.kernel_facts import storage_owner
+from ..simulator.kernel_steps import EAGER_LOSS
+from ..simulator.memory_timeline import SCRATCH_SUFFIX
 from .mincut import min_cut_saved, saved_cost_bytes
 from ..simulator.schedule import hold_intermediates, register_only
 from .solve_greedy import SmallestPeak, smallest_peak_plans, solve_greedy
@@ -140,7 +142,10 @@ def _infeasible_reasons(facts: JointGraphFacts, best: _Evaluated) -> tuple[str, 
     for sid, nbytes in best.simulation.live_at_peak:
         owner = owners[sid]
         node = facts.nodes.get(owner)
-        if sid in grads:
+        if sid == EAGER_LOSS + SCRATCH_SUFFIX:
+            kind = ("reserved for an eager loss on the outputs between the forward and the backward (remat/eager_loss.py: "
+                    f"{LOSS_OUTPUT_COPIES} times the outputs' bytes until a step measured what the loss holds)")
+        elif sid in grads:
             kind = "gradients produced so far"
         elif owner in best.partition.forced:
             kind = f"values that cannot be recomputed ({best.partition.forced[owner].split(':')[0]})"

@@ -31,6 +31,7 @@ from .memory_timeline import Step
 
 
 FORWARD_RETURNS = "<forward returns>"   # the marker step where the forward hands its outputs to the caller
+EAGER_LOSS = "<eager loss>"   # the marker step where an eager loss holds ``JointGraphFacts.eager_loss_bytes``
 _CALLS = (EXTERN, SCATTER)
 
 
@@ -276,6 +277,9 @@ def forward_steps(facts: JointGraphFacts, partition: Partition, fw_order: Sequen
     if not facts.outputs_held:
         # the forward returns: its outputs live to here, and past it only while the backward reads them
         fw_steps.append(Step(FORWARD_RETURNS, "forward", (), returned))
+    if facts.eager_loss_bytes:
+        # an eager loss on the outputs runs before the backward, next to what the forward keeps for it
+        fw_steps.append(Step(EAGER_LOSS, "forward", (), (), scratch_bytes=facts.eager_loss_bytes))
     return ForwardSteps(fw_steps, fw_storages, copies, tuple(fw_order), returned)
 
 

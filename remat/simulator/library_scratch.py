@@ -307,8 +307,10 @@ def with_library_scratch(facts: JointGraphFacts, graph: fx.Graph, scratch: Mappi
 
 
 def scratch_key(facts: JointGraphFacts) -> str:
-    """What the plans of ``facts`` read of the measured scratch, for cache keys: each node's bytes."""
-    return repr(sorted((name, node.scratch_bytes) for name, node in facts.nodes.items() if node.scratch_bytes))
+    """What the plans of ``facts`` read of the measured scratch, for cache keys: each node's bytes, and the
+    reserve for an eager loss (``JointGraphFacts.eager_loss_bytes``, a marker step's scratch) where there is one."""
+    nodes = repr(sorted((name, node.scratch_bytes) for name, node in facts.nodes.items() if node.scratch_bytes))
+    return nodes + (f", eager loss {facts.eager_loss_bytes}" if facts.eager_loss_bytes else "")
 
 
 __all__ = ["ProbedCall", "SCRATCH_META", "keeping_places", "measure_library_scratch", "op_named",

@@ -23,6 +23,10 @@ GRAD_REL_TOL = 1e-4       # issue 2: gradients equal eager's within relative err
 # its error is measured against the model's largest gradient norm instead of its own norm.
 ZERO_GRAD_FRACTION = 1e-5
 LOSS_SEED = 4321
+# the feedback loop's actions on a step measured within its budget: judged so, or re-planned for what its eager loss
+# held, less than remat reserves for one (``run_step``'s weighted sum holds the outputs' gradient where a
+# cross-entropy holds three outputs' bytes: remat/eager_loss.py)
+WITHIN_BUDGET_ACTIONS = ("within budget", "re-planned: its eager loss held less than reserved")
 _LOSS_WEIGHTS: dict[tuple[int, ...], torch.Tensor] = {}
 
 
