@@ -130,7 +130,7 @@ def partition_at_planned_sizes(partition: Callable[..., tuple[fx.GraphModule, fx
     if sizes.unbounded and options.budget_bytes is not None and len(compiled_graphs) > known:
         record = compiled_graphs[-1]
         _warn_unbounded(record.graph_id, record.plan, record.dump_path, joint, int(kwargs["num_fwd_outputs"]),
-                        options.hardware, joint_inputs, sizes)
+                        options.hardware, joint_inputs, sizes, eager_loss=record.eager_loss_bytes > 0)
     return result
 
 
@@ -177,15 +177,16 @@ class SizeReach:
 
 
 def size_reach(joint: fx.GraphModule, num_fwd_outputs: int, profile: Any, plan: "Plan",
-               sizes: SizeEnvironment) -> tuple[SizeReach, ...]:
+               sizes: SizeEnvironment, eager_loss: bool = False) -> tuple[SizeReach, ...]:
     """For each unbounded symbol, the largest size (others at their planned sizes) at which
-    ``plan``, unchanged, keeps its simulated peak at or under ``plan.target_bytes``.
+    ``plan``, unchanged, keeps its simulated peak at or under ``plan.target_bytes``; with ``eager_loss``, next to
+    the reserve for an eager loss on the outputs at that size (``pipeline.with_eager_loss_reserve``).
 
     Guarantees, for each answer n < ``searched_to``: the plan fits at n and not at n + 1.
     Re-annotates ``joint``'s costs at each size tried (nothing reads them after partitioning).
     """
     from .simulator import evaluate
-    from .pipeline import facts_at_sizes
+    from .pipeline import facts_at_sizes, with_eager_loss_reserve
     from .sizing import search_largest
 
     assert plan.target_bytes is not None
@@ -197,6 +198,7 @@ def size_reach(joint: fx.GraphModule, num_fwd_outputs: int, profile: Any, plan: 
         def fits_at(value: int) -> tuple[bool, int]:
             if value not in peaks:
                 facts = facts_at_sizes(joint, num_fwd_outputs, profile, {**sizes.values, symbol.name: value})
+                facts = with_eager_loss_reserve(facts, None) if eager_loss else facts
                 with sizes_evaluated_at({**sizes.values, symbol.name: value}):
                     peak = evaluate(facts, saved).simulation.peak_bytes
                 peaks[value] = (peak <= plan.target_bytes, peak)
@@ -211,7 +213,8 @@ def size_reach(joint: fx.GraphModule, num_fwd_outputs: int, profile: Any, plan: 
 
 
 def _warn_unbounded(graph_id: str, plan: "Plan", dump_path: Optional[str], joint: fx.GraphModule,
-                    num_fwd_outputs: int, hardware: str, joint_inputs: Sequence[object], sizes: SizeEnvironment) -> None:
+                    num_fwd_outputs: int, hardware: str, joint_inputs: Sequence[object], sizes: SizeEnvironment,
+                    eager_loss: bool = False) -> None:
     """One warning (and a section of the graph's report.md) per graph with unbounded size symbols."""
     from .cost_model.hardware import get_profile
 
@@ -219,7 +222,8 @@ def _warn_unbounded(graph_id: str, plan: "Plan", dump_path: Optional[str], joint
         return
     shape_env = _torch_shapes.shape_env_of(joint.graph)
     with _torch_shapes.guards_suppressed(shape_env):
-        reaches = size_reach(joint, num_fwd_outputs, get_profile(hardware, device_of(joint_inputs)), plan, sizes)
+        reaches = size_reach(joint, num_fwd_outputs, get_profile(hardware, device_of(joint_inputs)), plan, sizes,
+                             eager_loss)
     if not reaches:
         return
     lines = [r.describe(plan.target_bytes) for r in reaches]

@@ -35,6 +35,9 @@ from .feedback_store import Correction
 LOOSEN_FRACTION = Fraction(2, 100)   # (exact: any budget, 1e308 included)
 LOOSENED_ACTION = "re-planned: its eager loss held less than reserved"
 TIGHTENED_ACTION = "re-planned: its eager loss held more than reserved"
+# within the budget on a plan Inductor's check accepted where the simulator refused the budget: re-planned in this
+# process, the simulator would refuse it again (its plan keeps running); a later process plans for what the loss held
+STORED_ACTION = "within budget: its eager loss held less than reserved, stored for the next compile"
 
 
 def output_bytes(out: Any) -> int:
@@ -61,16 +64,17 @@ def eager_loss_correction(record: Any, measured_bytes: Optional[int], peak_bytes
     """(action, correction) re-planning ``record``'s graph for the eager loss it measured (``measured_bytes``), or
     None. For a graph with a reserve (one alone in its step whose outputs feed a loss outside it), where its step
     (``peak_bytes``) measured within the budget and the loss held less than the reserve by ``LOOSEN_FRACTION`` of
-    the budget or more, for a plan the simulator accepted (``LOOSENED_ACTION``: a plan Inductor's check accepted where
-    the simulator refused it keeps running; re-planned, the simulator would refuse the budget again), or over the
+    the budget or more (``LOOSENED_ACTION``; ``STORED_ACTION`` for a plan Inductor's check accepted where the
+    simulator refused the budget: it keeps running, and the correction is for the next compile), or over the
     budget by no more than the loss held above the reserve
     (``TIGHTENED_ACTION``: what the loss held explains the whole excess). The correction keeps the factor and the
     step's use of the correction the plan was made under."""
     reserved, budget = getattr(record, "eager_loss_bytes", 0), record.plan.budget_bytes
     if measured_bytes is None or budget is None or not reserved:
         return None     # no reserve: a graph that computes its loss (what eager code holds is not a loss's)
-    if peak_bytes <= budget and reserved - measured_bytes >= LOOSEN_FRACTION * budget and record.plan.fits_budget:
-        action = LOOSENED_ACTION      # (the simulator's own plan: with less reserved its saved set still fits)
+    if peak_bytes <= budget and reserved - measured_bytes >= LOOSEN_FRACTION * budget:
+        # the simulator's own plan: with less reserved its saved set still fits
+        action = LOOSENED_ACTION if record.plan.fits_budget else STORED_ACTION
     elif budget < peak_bytes <= budget + measured_bytes - reserved:
         action = TIGHTENED_ACTION
     else:
@@ -83,5 +87,5 @@ def eager_loss_correction(record: Any, measured_bytes: Optional[int], peak_bytes
                               ).keeping_step_use(made_for)
 
 
-__all__ = ["LOOSEN_FRACTION", "LOOSENED_ACTION", "TIGHTENED_ACTION", "eager_loss_correction", "measured_eager_loss_bytes",
+__all__ = ["LOOSEN_FRACTION", "LOOSENED_ACTION", "STORED_ACTION", "TIGHTENED_ACTION", "eager_loss_correction", "measured_eager_loss_bytes",
            "output_bytes"]

@@ -82,7 +82,7 @@ from .errors import BudgetInfeasibleError
 from .feedback_store import Correction, write_correction
 from .feedback_verdict import (FORESEEN_ACTION, FeedbackEvent, accepted_as_fitting, judge, planned_runs,
                                stacked_prediction)
-from .eager_loss import eager_loss_correction, measured_eager_loss_bytes, output_bytes
+from .eager_loss import STORED_ACTION, eager_loss_correction, measured_eager_loss_bytes, output_bytes
 from .measure import BACKWARD_STARTED_MARKER, FORWARD_RETURNED_MARKER, StepWindow, open_window
 from .accumulated_grads import AccumulationWatch
 from .window_runs import RunInFlight, WindowRuns, runs_in_flight
@@ -391,7 +391,8 @@ class VerifiedGraph:
                                           verdict.factor, eager[0] if eager else verdict.action,
                                           None if eager else verdict.new_target_bytes, runs, accumulated_grad_bytes))
         if eager is not None:    # for what the loss held (remat/eager_loss.py); measured again after the re-plan
-            self.request_replan(eager[1])
+            if eager[0] != STORED_ACTION:
+                self.request_replan(eager[1])
             path = self._store(record.graph_key, eager[1])
             if peak_bytes > plan.budget_bytes:
                 warnings.warn(f"remat {record.graph_id}: step {step} measured a peak of {peak_bytes / 1e9:.6f} GB, over "

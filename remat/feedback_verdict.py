@@ -42,7 +42,8 @@ class FeedbackEvent:
     ``step`` counts the calls of this compiled graph from 0 (re-plans included). ``action``:
     "within budget", "re-planned", "infeasible", "over budget: best-effort plan",
     "over budget after N re-plans", "stored for the next compile", "re-plan failed", "not measured: <why>",
-    "re-planned: its eager loss held less than reserved" / "... more than reserved" (``eager_loss_correction``)
+    "re-planned: its eager loss held less than reserved" / "... more than reserved", "within budget: its eager loss
+    held less than reserved, stored for the next compile" (``eager_loss.eager_loss_correction``)
     (``measured_peak_bytes`` None; None too for "infeasible" when the refusal was foreseen before the call ran:
     ``Correction.foreseen``). ``factor`` is
     ``measured / predicted`` when over budget; ``new_target_bytes`` the target it re-plans at.

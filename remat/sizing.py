@@ -45,7 +45,7 @@ from .options import make_options, smallest_budget_bytes
 from .simulator import evaluate
 from .passes.joint_graph import JointGraphFacts
 from .pipeline import PlanningRequest, PreparedGraph, facts_at_sizes, plan_graph, prepare_graph, request_for, \
-    trace_joint_facts
+    trace_joint_facts, with_eager_loss_reserve
 from .units import format_bytes, format_gb_up
 
 
@@ -85,7 +85,10 @@ class _TracedGraph:
     prepared: PreparedGraph     # its facts at the traced sizes
 
     def facts_at(self, values: dict[str, int]) -> JointGraphFacts:
-        return facts_at_sizes(self.joint, self.num_fwd_outputs, self.prepared.profile, values)
+        """Its facts at ``values``, with the reserve the backend plans a graph alone in its step with for an eager
+        loss on its outputs (``pipeline.with_eager_loss_reserve``: each graph is planned here as one alone is)."""
+        return with_eager_loss_reserve(facts_at_sizes(self.joint, self.num_fwd_outputs, self.prepared.profile, values),
+                                       None)
 
 
 def _mark_inputs(example_inputs: Sequence[Any], dynamic: Sequence[tuple[int, int]]) -> list[Any]:
@@ -252,7 +255,8 @@ def max_size_that_fits(
     binding = min(requests, key=lambda r: r.target_bytes or 0)   # the lowest target (the same on one device)
     target = binding.target_bytes
     assert target is not None
-    fixed = [None if replan else _hint_plan_saved(g.prepared.facts, r) for g, r in zip(graphs, requests)]
+    fixed = [None if replan else _hint_plan_saved(with_eager_loss_reserve(g.prepared.facts, None), r)
+             for g, r in zip(graphs, requests)]
     peaks: dict[int, tuple[bool, int]] = {}
 
     def fits_at(size: int) -> tuple[bool, int]:

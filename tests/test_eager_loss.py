@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import remat
 from conftest import assert_grads_close, grads_of, zero_grads
-from remat.eager_loss import LOOSEN_FRACTION, LOOSENED_ACTION, TIGHTENED_ACTION, eager_loss_correction
+from remat.eager_loss import LOOSEN_FRACTION, LOOSENED_ACTION, STORED_ACTION, TIGHTENED_ACTION, eager_loss_correction
 from remat.measure import close_open_window, live_between
 from remat.passes.joint_graph import LOSS_OUTPUT_COPIES, eager_loss_reserve_bytes
 from remat.pipeline import trace_joint_facts
@@ -105,7 +105,7 @@ def test_the_correction_follows_what_the_loss_held():
     assert action == LOOSENED_ACTION and correction.eager_loss_bytes == loose and correction.factor == 1.0
     assert eager_loss_correction(record, loose + 1, 950, 0) is None          # not worth a re-plan
     overruled = _Record(_Plan(budget, fits_budget=False), eager_loss_bytes=300)    # accepted on Inductor's check
-    assert eager_loss_correction(overruled, loose, 950, 0) is None
+    assert eager_loss_correction(overruled, loose, 950, 0)[0] == STORED_ACTION
     action, correction = eager_loss_correction(record, 400, 1100, 1)          # over by 100: the loss held 100 more
     assert action == TIGHTENED_ACTION and correction.eager_loss_bytes == 400
     assert eager_loss_correction(record, 400, 1101, 1) is None               # more than the loss explains

@@ -20,7 +20,7 @@ import remat
 from conftest import assert_grads_close, grads_of, loss_weights, run_step, zero_grads
 from remat.pipeline import trace_joint_facts
 from remat.simulator.memory_timeline import simulate_memory
-from remat.eager_loss import LOOSENED_ACTION
+from remat.eager_loss import LOOSENED_ACTION, STORED_ACTION
 from remat.measure import close_open_window
 from remat.simulator.kernel_steps import FORWARD_RETURNS
 from remat.passes.plan import make_plan
@@ -116,11 +116,20 @@ def test_the_budget_holds_whether_the_step_drops_or_holds_its_outputs(tmp_path, 
             except remat.BudgetInfeasibleError as refused:
                 budget_gb = refused.min_budget_gb
         close_open_window()
+        # its loss (a weighted sum) holds less than the reserve for an eager loss on the logits (remat/eager_loss.py):
+        # re-planned for what it held, or, on a plan Inductor's check accepted, stored for a later compile, which is
+        # then made here (a new backend reading the store)
         if backend.feedback_events[0].action == LOOSENED_ACTION:
-            # its loss (a weighted sum) held less than the reserve for an eager loss on the logits: re-planned
-            # for what it held (remat/eager_loss.py), then measured within budget
             step(compiled, model, inputs)
             close_open_window()
+        elif backend.feedback_events[0].action == STORED_ACTION:
+            torch._dynamo.reset()
+            model, inputs = make_model()
+            backend = remat.backend(budget_gb, outputs_held=outputs_held, inductor_check=True)
+            compiled = torch.compile(model, backend=backend)
+            step(compiled, model, inputs)
+            close_open_window()
+            assert backend.compiled_graphs[0].correction.eager_loss_bytes is not None
         assert [e.action for e in backend.feedback_events][-1] == "within budget", (outputs_held, backend.feedback_events)
         assert len(backend.feedback_events) <= 2
         measured = remat.measure_peak_bytes(lambda: step(compiled, model, inputs)).peak_bytes

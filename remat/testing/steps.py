@@ -26,7 +26,8 @@ LOSS_SEED = 4321
 # the feedback loop's actions on a step measured within its budget: judged so, or re-planned for what its eager loss
 # held, less than remat reserves for one (``run_step``'s weighted sum holds the outputs' gradient where a
 # cross-entropy holds three outputs' bytes: remat/eager_loss.py)
-WITHIN_BUDGET_ACTIONS = ("within budget", "re-planned: its eager loss held less than reserved")
+WITHIN_BUDGET_ACTIONS = ("within budget", "re-planned: its eager loss held less than reserved",
+                         "within budget: its eager loss held less than reserved, stored for the next compile")
 _LOSS_WEIGHTS: dict[tuple[int, ...], torch.Tensor] = {}
 
 
