@@ -22,24 +22,7 @@ from remat.eager_loss import LOOSEN_FRACTION, LOOSENED_ACTION, STORED_ACTION, TI
 from remat.measure import close_open_window, live_between
 from remat.passes.joint_graph import LOSS_OUTPUT_COPIES, eager_loss_reserve_bytes
 from remat.pipeline import trace_joint_facts
-
-VOCAB, D_MODEL, TOKENS = 1024, 64, 512
-LOGIT_BYTES = TOKENS * VOCAB * 4
-
-
-class TinyLM(nn.Module):
-    """An MLP block and a wide head: its logits (2 MiB) dwarf every activation (<= 128 KiB each)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(D_MODEL, 4 * D_MODEL)
-        self.down = nn.Linear(4 * D_MODEL, D_MODEL)
-        self.norm = nn.LayerNorm(D_MODEL)
-        self.head = nn.Linear(D_MODEL, VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.down(F.gelu(self.up(x)))
-        return self.head(self.norm(h))
+from test_output_lifetime import D_MODEL, LOGIT_BYTES, TOKENS, VOCAB, TinyLMHead as TinyLM   # logits dwarf the rest
 
 
 class WithLoss(TinyLM):
