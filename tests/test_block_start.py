@@ -159,34 +159,6 @@ def test_a_graph_whose_only_repeated_modules_are_leaves_has_no_block_start():
     assert block_checkpoint_saved(facts) is None
 
 
-class _OneLayer(nn.Module):
-    """A 1-layer stack (``layers.0`` alone) between a stem and a head: checkpointing it saves what enters it."""
-
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.stem, self.head = nn.Linear(width, width), nn.Linear(width, 8)
-        self.layers = nn.ModuleList([_Block(width)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        return self.head(self.layers[0](h, torch.ones_like(h))).square().sum()
-
-
-def test_a_stack_of_one_block_has_a_block_start():
-    """A 1-layer model's one layer is a block (until session 38 a start needed two: a 1-layer ViT's floor sat
-    1.026x above checkpointing its layer); the start saves what enters it and, of its inside, only what leaves it."""
-    (facts,) = trace_joint_facts(_OneLayer(), (torch.randn(16, 32),))
-    block = blocks_of(facts)
-    assert len(set(block.values())) == 1, set(block.values())
-    saved = block_checkpoint_saved(facts)
-    assert saved is not None
-    entering = {i for n in block for i in facts.nodes[n].inputs if i not in block and facts.nodes[i].role == "forward"}
-    assert entering and entering <= saved, (entering, saved)
-    leaving = {n for n in saved & set(block)
-               if any(facts.nodes[u].role == "forward" and u not in block for u in facts.users[n])}
-    assert saved & set(block) == leaving, saved
-
-
 def test_the_smallest_peak_is_at_most_checkpointing_every_block():
     """On the zoo Llama the search without this start stopped above the block-checkpoint plan
     (8,031,232 vs 7,972,864 B simulated, h100 profile); with it the zoo CNN's floor went from

@@ -6,8 +6,8 @@ block's inside during its own backward. In one joint graph the saved set that do
 from where Dynamo traced each node (``NodeFacts.module_calls``):
 
 - a *block* is one call of a module whose class is called at two or more places under a container
-  index (``layers.0``, ``blocks.3``: what ``nn.ModuleList``/``nn.Sequential`` hold; where no class is, at one,
-  below) and that calls modules of its own (a leaf such as a ``Linear`` in a ``Sequential`` is no block); a node belongs
+  index (``layers.0``, ``blocks.3``: what ``nn.ModuleList``/``nn.Sequential`` hold) and that calls
+  modules of its own (a leaf such as a ``Linear`` in a ``Sequential`` is no block); a node belongs
   to the outermost block among the calls it was traced in (a decoder layer, not its attention);
 - saved: every forward value that a block reads from outside itself (its inputs: the residual
   stream, a mask or position bias shared by every block, the encoder's output that each decoder
@@ -33,10 +33,7 @@ values of several layers at once peaked 1.67x above per-block checkpointing's me
 the cut at every block's inputs, each block's recomputation starts and ends inside its own backward.
 The search still descends from this start, so its answer's peak is at most this plan's (simulated).
 
-A stack of one block (a 1-layer model: its class is called once) is a stack too: where no class is called at two
-places, every container element that calls modules of its own is a block. Until session 38 such a graph got no start,
-and a 1-layer ViT's floor (hf-1476, fidelity-channels-last-bf16-cpu.md) sat 1.026x above checkpointing its one
-layer. ``block_checkpoint_saved`` is None when the graph has no block (no module stack, or only leaves in it).
+``block_checkpoint_saved`` is None when the graph has fewer than two blocks or no module stack.
 """
 
 from __future__ import annotations
@@ -62,9 +59,7 @@ def blocks_of(facts: JointGraphFacts) -> Mapping[str, str]:
         for (call, cls), _inner in zip(node.module_calls, node.module_calls[1:]):
             if _CONTAINER_INDEX.search(call):
                 calls_of_class[cls].add(call)
-    # a stack of one block (a 1-layer transformer: ``layers.0`` alone) has no class called twice: then every
-    # container element that calls modules of its own is a block (its user checkpoints that one layer)
-    repeated = {cls for cls, calls in calls_of_class.items() if len(calls) >= 2} or set(calls_of_class)
+    repeated = {cls for cls, calls in calls_of_class.items() if len(calls) >= 2}
     block: dict[str, str] = {}
     for name in facts.order:
         node = facts.nodes[name]
@@ -92,9 +87,9 @@ def input_free_values(facts: JointGraphFacts) -> frozenset[str]:
 
 
 def block_checkpoint_saved(facts: JointGraphFacts) -> Optional[frozenset[str]]:
-    """The saved set of checkpointing every block (module docstring), or None without a block."""
+    """The saved set of checkpointing every block (module docstring), or None without two blocks."""
     block = blocks_of(facts)
-    if not block:
+    if len(set(block.values())) < 2:
         return None
     saved_outside = min_cut_saved(facts)
     rebuilt_from_nothing = input_free_values(facts)

@@ -374,7 +374,7 @@ def block_checkpoint_plan(facts: JointGraphFacts, budget_bytes: Optional[int], t
                           ) -> Optional[Plan]:
     """The plan of checkpointing every repeated block (``block_start.block_checkpoint_saved``) as it is,
     each recomputed value built once and held (``schedule.hold_intermediates``), with
-    ``fits_budget=False``, or None when the graph has no block: a candidate for Inductor's
+    ``fits_budget=False``, or None when the graph has no two blocks: a candidate for Inductor's
     check at a budget the simulator refused, whatever its simulated peak (on a drawn T5 the simulator
     put it at 2.48 MB and the search's smallest-peak plan at 1.93; Inductor's code peaked at 1.72 and
     1.85 MB)."""
