@@ -13,7 +13,9 @@ recomputation for nothing, so the feedback loop measures what it held: its windo
 and where the backward started (``measure.StepWindow.mark_phase``, CPU), and what the loss held is the most the
 window held between the two less what the graph held there (what was live when the forward returned, less the
 outputs it returned: ``measured_eager_loss_bytes``). A plan measured within its budget whose loss held less than
-its reserve by ``LOOSEN_FRACTION`` of the budget or more is re-planned for what the loss held; a plan measured over
+its reserve by ``LOOSEN_FRACTION`` of the budget or more is re-planned for what the loss held (a plan Inductor's check
+accepted where the simulator refused the budget keeps running, and the measurement is only stored: re-planned, the
+simulator would refuse the budget again); a plan measured over
 its budget by no more than its loss held above the reserve is re-planned for what the loss held too (an additive
 correction: the excess is a fixed amount, which the loop's ``measured / predicted`` factor, scaling the whole plan,
 under-corrects near the floor and over-corrects above it). Both corrections are stored (``eager_loss_correction``):

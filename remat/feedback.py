@@ -42,7 +42,9 @@ that call is measured too, the gradients added to its measured and predicted pea
 correction carries them: the graph is re-planned next to them (``runs_share.runs_share``'s outside bytes).
 
 Then ``feedback_verdict.judge`` compares the measured peak with the plan's budget (within it, re-planned,
-stored for the next compile, or best effort: that module says when each).
+stored for the next compile, or best effort: that module says when each). A graph whose outputs feed a loss outside
+it is also told what that loss held between its forward and backward, measured in the same window, and re-planned for
+it where its plan reserved much more, or ran over by what the loss held above the reserve (``eager_loss.py``).
 
 Every factor is stored on disk (``feedback_store``): the next process, and any later compile of
 the same graph under the same plan options in this one, plans at the corrected target first.
