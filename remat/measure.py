@@ -64,18 +64,27 @@ def window_peak(events: Iterable[tuple[int, int, int]]) -> WindowPeak:
     not allocated inside the window (or was already freed) lowers nothing and is counted in
     ``foreign_freed_bytes``. Pure: numbers in, numbers out (the events may come unsorted)."""
     live = peak = foreign = 0
+    for _, live, freed_foreign in _live_after_each(events):
+        peak, foreign = max(peak, live), foreign + freed_foreign
+    return WindowPeak(peak, foreign, live)
+
+
+def _live_after_each(events: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, int, int]]:
+    """(time_ns, live bytes after it, bytes of memory from before the window it freed) for each event in time
+    order, by ``window_peak``'s rule: only allocations made inside the window count."""
+    live = 0
     mine: dict[int, int] = {}
-    for _, size, address in sorted(events, key=lambda e: e[0]):
+    for time_ns, size, address in sorted(events, key=lambda e: e[0]):
+        foreign = 0
         if size > 0:
             live -= mine.pop(address, 0)   # an address reused without a seen free: the old block is gone
             mine[address] = size
             live += size
-            peak = max(peak, live)
         elif address in mine:
             live -= mine.pop(address)
         else:
-            foreign -= size
-    return WindowPeak(peak, foreign, live)
+            foreign = -size
+        yield time_ns, live, foreign
 
 
 def _profiled_events(prof: Any) -> Iterator[Any]:
@@ -128,17 +137,12 @@ def live_between(events: Iterable[tuple[int, int, int]], start_ns: int, end_ns: 
     """(live bytes at ``start_ns``, the most live from then to ``end_ns``) of the allocations made inside a
     window, by ``window_peak``'s rule (a free of memory allocated before the window lowers nothing). Pure."""
     live, at_start, most = 0, None, 0
-    mine: dict[int, int] = {}
-    for time_ns, size, address in sorted(events, key=lambda e: e[0]):
+    for time_ns, after, _ in _live_after_each(events):
         if time_ns > start_ns and at_start is None:
             at_start = most = live
         if time_ns > end_ns:
             break
-        if size > 0:
-            live += size - mine.pop(address, 0)
-            mine[address] = size
-        elif address in mine:
-            live -= mine.pop(address)
+        live = after
         if at_start is not None:
             most = max(most, live)
     if at_start is None:
