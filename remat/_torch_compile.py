@@ -43,6 +43,7 @@ import torch
 from torch import fx
 
 from ._torch_deferred import deferral_supported, deferred_loading, load_deferred
+from ._torch_inductor import fusion_choices
 from .graph_code import GraphCode, activation_itemsize, graph_code
 from .wrapper_call_scratch import call_inputs, with_scratch_at_generated_layouts
 
@@ -68,7 +69,7 @@ class CodeCapture:
 
         # before Inductor's post-grad passes change gm:
         names, itemsize, inputs = graph_code(gm, ""), activation_itemsize(gm), call_inputs(gm)
-        with deferred_loading(self.deferred) if self.deferred is not None else contextlib.nullcontext():
+        with deferred_loading(self.deferred) if self.deferred is not None else contextlib.nullcontext(), fusion_choices():
             compiled = compile_fx_inner(gm, example_inputs, **kwargs)
         source = getattr(compiled, "source_code", None)
         if isinstance(source, str):

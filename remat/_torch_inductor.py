@@ -27,6 +27,14 @@ in Inductor (torch 2.13.0):
   more than this many scheduler nodes apart (``Scheduler.are_long_distant_nodes``, which Inductor
   added for activation checkpointing: recomputed loops of different checkpointed regions that read
   one buffer would otherwise fuse and run in the earliest region, holding their outputs across the others).
+- ``VERTICAL_FUSION_MAX_DISTANCE`` (remat's, not Inductor's): a loop and a loop reading its result (a
+  vertical fusion) fuse in Inductor at any distance; remat's compiles refuse it past the distance
+  ``are_long_distant_nodes`` measures (``fusion_choices``). Fused, the producer runs where its far reader
+  runs, and what it reads stays live until then: on a drawn T5 (hf-1491), each layer's batch-sum of its
+  position-bias gradient fused with the sum over layers at the end of the backward, holding every layer's
+  attention probabilities and their gradients (1 MB each) to that kernel; the smallest-peak plan's code peaked
+  at 16.18 MB (simulated 10.88), 10.93 MB with the veto. Off (None) where the user set
+  ``inductor_choices_class``: theirs stands, and the simulator follows Inductor's rule.
 - ``cpp.max_horizontal_fusion_size``: the CPU backend fuses two kernels horizontally only while they
   hold at most this many scheduler nodes together (``codegen/cpp.py: CppScheduling.can_fuse_horizontal``).
 - ``fallback_random``: random ops run ATen's generator, and the post-grad pass chains every op tagged
@@ -46,10 +54,14 @@ The simulator models Inductor's CPU backend: ``InductorConfig.cpu_*`` resolve th
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
+from typing import Iterator
 
 # torch/_inductor/scheduler.py: Scheduler.are_long_distant_nodes returns ``proximity_score > 64``
 HORIZONTAL_FUSION_MAX_DISTANCE = 64
+VERTICAL_FUSION_MAX_DISTANCE = HORIZONTAL_FUSION_MAX_DISTANCE   # remat's compiles (``fusion_choices``)
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,7 @@ class InductorConfig:
     allow_buffer_reuse: bool
     reorder_for_peak_memory: bool                   # ``simulator/peak_reorder.py``
     horizontal_fusion_max_distance: int = 64        # HORIZONTAL_FUSION_MAX_DISTANCE
+    vertical_fusion_max_distance: int | None = None  # VERTICAL_FUSION_MAX_DISTANCE under remat's choices
     cpp_max_horizontal_fusion_size: int = 16        # ``config.cpp.max_horizontal_fusion_size``
     fallback_random: bool = False                   # random ops chained in program order (see above)
     deterministic_algorithms: bool = False          # ``torch.are_deterministic_algorithms_enabled()``: scatters fall back
@@ -111,10 +124,58 @@ def inductor_config() -> InductorConfig:
         allow_buffer_reuse=bool(config.allow_buffer_reuse),
         reorder_for_peak_memory=bool(config.reorder_for_peak_memory),
         horizontal_fusion_max_distance=HORIZONTAL_FUSION_MAX_DISTANCE,
+        vertical_fusion_max_distance=VERTICAL_FUSION_MAX_DISTANCE if _remat_choices_apply() else None,
         cpp_max_horizontal_fusion_size=int(config.cpp.max_horizontal_fusion_size),
         fallback_random=bool(config.fallback_random),
         deterministic_algorithms=bool(torch.are_deterministic_algorithms_enabled()),
     )
 
 
-__all__ = ["HORIZONTAL_FUSION_MAX_DISTANCE", "InductorConfig", "inductor_config"]
+@functools.cache
+def fusion_choices_class() -> type:
+    """Inductor's heuristics (``torch._inductor.choices.InductorChoices``) with one more rule: no
+    vertical fusion of two scheduler nodes that ``Scheduler.are_long_distant_nodes`` calls far apart
+    (more than ``VERTICAL_FUSION_MAX_DISTANCE``). Inductor applies that test to horizontal fusions
+    only; the vertical case holds a producer's inputs live until its far reader runs (module docstring)."""
+    from torch._inductor.choices import InductorChoices
+
+    class RematFusionChoices(InductorChoices):
+        @classmethod
+        def uuid(cls) -> str:           # Inductor's FX graph cache keys on it (``inductor_choices_class``)
+            return f"remat-vertical-fusion-max-distance-{VERTICAL_FUSION_MAX_DISTANCE}"
+
+        @staticmethod
+        def can_fuse_vertical(scheduler, node1, node2, shared_data_score):  # type: ignore[no-untyped-def]
+            return (not scheduler.are_long_distant_nodes(node1, node2)
+                    and InductorChoices.can_fuse_vertical(scheduler, node1, node2, shared_data_score))
+
+    return RematFusionChoices
+
+
+def _remat_choices_apply() -> bool:
+    """Whether a compile of remat's runs under ``fusion_choices_class`` (the user set no choices of their own)."""
+    from torch._inductor import config
+
+    chosen = config.inductor_choices_class
+    return chosen is None or chosen is fusion_choices_class()
+
+
+@contextlib.contextmanager
+def fusion_choices() -> Iterator[None]:
+    """Inside, Inductor compiles with ``fusion_choices_class``: set as the choices handler (which
+    Inductor otherwise creates once per thread, so a config alone would not reach a thread that
+    compiled before) and in the config (so the FX graph cache never hands remat's code to a plain
+    compile, nor the reverse). Nothing changes where the user set ``inductor_choices_class``."""
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    if config.inductor_choices_class is not None:
+        yield
+        return
+    chosen = fusion_choices_class()
+    with config.patch(inductor_choices_class=chosen), V.set_choices_handler(chosen()):
+        yield
+
+
+__all__ = ["HORIZONTAL_FUSION_MAX_DISTANCE", "InductorConfig", "VERTICAL_FUSION_MAX_DISTANCE", "fusion_choices",
+           "fusion_choices_class", "inductor_config"]

@@ -69,7 +69,9 @@ def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froze
     (a horizontal fusion) fuse only with ``score_fusion_memory_threshold`` shared bytes and at most
     ``horizontal_fusion_max_distance`` nodes between their farthest members (``choices.py:
     can_fuse_horizontal``), so recomputed loops of distant backward regions stay in their regions.
-    The distance counts Inductor's scheduler nodes (``scheduler_orders``), not the model's.
+    The distance counts Inductor's scheduler nodes (``scheduler_orders``), not the model's. A vertical
+    fusion (one reads the other's results) is refused past ``vertical_fusion_max_distance`` (remat's
+    compiles, ``_torch_inductor.fusion_choices``; None: at any distance, as Inductor alone fuses).
     ``after``: ordering-only dependencies (``seeded_chain``), which make two loops dependent too."""
     index = {n: i for i, n in enumerate(nodes)}
     orders = scheduler_orders(nodes, ops)
@@ -121,6 +123,9 @@ def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froze
                 or max(span[rb][1] - span[ra][0], span[ra][1] - span[rb][0]) > config.horizontal_fusion_max_distance
                 or count[ra] + count[rb] > config.cpp_max_horizontal_fusion_size):
             continue  # horizontal (neither reads the other): too little shared, too far apart, too big for the CPU
+        if (config.vertical_fusion_max_distance is not None and (anc[rb] & bits[ra] or anc[ra] & bits[rb])
+                and max(span[rb][1] - span[ra][0], span[ra][1] - span[rb][0]) > config.vertical_fusion_max_distance):
+            continue  # vertical, too far apart: remat's compiles refuse it (``_torch_inductor.fusion_choices``)
         if (desc[ra] & anc[rb] & ~inside) or (desc[rb] & anc[ra] & ~inside):
             continue  # a path leaves one kernel and re-enters the other: fusing makes a cycle
         root = sets.union(ra, rb)
