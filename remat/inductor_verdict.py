@@ -26,7 +26,8 @@ class Judgement:
     ``action``: "accepted" (checked peak at or under the target), "re-plan" (over the target:
     plan again at ``new_target_bytes``), "accepted over target" (over the target, within the
     budget, and no further re-plan is allowed), "over budget" (over the budget and no further
-    re-plan is allowed) or "unchecked" (the code could not be read: the simulated peak stands);
+    re-plan is allowed: the plan does not run; ``judge_loop`` judges the smallest-peak plan at
+    ``new_target_bytes`` as a refused budget's) or "unchecked" (the code could not be read: the simulated peak stands);
     for the smallest-peak plan of a budget the simulator refused (``overrule_refusal``): "accepted:
     Inductor's check overrules the simulator" or "refused"; for a plan found in the room the check left
     under an accepted one (``judge_loop.faster_within_check``): "accepted: a faster plan in the room ...",
@@ -70,8 +71,9 @@ def judge_plan(simulated_peak_bytes: int, checked_peak_bytes: Optional[int], tar
     new_target = int(target_bytes / factor)
     if may_replan:
         return Judgement("re-plan", *record, factor, new_target, **named)
-    within = budget_bytes is not None and checked_peak_bytes <= budget_bytes
-    return Judgement("accepted over target" if within else "over budget", *record, factor, **named)
+    if budget_bytes is not None and checked_peak_bytes <= budget_bytes:
+        return Judgement("accepted over target", *record, factor, **named)
+    return Judgement("over budget", *record, factor, new_target, **named)   # not run: refused, or a smaller plan
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,9 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     plan if its checked peak is within the budget; otherwise the smallest-peak plan at the corrected
     target is compiled (``recompile(correction, graph_key, SMALLEST_PEAK_CANDIDATE)``, a record with
     a refusal) and judged as a refused budget is, which accepts it or a candidate that checks under
-    the target, or raises ``BudgetInfeasibleError`` naming the budget the lowest-checked plan fits.
+    the target, or raises ``BudgetInfeasibleError`` naming the budget the lowest-checked plan fits; so is
+    a plan still checked over the budget when the re-plans have run out ("over budget"): no plan whose
+    checked peak is over its budget runs.
     A budget the simulator refused is judged by ``overrule_or_refuse`` (with ``compile_candidate(record, kind)``
     for each of the graph's ``pipeline.refusal_candidates``, except for a graph sharing a step at graph
     breaks: its refusal's plan is the one the share's named budget rests on, judged against the largest
@@ -99,7 +101,7 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         log.info("remat %s: %s on Inductor's check, %s", record.graph_id, verdict.action, verdict)
         if verdict.action == "accepted":
             return room_searched(fn)
-        if verdict.action != "re-plan":
+        if verdict.action not in ("re-plan", "over budget"):
             return fn
         assert verdict.new_target_bytes is not None and verdict.checked_peak_bytes is not None
         assert record.base_target_bytes is not None and verdict.target_bytes is not None
@@ -114,6 +116,12 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
                                 f"{verdict.checked_peak_bytes} bytes where its plan simulated "
                                 f"{record.plan.predicted_peak_bytes} (target {verdict.target_bytes})")
         rejected += (verdict,)
+        if verdict.action == "over budget":
+            # The re-plans ran out and this plan's code peaks over the budget itself: it must not run (it did
+            # until session 39: hf-1491, a T5 with an eager cross-entropy, measured 1.042x its budget at step 1).
+            # The smallest-peak plan at the corrected target is judged as a refused budget is, below.
+            fn, capture = recompile(correction, record.graph_key, SMALLEST_PEAK_CANDIDATE)
+            continue
         try:
             fn, capture = recompile(correction, record.graph_key, None)
         except BudgetInfeasibleError:

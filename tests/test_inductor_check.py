@@ -20,6 +20,7 @@ from remat.simulator.kernel_lowering import EXTERN
 from remat.simulator.schedule import memory_steps, partition_nodes
 from remat.wrapper_text import call_body
 from remat.inductor_verdict import judge_plan
+from remat import judge_loop
 from conftest import WITHIN_BUDGET_ACTIONS, assert_grads_close, grads_of, prime_loss_weights, run_step, scale_simulated_peaks
 from remat.testing.zoo import MLP
 
@@ -157,7 +158,7 @@ JUDGE_TABLE = [
     ((900, 940, 950, 1000, True), "accepted", None),
     ((900, 1200, 950, 1000, True), "re-plan", int(950 / (1200 / 900))),
     ((900, 980, 950, 1000, False), "accepted over target", None),
-    ((900, 1200, 950, 1000, False), "over budget", None),
+    ((900, 1200, 950, 1000, False), "over budget", int(950 / (1200 / 900))),
     ((900, None, 950, 1000, True), "unchecked", None),
     ((900, 5000, None, None, True), "accepted", None),
 ]
@@ -170,6 +171,38 @@ def test_judge_table(args, action, new_target):
     assert verdict.accepted_on == ("simulated peak" if args[1] is None else "Inductor-checked peak")
     if new_target is not None:
         assert new_target < args[2]
+
+
+def test_a_plan_over_its_budget_when_the_re_plans_have_run_out_does_not_run(scaled_simulator, tmp_path, monkeypatch):
+    """No re-plan allowed (``MAX_JUDGED_REPLANS`` 0): the wrong simulator's plan checks over the budget and,
+    before session 39, ran so (hf-1491, a T5 with an eager cross-entropy: 1.042x its budget at step 1, after
+    three re-plans). Now it is judged as a refused budget is: a plan that checks under the target runs and
+    the step fits, or the budget is refused naming one that the backend then accepts and fits."""
+    monkeypatch.setattr(judge_loop, "MAX_JUDGED_REPLANS", 0)
+    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    compiled = torch.compile(model, backend="inductor")
+    run_step(compiled, model, inputs)
+    budget_gb = BUDGET_FRACTION * remat.measure_peak_bytes(lambda: run_step(compiled, model, inputs)).peak_bytes / 1e9
+    refused_once = False
+    for _ in range(2):
+        torch._dynamo.reset()
+        model, inputs = make_mlp()
+        backend = remat.backend(budget_gb, inductor_check=True)
+        try:
+            run_step(torch.compile(model, backend=backend), model, inputs)
+        except remat.BudgetInfeasibleError as refused:
+            assert not refused_once and refused.min_budget_gb > budget_gb, "the named budget must be accepted"
+            refused_once, budget_gb = True, refused.min_budget_gb
+            continue
+        close_open_window()
+        break
+    graph = backend.compiled_graphs[0]
+    assert graph.judgement.action != "over budget"
+    assert refused_once or any(v.action == "over budget" for v in graph.judgement.rejected), graph.judgement
+    (event,) = backend.feedback_events
+    assert event.measured_peak_bytes <= backend.options.budget_bytes, (event, graph.judgement)
 
 
 # ---- a small MLP planned by a simulator that is wrong on purpose ------------------------------
