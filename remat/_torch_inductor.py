@@ -29,12 +29,14 @@ in Inductor (torch 2.13.0):
   one buffer would otherwise fuse and run in the earliest region, holding their outputs across the others).
 - ``VERTICAL_FUSION_MAX_DISTANCE`` (remat's, not Inductor's): a loop and a loop reading its result (a
   vertical fusion) fuse in Inductor at any distance; remat's compiles refuse it past the distance
-  ``are_long_distant_nodes`` measures (``fusion_choices``). Fused, the producer runs where its far reader
-  runs, and what it reads stays live until then: on a drawn T5 (hf-1491), each layer's batch-sum of its
-  position-bias gradient fused with the sum over layers at the end of the backward, holding every layer's
-  attention probabilities and their gradients (1 MB each) to that kernel; the smallest-peak plan's code peaked
-  at 16.18 MB (simulated 10.88), 10.93 MB with the veto. Off (None) where the user set
-  ``inductor_choices_class``: theirs stands, and the simulator follows Inductor's rule.
+  ``are_long_distant_nodes`` measures when the reader also needs work scheduled after the producer
+  (``fusion_choices``; a reader whose inputs are all ready where the producer runs fuses at any distance).
+  Fused, such a pair runs as one kernel, and what the producer reads stays live until the reader's other
+  inputs exist: on a drawn T5 (hf-1491), each layer's batch-sum of its position-bias gradient fused with
+  the sum over layers at the end of the backward, holding every layer's attention probabilities and their
+  gradients (1 MB each) to that kernel; the smallest-peak plan's code peaked at 16.18 MB (simulated
+  10.88), 10.93 MB with the veto. Off (None) where the user set ``inductor_choices_class``: theirs
+  stands, and the simulator follows Inductor's rule.
 - ``cpp.max_horizontal_fusion_size``: the CPU backend fuses two kernels horizontally only while they
   hold at most this many scheduler nodes together (``codegen/cpp.py: CppScheduling.can_fuse_horizontal``).
 - ``fallback_random``: random ops run ATen's generator, and the post-grad pass chains every op tagged
@@ -135,8 +137,9 @@ def inductor_config() -> InductorConfig:
 def fusion_choices_class() -> type:
     """Inductor's heuristics (``torch._inductor.choices.InductorChoices``) with one more rule: no
     vertical fusion of two scheduler nodes that ``Scheduler.are_long_distant_nodes`` calls far apart
-    (more than ``VERTICAL_FUSION_MAX_DISTANCE``). Inductor applies that test to horizontal fusions
-    only; the vertical case holds a producer's inputs live until its far reader runs (module docstring)."""
+    (more than ``VERTICAL_FUSION_MAX_DISTANCE``) where the reader also needs work scheduled after the
+    producer (``_needs_later_work``). Inductor applies the distance test to horizontal fusions only; the
+    vertical case holds a producer's inputs live until its far reader runs (module docstring)."""
     from torch._inductor.choices import InductorChoices
 
     class RematFusionChoices(InductorChoices):
@@ -146,10 +149,22 @@ def fusion_choices_class() -> type:
 
         @staticmethod
         def can_fuse_vertical(scheduler, node1, node2, shared_data_score):  # type: ignore[no-untyped-def]
-            return (not scheduler.are_long_distant_nodes(node1, node2)
-                    and InductorChoices.can_fuse_vertical(scheduler, node1, node2, shared_data_score))
+            if scheduler.are_long_distant_nodes(node1, node2) and _needs_later_work(scheduler, node1, node2):
+                return False
+            return InductorChoices.can_fuse_vertical(scheduler, node1, node2, shared_data_score)
 
     return RematFusionChoices
+
+
+def _needs_later_work(scheduler, producer, reader) -> bool:  # type: ignore[no-untyped-def]
+    """Whether ``reader`` depends on an operation scheduled after ``producer``'s last member (orders as
+    ``Scheduler.compute_ancestors`` numbered them): fused, the kernel cannot run where the producer ran
+    without moving that work, and what the producer reads is held meanwhile. A reader whose inputs are
+    all ready there (an output the forward saves, computed from a LayerNorm's statistics) still fuses."""
+    own = producer.get_operation_names()
+    nodes = scheduler.name_to_node
+    return any(nodes[name].max_order > producer.max_order for name in reader.ancestors
+               if name not in own and name in nodes)
 
 
 def _remat_choices_apply() -> bool:

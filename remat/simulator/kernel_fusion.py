@@ -70,8 +70,9 @@ def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froze
     ``horizontal_fusion_max_distance`` nodes between their farthest members (``choices.py:
     can_fuse_horizontal``), so recomputed loops of distant backward regions stay in their regions.
     The distance counts Inductor's scheduler nodes (``scheduler_orders``), not the model's. A vertical
-    fusion (one reads the other's results) is refused past ``vertical_fusion_max_distance`` (remat's
-    compiles, ``_torch_inductor.fusion_choices``; None: at any distance, as Inductor alone fuses).
+    fusion (one reads the other's results) is refused past ``vertical_fusion_max_distance`` when the
+    reader also needs a node after the producer's last member (remat's compiles,
+    ``_torch_inductor.fusion_choices``; None: at any distance, as Inductor alone fuses).
     ``after``: ordering-only dependencies (``seeded_chain``), which make two loops dependent too."""
     index = {n: i for i, n in enumerate(nodes)}
     orders = scheduler_orders(nodes, ops)
@@ -111,6 +112,7 @@ def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froze
     anc = dict(ancestors)
     desc = dict(descendants)
     span = {n: orders[n] for n in nodes}     # a kernel's first and last member (Inductor's min/max_order)
+    last = dict(index)                        # a kernel's last member's place in ``nodes``
     for a, b in pairs:
         ra, rb = sets.find(a), sets.find(b)
         if ra == rb or count[ra] + count[rb] > config.max_fusion_size:
@@ -125,13 +127,16 @@ def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froze
             continue  # horizontal (neither reads the other): too little shared, too far apart, too big for the CPU
         if (config.vertical_fusion_max_distance is not None and (anc[rb] & bits[ra] or anc[ra] & bits[rb])
                 and max(span[rb][1] - span[ra][0], span[ra][1] - span[rb][0]) > config.vertical_fusion_max_distance):
-            continue  # vertical, too far apart: remat's compiles refuse it (``_torch_inductor.fusion_choices``)
+            producer, consumer = (ra, rb) if anc[rb] & bits[ra] else (rb, ra)
+            if (anc[consumer] & ~inside) >> (last[producer] + 1):
+                continue  # vertical, far apart, the reader needing later work: refused (``_torch_inductor.fusion_choices``)
         if (desc[ra] & anc[rb] & ~inside) or (desc[rb] & anc[ra] & ~inside):
             continue  # a path leaves one kernel and re-enters the other: fusing makes a cycle
         root = sets.union(ra, rb)
         bits[root] = inside
         count[root] = count[ra] + count[rb]
         span[root] = (min(span[ra][0], span[rb][0]), max(span[ra][1], span[rb][1]))
+        last[root] = max(last[ra], last[rb])
         anc[root] = anc[ra] | anc[rb]
         desc[root] = desc[ra] | desc[rb]
     return sets, ancestors, index
