@@ -167,8 +167,22 @@ def _needs_later_work(scheduler, producer, reader) -> bool:  # type: ignore[no-u
                if name not in own and name in nodes)
 
 
+def _choices_supported() -> bool:
+    """Whether this torch has the hooks ``fusion_choices`` uses (checked on 2.13.0; elsewhere remat compiles,
+    and its simulator plans, with Inductor's own fusion rules)."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.scheduler import Scheduler
+
+    return (hasattr(config, "inductor_choices_class") and hasattr(InductorChoices, "can_fuse_vertical")
+            and hasattr(Scheduler, "are_long_distant_nodes"))
+
+
 def _remat_choices_apply() -> bool:
-    """Whether a compile of remat's runs under ``fusion_choices_class`` (the user set no choices of their own)."""
+    """Whether a compile of remat's runs under ``fusion_choices_class`` (the hooks exist and the user set no
+    choices of their own)."""
+    if not _choices_supported():
+        return False
     from torch._inductor import config
 
     chosen = config.inductor_choices_class
@@ -184,7 +198,7 @@ def fusion_choices() -> Iterator[None]:
     from torch._inductor import config
     from torch._inductor.virtualized import V
 
-    if config.inductor_choices_class is not None:
+    if not _choices_supported() or config.inductor_choices_class is not None:
         yield
         return
     chosen = fusion_choices_class()
