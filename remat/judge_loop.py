@@ -70,6 +70,7 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     # a plan made under the feedback loop's correction (measured over its budget, here or in an earlier
     # process) is not searched for room: the search would loosen what a measured step tightened
     searched = compiled_graphs[-1].correction is None
+    ran_out = False       # the re-plans ran out over the budget (see "over budget" below)
 
     def room_searched(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn if not searched else faster_within_check(fn, compiled_graphs, functools.partial(
@@ -90,7 +91,7 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
                 candidates = tuple((kind, functools.partial(_checked_candidate, compile_candidate, record, kind,
                                                             device_type, outputs_held)) for kind in kinds)
             return room_searched(overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(
-                checked, record.plan.predicted_peak_bytes), candidates, rejected))
+                checked, record.plan.predicted_peak_bytes), candidates, rejected, within_budget_runs=ran_out))
         target = record.base_target_bytes if record.check_target_bytes is None else record.check_target_bytes
         verdict = judge_plan(record.plan.predicted_peak_bytes, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                              target, record.plan.budget_bytes,
@@ -119,7 +120,10 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         if verdict.action == "over budget":
             # The re-plans ran out and this plan's code peaks over the budget itself: it must not run (it did
             # until session 39: hf-1491, a T5 with an eager cross-entropy, measured 1.042x its budget at step 1).
-            # The smallest-peak plan at the corrected target is judged as a refused budget is, below.
+            # The smallest-peak plan at the corrected target is judged as a refused budget is, below, except that
+            # the lowest-checked plan runs where it is within the budget, as this plan would have ("accepted
+            # over target"), rather than being refused for the check's headroom.
+            ran_out = True
             fn, capture = recompile(correction, record.graph_key, SMALLEST_PEAK_CANDIDATE)
             continue
         try:
@@ -276,7 +280,7 @@ def refused_at(replan: Any, target_bytes: Optional[int]) -> bool:
 def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
                        checked_peak_bytes: Optional[int],
                        candidates: Sequence[tuple[str, Callable[[], tuple[Callable[..., Any], Optional[CheckedPeak]]]]] = (),
-                       rejected: tuple[Judgement, ...] = ()) -> Callable[..., Any]:
+                       rejected: tuple[Judgement, ...] = (), within_budget_runs: bool = False) -> Callable[..., Any]:
     """Inductor's verdict on the smallest-peak plan of a budget the simulator refused (the last record of
     ``compiled_graphs``; ``checked_peak_bytes``: its trusted checked peak, ``trusted_peak_bytes``): at or
     under the planning target, the plan runs (the simulator over-predicted it) and the record carries
@@ -288,7 +292,10 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     Otherwise the records leave ``compiled_graphs`` and the refusal is raised, naming the budget whose
     target holds the lowest checked peak, above or below the simulator's figure
     (``inductor_verdict.named_budget_after_check``). ``rejected``: the verdicts on
-    plans judged before this refusal (a corrected re-plan the simulator refused), kept in the verdict."""
+    plans judged before this refusal (a corrected re-plan the simulator refused), kept in the verdict.
+    ``within_budget_runs`` (the judge's re-plans ran out over the budget): before refusing, the
+    lowest-checked plan runs if its checked peak is within the budget itself ("accepted over target", the
+    verdict ``judge_plan`` gives a last re-plan within its budget)."""
     record = compiled_graphs[-1]
     assert record.refusal is not None
     error, target_bytes = record.refusal.error, record.refusal.target_bytes
@@ -305,7 +312,7 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     compiled_graphs.pop()
     log.info("remat %s: the simulator's refusal stands on Inductor's check (simulated %d bytes, checked %s, "
              "target %d)", record.graph_id, record.plan.predicted_peak_bytes, checked_peak_bytes, target_bytes)
-    smallest = record
+    smallest, standing_fn = record, fn
     # the smallest-peak plan stands on its trusted checked peak, else on its simulated one (a check lower
     # than the simulation that cannot see every allocation is not trusted): a candidate's checked peak
     # replaces it only when lower than that
@@ -331,7 +338,14 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
         compiled_graphs.pop()
         judged += (other_verdict,)
         if candidate_checked is not None and candidate_checked < standing_bytes:
-            record, checked_peak_bytes, standing_bytes = other, candidate_checked, candidate_checked
+            record, checked_peak_bytes, standing_bytes, standing_fn = other, candidate_checked, candidate_checked, candidate_fn
+    if within_budget_runs and checked_peak_bytes is not None and checked_peak_bytes <= error.budget_bytes:
+        kept = Judgement("accepted over target: the judge's re-plans ran out; the lowest-checked plan is within the budget",
+                         record.plan.predicted_peak_bytes, checked_peak_bytes, record.refusal.target_bytes,
+                         error.budget_bytes, checked_peak_bytes / max(record.plan.predicted_peak_bytes, 1), rejected=judged)
+        compiled_graphs.append(dataclasses.replace(record, judgement=kept))
+        annotate_dump(record.dump_path, kept)
+        return standing_fn
     named = named_budget_after_check(record.refusal, checked_peak_bytes)
     if named is not None and named != error.min_budget_bytes:
         error = BudgetInfeasibleError(
