@@ -86,7 +86,8 @@ def _far_pair_ops() -> list[GraphOp]:
 
 def test_a_consumer_fuses_with_its_far_producer_in_inductor_alone_not_under_remats_choices():
     """Inductor alone has no distance rule for vertical fusion (``vertical_fusion_max_distance=None``);
-    remat's compiles refuse it past the horizontal rule's distance (``_torch_inductor.fusion_choices``)."""
+    remat's compiles refuse it past the horizontal rule's distance where the reader also needs work done
+    after the producer (``_torch_inductor.fusion_choices``)."""
     def fused(**config) -> bool:
         schedule = schedule_kernels(_far_pair_ops(), {"x": NBYTES, "w": NBYTES},
                                     config=dataclasses.replace(inductor_config(), **config))
@@ -94,8 +95,12 @@ def test_a_consumer_fuses_with_its_far_producer_in_inductor_alone_not_under_rema
 
     assert inductor_config().vertical_fusion_max_distance == VERTICAL_FUSION_MAX_DISTANCE
     assert fused(vertical_fusion_max_distance=None)
-    assert not fused()
+    assert not fused()          # b fuses with c, which also reads m0, computed after a
     assert fused(vertical_fusion_max_distance=HORIZONTAL_FUSION_MAX_DISTANCE + 8)
+    # a far reader that needs nothing computed after the producer still fuses (it runs where the producer runs)
+    alone = [op for op in _far_pair_ops() if op.name != "c"]     # a stays stored (marked as read twice)
+    schedule = schedule_kernels(alone, {"x": NBYTES, "w": NBYTES})
+    assert any({"a", "b"} <= set(k.ops) for k in schedule.kernels)
 
 
 def _reduction_fused_with_far_reader(choices: bool) -> bool:
