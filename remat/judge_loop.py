@@ -120,11 +120,16 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         if verdict.action == "over budget":
             # The re-plans ran out and this plan's code peaks over the budget itself: it must not run (it did
             # until session 39: hf-1491, a T5 with an eager cross-entropy, measured 1.042x its budget at step 1).
-            # The smallest-peak plan at the corrected target is judged as a refused budget is, below, except that
-            # the lowest-checked plan runs where it is within the budget, as this plan would have ("accepted
-            # over target"), rather than being refused for the check's headroom.
+            # The smallest-peak plan is compiled as a refusal's record (planned at a 1-byte target, which no plan
+            # meets: planned at the corrected target, a plan that fits it came back as a plan to judge again, and
+            # HF GPT-2 re-planned without end) and judged as a refused budget is, below, except that the
+            # lowest-checked plan runs where it is within the budget, as this plan would have ("accepted over
+            # target"), rather than being refused for the check's headroom.
+            if ran_out:
+                raise passthrough_error_class(BudgetInfeasibleError)(_over_budget_again(record, verdict))
             ran_out = True
-            fn, capture = recompile(correction, record.graph_key, SMALLEST_PEAK_CANDIDATE)
+            smallest = dataclasses.replace(correction, factor=record.base_target_bytes / 1.0)
+            fn, capture = recompile(smallest, record.graph_key, SMALLEST_PEAK_CANDIDATE)
             continue
         try:
             fn, capture = recompile(correction, record.graph_key, None)
@@ -140,6 +145,20 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
             # any refusal (``overrule_or_refuse``: then the free min-cut plan, then the refusal).
             fn, capture = recompile(correction, record.graph_key, SMALLEST_PEAK_CANDIDATE)
     raise AssertionError("unreachable")
+
+
+def _over_budget_again(record: "CompiledGraph", verdict: Judgement) -> BudgetInfeasibleError:
+    """The refusal of a budget whose smallest-peak plan, planned at a 1-byte target and so expected to come back
+    refused, was accepted by the simulator and still checks over the budget (a graph whose plans simulate at
+    almost nothing): named at the budget whose check target, in proportion, holds the checked peak."""
+    budget, checked, target = verdict.budget_bytes, verdict.checked_peak_bytes, verdict.target_bytes
+    assert budget is not None and checked is not None and target
+    named = -(-checked * budget // target)
+    return BudgetInfeasibleError(
+        f"budget {format_bytes(budget)} is below the smallest feasible budget {format_gb_up(named)} GB: "
+        f"{record.graph_id}'s smallest-peak plan's generated code peaks at {checked:,} bytes as Inductor compiled it "
+        f"(the simulator predicted {verdict.simulated_peak_bytes:,}). " + raise_budget_hint(named),
+        budget_bytes=budget, min_feasible_bytes=checked, min_budget_bytes=named, reasons=())
 
 
 class NoFasterPlan(Exception):
