@@ -70,7 +70,7 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     # a plan made under the feedback loop's correction (measured over its budget, here or in an earlier
     # process) is not searched for room: the search would loosen what a measured step tightened
     searched = compiled_graphs[-1].correction is None
-    ran_out = False       # the re-plans ran out over the budget (see "over budget" below)
+    ran_out: Optional[Correction] = None    # the re-plans ran out over the budget: their last correction (below)
 
     def room_searched(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn if not searched else faster_within_check(fn, compiled_graphs, functools.partial(
@@ -90,8 +90,13 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
                 kinds = (FREE_MINCUT_CANDIDATE,) if record.facts is None else refusal_candidates(record.facts, record.plan)
                 candidates = tuple((kind, functools.partial(_checked_candidate, compile_candidate, record, kind,
                                                             device_type, outputs_held)) for kind in kinds)
-            return room_searched(overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(
-                checked, record.plan.predicted_peak_bytes), candidates, rejected, within_budget_runs=ran_out))
+            accepted = overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
+                                          candidates, rejected, within_budget_runs=ran_out is not None)
+            if ran_out is not None:
+                # the plan kept carries the correction of the re-plans, not the 1-byte target it was found at
+                # (a step's or the feedback loop's later re-plan starts from a record's correction)
+                compiled_graphs[-1] = dataclasses.replace(compiled_graphs[-1], correction=ran_out)
+            return room_searched(accepted)
         target = record.base_target_bytes if record.check_target_bytes is None else record.check_target_bytes
         verdict = judge_plan(record.plan.predicted_peak_bytes, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                              target, record.plan.budget_bytes,
@@ -125,10 +130,11 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
             # HF GPT-2 re-planned without end) and judged as a refused budget is, below, except that the
             # lowest-checked plan runs where it is within the budget, as this plan would have ("accepted over
             # target"), rather than being refused for the check's headroom.
-            if ran_out:
+            if ran_out is not None:
                 raise passthrough_error_class(BudgetInfeasibleError)(_over_budget_again(record, verdict))
-            ran_out = True
-            smallest = dataclasses.replace(correction, factor=record.base_target_bytes / 1.0)
+            ran_out = correction
+            smallest = dataclasses.replace(correction, factor=record.base_target_bytes / 1.0, foreseen=True,
+                                           source="the judge's re-plans ran out: the smallest-peak plan")
             fn, capture = recompile(smallest, record.graph_key, SMALLEST_PEAK_CANDIDATE)
             continue
         try:

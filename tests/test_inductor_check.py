@@ -201,6 +201,9 @@ def test_a_plan_over_its_budget_when_the_re_plans_have_run_out_does_not_run(scal
     graph = backend.compiled_graphs[0]
     assert graph.judgement.action != "over budget"
     assert refused_once or any(v.action == "over budget" for v in graph.judgement.rejected), graph.judgement
+    # the plan kept carries the correction of the check's re-plan (a later re-plan starts from it), not the
+    # 1-byte target its smallest-peak plan was searched at
+    assert graph.correction is None or graph.correction.factor < 10, graph.correction
     (event,) = backend.feedback_events
     assert event.measured_peak_bytes <= backend.options.budget_bytes, (event, graph.judgement)
 
