@@ -202,7 +202,9 @@ def fusion_choices() -> Iterator[None]:
         yield
         return
     chosen = fusion_choices_class()
-    with config.patch(inductor_choices_class=chosen), V.set_choices_handler(chosen()):
+    # the handler first: setting it makes the thread's default handler (from the config as it is now) the one
+    # restored on exit; made under the patched config, remat's choices would stay the thread's handler for good
+    with V.set_choices_handler(chosen()), config.patch(inductor_choices_class=chosen):
         yield
 
 

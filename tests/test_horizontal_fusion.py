@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from remat._torch_inductor import (HORIZONTAL_FUSION_MAX_DISTANCE, VERTICAL_FUSION_MAX_DISTANCE, fusion_choices,
-                                   inductor_config)
+                                   fusion_choices_class, inductor_config)
 from remat.simulator.kernel_lowering import EXTERN, POINTWISE, GraphOp
 from remat.simulator.kernel_schedule import schedule_kernels
 
@@ -131,3 +131,24 @@ def test_inductors_code_fuses_a_far_reduction_into_its_reader_except_under_remat
     assert _reduction_fused_with_far_reader(choices=False)
     assert not _reduction_fused_with_far_reader(choices=True)
     assert _reduction_fused_with_far_reader(choices=False)
+
+
+def test_remats_choices_leave_a_threads_handler_as_they_found_it():
+    """A thread whose first Inductor compile is remat's keeps Inductor's own handler after it (found by CI: the
+    handler Inductor makes lazily was made under remat's patched config, and every later plain compile in
+    that thread ran under remat's rule)."""
+    import threading
+
+    from torch._inductor.virtualized import V
+
+    seen = []
+
+    def first_compile_is_remats() -> None:
+        with fusion_choices():
+            seen.append(type(V.choices))
+        seen.append(type(V.choices))
+
+    thread = threading.Thread(target=first_compile_is_remats)
+    thread.start()
+    thread.join()
+    assert seen[0] is fusion_choices_class() and seen[1] is not fusion_choices_class(), seen
