@@ -107,8 +107,8 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         log.info("remat %s: %s on Inductor's check, %s", record.graph_id, verdict.action, verdict)
         if verdict.action == "accepted":
             return room_searched(fn)
-        if verdict.action not in ("re-plan", "over budget"):
-            return fn
+        if verdict.action not in ("re-plan", "over budget") or not record.plan.fits_budget:
+            return fn       # (a plan that does not fit even as simulated runs only as best_effort=True asked)
         assert verdict.new_target_bytes is not None and verdict.checked_peak_bytes is not None
         assert record.base_target_bytes is not None and verdict.target_bytes is not None
         # the graph's room shrinks by what the check found over (for a graph alone: the target becomes
