@@ -120,13 +120,13 @@ def fuse(nodes: list[str], ops: Mapping[str, GraphOp], loads: Mapping[str, froze
         if not _loops_match(ops[a], ops[b]):
             continue
         inside = bits[ra] | bits[rb]
-        if not (anc[rb] & bits[ra] or anc[ra] & bits[rb]) and (
-                scored[(a, b)] < config.score_fusion_memory_threshold
-                or max(span[rb][1] - span[ra][0], span[ra][1] - span[rb][0]) > config.horizontal_fusion_max_distance
-                or count[ra] + count[rb] > config.cpp_max_horizontal_fusion_size):
+        vertical = bool(anc[rb] & bits[ra] or anc[ra] & bits[rb])     # one reads the other's results
+        apart = max(span[rb][1] - span[ra][0], span[ra][1] - span[rb][0])
+        if not vertical and (scored[(a, b)] < config.score_fusion_memory_threshold
+                             or apart > config.horizontal_fusion_max_distance
+                             or count[ra] + count[rb] > config.cpp_max_horizontal_fusion_size):
             continue  # horizontal (neither reads the other): too little shared, too far apart, too big for the CPU
-        if (config.vertical_fusion_max_distance is not None and (anc[rb] & bits[ra] or anc[ra] & bits[rb])
-                and max(span[rb][1] - span[ra][0], span[ra][1] - span[rb][0]) > config.vertical_fusion_max_distance):
+        if vertical and config.vertical_fusion_max_distance is not None and apart > config.vertical_fusion_max_distance:
             producer, consumer = (ra, rb) if anc[rb] & bits[ra] else (rb, ra)
             if (anc[consumer] & ~inside) >> (last[producer] + 1):
                 continue  # vertical, far apart, the reader needing later work: refused (``_torch_inductor.fusion_choices``)
