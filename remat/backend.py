@@ -284,8 +284,8 @@ class RematBackend:
                                 measured=scratch_key(facts))
 
         def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
-                    best_effort: Optional[bool] = None) -> Plan:
-            return planner(request.at(target_bytes, saved_cap_bytes, best_effort))
+                    best_effort: Optional[bool] = None, saved_cap_search: str = "greedy") -> Plan:
+            return planner(request.at(target_bytes, saved_cap_bytes, best_effort, saved_cap_search))
         refusal, asked_share = None, share
         judged_by = lambda sh: check_rule(sh, correction, self.options, device_type, modeled)  # noqa: E731
         candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan

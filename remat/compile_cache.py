@@ -120,7 +120,7 @@ class CachedPlanner:
         if not request.best_effort:
             return None
         refused = self._answers.get(plan_cache.plan_key(*self._parts, request=request.at(
-            request.target_bytes, request.saved_cap_bytes, best_effort=False).cache_repr()))
+            request.target_bytes, request.saved_cap_bytes, False, request.saved_cap_search).cache_repr()))
         return refused[2].get("best_effort_plan") if isinstance(refused, tuple) else None
 
     def _answer(self, request: "PlanningRequest") -> Any:

@@ -141,6 +141,7 @@ class PlanningRequest:
     solver: str = "greedy"
     milp_time_limit_s: float = DEFAULT_MILP_TIME_LIMIT_S
     saved_cap_bytes: Optional[int] = None     # DDP / FSDP2: the saved bytes a held graph may keep
+    saved_cap_search: str = "greedy"          # how the cap is met (``held_cap.SAVED_CAP_SEARCHES``)
 
     def target_for(self, budget_bytes: int) -> int:
         """The planning target this request's rule gives a budget of ``budget_bytes``. Non-decreasing."""
@@ -155,10 +156,11 @@ class PlanningRequest:
         return f"{dataclasses.replace(self, correction=None)!r}, correction factor {factor!r}"
 
     def at(self, target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
-           best_effort: Optional[bool] = None) -> "PlanningRequest":
-        """The same request at another target (and cap, and best effort: unchanged when None)."""
+           best_effort: Optional[bool] = None, saved_cap_search: str = "greedy") -> "PlanningRequest":
+        """The same request at another target (and cap and its search; and best effort: unchanged when None)."""
         return dataclasses.replace(self, target_bytes=target_bytes, saved_cap_bytes=saved_cap_bytes,
-                                   best_effort=self.best_effort if best_effort is None else best_effort)
+                                   best_effort=self.best_effort if best_effort is None else best_effort,
+                                   saved_cap_search=saved_cap_search)
 
 
 def budget_request(budget_bytes: Optional[int], best_effort: bool = False) -> PlanningRequest:
@@ -219,7 +221,8 @@ def plan_graph(facts: JointGraphFacts, request: PlanningRequest) -> Plan:
     """``make_plan`` for ``request`` (see there for what the plan guarantees and what it raises)."""
     return make_plan(facts, request.budget_bytes, target_bytes=request.target_bytes, best_effort=request.best_effort,
                      solver=request.solver, milp_time_limit_s=request.milp_time_limit_s,
-                     saved_cap_bytes=request.saved_cap_bytes, target_for_budget=request.target_for)
+                     saved_cap_bytes=request.saved_cap_bytes, target_for_budget=request.target_for,
+                     saved_cap_search=request.saved_cap_search)
 
 
 FREE_MINCUT_CANDIDATE = "free min-cut"

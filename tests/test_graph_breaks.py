@@ -119,19 +119,19 @@ def test_the_leanest_plan_is_the_least_held_plus_peak_near_the_smallest_peak():
     """A planner (plain numbers) whose smallest peak, 100, saves 60 uncapped; at 135 (the last target
     near it) a plan peaks at 130 saving 5; capped at 0 saved, the smallest peak's target plans at
     peak 100 saving 10, the last target's at 130 saving 2: the leanest is (100, 10), as
-    110 < 132 < 135 < 160, and capped plans are asked at the first and the last target only."""
+    110 < 132 < 135 < 160, and capped plans are asked at the first and the last target only, in one pass."""
     from types import SimpleNamespace
 
     from remat.step_fit import leanest_plan
 
     capped_targets = []
 
-    def plan_at(target, saved_cap_bytes=None):
+    def plan_at(target, saved_cap_bytes=None, saved_cap_search="greedy"):
         if target < 100:
             raise BudgetInfeasibleError("no plan", budget_bytes=0, min_feasible_bytes=100, min_budget_bytes=0,
                                         reasons=())
         if saved_cap_bytes is not None:
-            capped_targets.append(target)
+            capped_targets.append((target, saved_cap_search))
             if target >= 135:
                 return SimpleNamespace(predicted_peak_bytes=130, saved=2, target_bytes=target)
             return SimpleNamespace(predicted_peak_bytes=100, saved=10, target_bytes=target)
@@ -140,7 +140,8 @@ def test_the_leanest_plan_is_the_least_held_plus_peak_near_the_smallest_peak():
         return SimpleNamespace(predicted_peak_bytes=100, saved=60, target_bytes=target)
 
     plan = leanest_plan(plan_at, lambda p: p.saved)
-    assert (plan.saved, plan.predicted_peak_bytes) == (10, 100) and capped_targets == [100, 135]
+    assert (plan.saved, plan.predicted_peak_bytes) == (10, 100)
+    assert capped_targets == [(100, "one-pass"), (135, "one-pass")], "a provisional plan's cap is met in one pass"
 
 
 COPIES_TABLE = [
@@ -171,7 +172,7 @@ def test_the_leanest_plan_admits_the_most_graphs_like_it_before_the_least_held_p
 
     from remat.step_fit import leanest_plan
 
-    def plan_at(target, saved_cap_bytes=None):
+    def plan_at(target, saved_cap_bytes=None, saved_cap_search="greedy"):
         if target < 100:
             raise BudgetInfeasibleError("no plan", budget_bytes=0, min_feasible_bytes=100, min_budget_bytes=0,
                                         reasons=())

@@ -92,3 +92,40 @@ def test_pruned_rounds_pick_what_simulating_every_drop_picks(model):
             pruned = reduce_saved_bytes(facts, start, target, 0)
             assert pruned.chosen == _every_drop_simulated(facts, start, target, 0).chosen
             assert pruned.chosen != start.chosen, "the case must drop something"
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_one_pass_keeps_the_guarantees_with_one_simulation_per_saved_value(model, monkeypatch):
+    """``search="one-pass"`` (step 1's provisional plans at a graph break): on zoo models at a tight, a
+    middle and a loose target, saving nothing (cap 0), the result peaks within the limit, saves less than
+    the start, keeps every value that may not be recomputed, and simulates at most once per saved value."""
+    from remat.passes import held_cap
+    from remat.passes.recompute_bans import why_not_recomputable
+    from test_plan_hashes import budgets_between, trace
+
+    simulations = []
+
+    def counted(facts, chosen):
+        simulations.append(chosen)
+        return evaluate(facts, chosen)
+
+    monkeypatch.setattr(held_cap, "evaluate", counted)
+    for facts in trace(model):
+        for _, target in budgets_between(facts):
+            start = evaluate(facts, frozenset(make_plan(facts, target).saved))
+            simulations.clear()
+            one_pass = reduce_saved_bytes(facts, start, target, 0, search="one-pass")
+            assert one_pass.peak_bytes <= max(target, start.peak_bytes)
+            assert saved_bytes_of(facts, one_pass) < saved_bytes_of(facts, start), "the case must drop something"
+            assert {n for n in start.chosen if why_not_recomputable(facts, n) is not None} <= one_pass.chosen
+            assert len(simulations) <= len(start.chosen)
+
+
+def test_the_cap_search_is_checked_and_keys_the_plan_cache(facts):
+    from remat.pipeline import PlanningRequest
+
+    with pytest.raises(ValueError, match="saved-cap search 'fast'"):
+        make_plan(facts, 100 * MIB, saved_cap_bytes=0, saved_cap_search="fast")
+    request = PlanningRequest(100 * MIB, 100 * MIB)
+    assert request.at(MIB, 0).cache_repr() != request.at(MIB, 0, saved_cap_search="one-pass").cache_repr()
+    assert make_plan(facts, 100 * MIB, saved_cap_bytes=MIB, saved_cap_search="one-pass").saved_bytes <= MIB

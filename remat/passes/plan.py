@@ -266,6 +266,7 @@ def make_plan(
     milp_time_limit_s: float = DEFAULT_MILP_TIME_LIMIT_S,
     saved_cap_bytes: Optional[int] = None,
     target_for_budget: Optional[Callable[[int], int]] = None,
+    saved_cap_search: str = "greedy",
 ) -> Plan:
     """Plan one joint graph.
 
@@ -288,12 +289,13 @@ def make_plan(
     run): once a plan meets the target, stop saving values while ``Plan.saved_bytes`` is over
     the cap, without raising the simulated peak over the target (``held_cap.reduce_saved_bytes``);
     the plan may still be over the cap, and ``Plan.saved_bytes`` says by how much.
+    ``saved_cap_search`` is that pass's search (``held_cap.SAVED_CAP_SEARCHES``).
     """
     t0 = time.perf_counter()
     _check_solver(facts, solver, milp_time_limit_s)
     with _cyclic_gc_paused():
         return _make_plan(facts, budget_bytes, target_bytes, best_effort, solver, milp_time_limit_s, t0,
-                          saved_cap_bytes, target_for_budget)
+                          saved_cap_bytes, target_for_budget, saved_cap_search)
 
 
 def _proportional_rule(budget_bytes: int, target_bytes: int) -> Callable[[int], int]:
@@ -325,7 +327,7 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes: Optional[int], best_effort: bool,
                solver: str, milp_time_limit_s: float, t0: float, saved_cap_bytes: Optional[int] = None,
-               target_for_budget: Optional[Callable[[int], int]] = None) -> Plan:
+               target_for_budget: Optional[Callable[[int], int]] = None, saved_cap_search: str = "greedy") -> Plan:
     """``make_plan``'s work, once the solver is checked (see there)."""
     target = budget_bytes if target_bytes is None else target_bytes
     no_remat = evaluate(facts, _save_all(facts))
@@ -348,7 +350,7 @@ def _make_plan(facts: JointGraphFacts, budget_bytes: Optional[int], target_bytes
         chosen, dropped, used, smallest = _solve(facts, target, solver, milp_time_limit_s, starts, no_remat)
     fits = chosen is not None
     if chosen is not None and target is not None and saved_cap_bytes is not None:
-        capped = reduce_saved_bytes(facts, chosen, target, saved_cap_bytes)
+        capped = reduce_saved_bytes(facts, chosen, target, saved_cap_bytes, saved_cap_search)
         no_longer_saved = chosen.chosen - capped.chosen
         dropped += tuple(n for n in facts.order if n in no_longer_saved)
         chosen = capped
