@@ -208,6 +208,28 @@ def test_a_plan_over_its_budget_when_the_re_plans_have_run_out_does_not_run(scal
     assert event.measured_peak_bytes <= backend.options.budget_bytes, (event, graph.judgement)
 
 
+def test_a_smallest_peak_plan_the_blind_simulator_fits_and_the_check_puts_over_the_budget_is_refused(
+        tmp_path, monkeypatch):
+    """A simulator that puts every plan at 0 bytes (``scale_simulated_peaks`` at 0) with no re-plan allowed: the
+    ran-out route's smallest-peak plan, planned at a 1-byte target to come back refused, is accepted by that
+    simulator and checks over the budget again. It must not run: the budget is refused
+    (``judge_loop._over_budget_again``), naming a budget at least the checked peak."""
+    scale_simulated_peaks(monkeypatch, 0.0)
+    monkeypatch.setattr(judge_loop, "MAX_JUDGED_REPLANS", 0)
+    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    compiled = torch.compile(model, backend="inductor")
+    run_step(compiled, model, inputs)
+    budget_gb = BUDGET_FRACTION * remat.measure_peak_bytes(lambda: run_step(compiled, model, inputs)).peak_bytes / 1e9
+    torch._dynamo.reset()
+    model, inputs = make_mlp()
+    with pytest.raises(remat.BudgetInfeasibleError) as refused:
+        run_step(torch.compile(model, backend=remat.backend(budget_gb, inductor_check=True)), model, inputs)
+    assert "smallest-peak plan's generated code peaks at" in str(refused.value), refused.value
+    assert refused.value.min_budget_bytes >= refused.value.min_feasible_bytes > budget_gb * 1e9
+
+
 # ---- a small MLP planned by a simulator that is wrong on purpose ------------------------------
 
 SIM_SCALE = 0.7             # the wrong simulator's peaks are 70% of the real simulator's
