@@ -74,11 +74,11 @@ def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
     """The candidate plan that admits the most graphs like this one in the step (``copies``,
     ``copies_admitted``), then the least ``held + peak``. The candidates: the plans near the
     smallest simulated peak (``distributed_search.near_smallest``) and the plans saving least at the
-    first and the last of those targets (cap 0 saved), met in one pass (``saved_cap_search="one-pass"``,
-    ``held_cap.reduce_saved_bytes_in_one_pass``): this plan runs one step, so its recompute time counts
-    for little (a cold HF GPT-2's first step on the 2-core VM, another job running: the greedy's exact
-    cap took 4.5 and 5.3 s, one pass 1.2 and 2.1 s; the plan taken held 3.10 MB where it held 3.03 MB,
-    the same copies). Why both ends: at the smallest peak's target alone a lower
+    first and the last of those targets (cap 0 saved), searched one pass first (``saved_cap_search=
+    "one-pass-first"``, ``held_cap.reduce_saved_bytes``): this plan runs one step, so its recompute time
+    counts for little, and what it holds decides the step's floor (hf-1497, a drawn GPT-2 split before its
+    loss, on the 2-core VM: the greedy alone took 2.1 and 6.4 s for the two caps, this search 1.8 and 1.8 s,
+    both holding 0.86 MB; one pass alone held 1.11 MB, and the floor named rose 10%). Why both ends: at the smallest peak's target alone a lower
     smallest peak can leave only plans holding much. Why copies: the later graphs are unknown, so
     each is taken to be like this one (its plan, its gradients); the step then fits with as many of
     them as the plan admits, and what this graph holds and its peak both count (a plan whose own run
@@ -99,6 +99,6 @@ def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
         if not near:
             raise
     ends = near[:1] + near[-1:] if len(near) > 1 else near[:1]
-    one_pass = lambda target, cap: plan_at(target, cap, saved_cap_search="one-pass")  # noqa: E731
-    candidates = near + holding_least(ends, one_pass)[len(ends):]
+    quick = lambda target, cap: plan_at(target, cap, saved_cap_search="one-pass-first")  # noqa: E731
+    candidates = near + holding_least(ends, quick)[len(ends):]
     return min(candidates, key=lambda tc: (-copies(tc[1]), held_of(tc[1]) + tc[1].predicted_peak_bytes, tc[0]))[1]

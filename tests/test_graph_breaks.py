@@ -119,7 +119,7 @@ def test_the_leanest_plan_is_the_least_held_plus_peak_near_the_smallest_peak():
     """A planner (plain numbers) whose smallest peak, 100, saves 60 uncapped; at 135 (the last target
     near it) a plan peaks at 130 saving 5; capped at 0 saved, the smallest peak's target plans at
     peak 100 saving 10, the last target's at 130 saving 2: the leanest is (100, 10), as
-    110 < 132 < 135 < 160, and capped plans are asked at the first and the last target only, in one pass."""
+    110 < 132 < 135 < 160, and capped plans are asked at the first and the last target only, one pass first."""
     from types import SimpleNamespace
 
     from remat.step_fit import leanest_plan
@@ -141,7 +141,7 @@ def test_the_leanest_plan_is_the_least_held_plus_peak_near_the_smallest_peak():
 
     plan = leanest_plan(plan_at, lambda p: p.saved)
     assert (plan.saved, plan.predicted_peak_bytes) == (10, 100)
-    assert capped_targets == [(100, "one-pass"), (135, "one-pass")], "a provisional plan's cap is met in one pass"
+    assert capped_targets == [(100, "one-pass-first"), (135, "one-pass-first")], "a provisional plan's caps: one pass first"
 
 
 COPIES_TABLE = [

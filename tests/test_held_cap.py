@@ -95,10 +95,12 @@ def test_pruned_rounds_pick_what_simulating_every_drop_picks(model):
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
-def test_one_pass_keeps_the_guarantees_with_one_simulation_per_saved_value(model, monkeypatch):
-    """``search="one-pass"`` (step 1's provisional plans at a graph break): on zoo models at a tight, a
-    middle and a loose target, saving nothing (cap 0), the result peaks within the limit, saves less than
-    the start, keeps every value that may not be recomputed, and simulates at most once per saved value."""
+def test_one_pass_first_holds_what_the_greedy_holds_with_fewer_simulations(model, monkeypatch):
+    """``search="one-pass-first"`` (step 1's provisional plans at a graph break): on zoo models at a tight, a
+    middle and a loose target, saving nothing (cap 0), the result keeps the guarantees (peak within the limit,
+    values that may not be recomputed saved) and holds no more than the greedy's, for fewer simulations (measured
+    at this change: 3-21 where the greedy ran 6-27, equal saved bytes in all six cases). One pass alone held
+    29% more than the greedy on a drawn GPT-2's body, and that step's floor rose 10%."""
     from remat.passes import held_cap
     from remat.passes.recompute_bans import why_not_recomputable
     from test_plan_hashes import budgets_between, trace
@@ -113,12 +115,16 @@ def test_one_pass_keeps_the_guarantees_with_one_simulation_per_saved_value(model
     for facts in trace(model):
         for _, target in budgets_between(facts):
             start = evaluate(facts, frozenset(make_plan(facts, target).saved))
-            simulations.clear()
-            one_pass = reduce_saved_bytes(facts, start, target, 0, search="one-pass")
-            assert one_pass.peak_bytes <= max(target, start.peak_bytes)
-            assert saved_bytes_of(facts, one_pass) < saved_bytes_of(facts, start), "the case must drop something"
-            assert {n for n in start.chosen if why_not_recomputable(facts, n) is not None} <= one_pass.chosen
-            assert len(simulations) <= len(start.chosen)
+            ran = {}
+            for search in ("greedy", "one-pass-first"):
+                facts.analysis.cap_trials.clear()
+                simulations.clear()
+                ran[search] = reduce_saved_bytes(facts, start, target, 0, search=search), len(simulations)
+            (greedy, greedy_runs), (quick, quick_runs) = ran["greedy"], ran["one-pass-first"]
+            assert quick.peak_bytes <= max(target, start.peak_bytes)
+            assert {n for n in start.chosen if why_not_recomputable(facts, n) is not None} <= quick.chosen
+            assert saved_bytes_of(facts, quick) <= saved_bytes_of(facts, greedy) < saved_bytes_of(facts, start)
+            assert quick_runs < greedy_runs, (quick_runs, greedy_runs)
 
 
 def test_the_cap_search_is_checked_and_keys_the_plan_cache(facts):
@@ -127,5 +133,5 @@ def test_the_cap_search_is_checked_and_keys_the_plan_cache(facts):
     with pytest.raises(ValueError, match="saved-cap search 'fast'"):
         make_plan(facts, 100 * MIB, saved_cap_bytes=0, saved_cap_search="fast")
     request = PlanningRequest(100 * MIB, 100 * MIB)
-    assert request.at(MIB, 0).cache_repr() != request.at(MIB, 0, saved_cap_search="one-pass").cache_repr()
-    assert make_plan(facts, 100 * MIB, saved_cap_bytes=MIB, saved_cap_search="one-pass").saved_bytes <= MIB
+    assert request.at(MIB, 0).cache_repr() != request.at(MIB, 0, saved_cap_search="one-pass-first").cache_repr()
+    assert make_plan(facts, 100 * MIB, saved_cap_bytes=MIB, saved_cap_search="one-pass-first").saved_bytes <= MIB
