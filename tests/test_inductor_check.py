@@ -173,18 +173,24 @@ def test_judge_table(args, action, new_target):
         assert new_target < args[2]
 
 
-def test_a_plan_over_its_budget_when_the_re_plans_have_run_out_does_not_run(scaled_simulator, tmp_path, monkeypatch):
-    """No re-plan allowed (``MAX_JUDGED_REPLANS`` 0): the wrong simulator's plan checks over the budget and,
-    before session 39, ran so (hf-1491, a T5 with an eager cross-entropy: 1.042x its budget at step 1, after
-    three re-plans). Now it is judged as a refused budget is: a plan that checks under the target runs and
-    the step fits, or the budget is refused naming one that the backend then accepts and fits."""
+def _no_replans_and_the_mlp_budget_gb(tmp_path, monkeypatch) -> float:
+    """No re-plan allowed (``MAX_JUDGED_REPLANS`` 0), a fresh feedback store, and the budget: BUDGET_FRACTION of
+    plain Inductor's measured peak on the MLP."""
     monkeypatch.setattr(judge_loop, "MAX_JUDGED_REPLANS", 0)
     monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
     torch._dynamo.reset()
     model, inputs = make_mlp()
     compiled = torch.compile(model, backend="inductor")
     run_step(compiled, model, inputs)
-    budget_gb = BUDGET_FRACTION * remat.measure_peak_bytes(lambda: run_step(compiled, model, inputs)).peak_bytes / 1e9
+    return BUDGET_FRACTION * remat.measure_peak_bytes(lambda: run_step(compiled, model, inputs)).peak_bytes / 1e9
+
+
+def test_a_plan_over_its_budget_when_the_re_plans_have_run_out_does_not_run(scaled_simulator, tmp_path, monkeypatch):
+    """No re-plan allowed (``MAX_JUDGED_REPLANS`` 0): the wrong simulator's plan checks over the budget and,
+    before session 39, ran so (hf-1491, a T5 with an eager cross-entropy: 1.042x its budget at step 1, after
+    three re-plans). Now it is judged as a refused budget is: a plan that checks under the target runs and
+    the step fits, or the budget is refused naming one that the backend then accepts and fits."""
+    budget_gb = _no_replans_and_the_mlp_budget_gb(tmp_path, monkeypatch)
     refused_once = False
     for _ in range(2):
         torch._dynamo.reset()
@@ -215,13 +221,7 @@ def test_a_smallest_peak_plan_the_blind_simulator_fits_and_the_check_puts_over_t
     simulator and checks over the budget again. It must not run: the budget is refused
     (``judge_loop._over_budget_again``), naming a budget at least the checked peak."""
     scale_simulated_peaks(monkeypatch, 0.0)
-    monkeypatch.setattr(judge_loop, "MAX_JUDGED_REPLANS", 0)
-    monkeypatch.setenv("REMAT_FEEDBACK_DIR", str(tmp_path / "store"))
-    torch._dynamo.reset()
-    model, inputs = make_mlp()
-    compiled = torch.compile(model, backend="inductor")
-    run_step(compiled, model, inputs)
-    budget_gb = BUDGET_FRACTION * remat.measure_peak_bytes(lambda: run_step(compiled, model, inputs)).peak_bytes / 1e9
+    budget_gb = _no_replans_and_the_mlp_budget_gb(tmp_path, monkeypatch)
     torch._dynamo.reset()
     model, inputs = make_mlp()
     with pytest.raises(remat.BudgetInfeasibleError) as refused:
