@@ -71,25 +71,23 @@ def copies_admitted(share: GraphShare, held_bytes: int, peak_bytes: int) -> int:
 
 def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
                  copies: "Callable[[Any], int]" = lambda plan: 1) -> Any:
-    """The candidate plan that admits the most graphs like this one in the step (``copies``,
-    ``copies_admitted``), then the least ``held + peak``. The candidates: the plans near the
-    smallest simulated peak (``distributed_search.near_smallest``) and the plans saving least at the
-    first and the last of those targets (cap 0 saved), searched one pass first (``saved_cap_search=
-    "one-pass-first"``, ``held_cap.reduce_saved_bytes``): this plan runs one step, so its recompute time
-    counts for little, and what it holds decides the step's floor (hf-1497, a drawn GPT-2 split before its
-    loss, on the 2-core VM: the greedy alone took 2.1 and 6.4 s for the two caps, this search 1.8 and 1.8 s,
-    both holding 0.86 MB; one pass alone held 1.11 MB, and the floor named rose 10%). Why both ends: at the smallest peak's target alone a lower
-    smallest peak can leave only plans holding much. Why copies: the later graphs are unknown, so
-    each is taken to be like this one (its plan, its gradients); the step then fits with as many of
-    them as the plan admits, and what this graph holds and its peak both count (a plan whose own run
-    breaks the step target admits none and is taken only where nothing else is: GPT-2's body at a
-    5.26 MB budget, whose least ``held + peak`` peaked 7% over the step target, measured 1.07x the
-    budget in step 1). The pair rule it replaces (least ``held + peak``, the next graph taken to
-    peak like this one, now the tie-break) ignored the third graph: the 2-break dropout MLP of
-    tests/test_graph_breaks.py took a plan holding 1.57 MB at a 2.62 MB peak in its first graph
-    (2 such graphs fit the 5.54 MB step target) over one holding 0.79 MB at 3.54 MB (3 fit), and its
-    first step measured 6.03 MB at a 5.83 MB budget (5.25 MB by copies). Raises ``BudgetInfeasibleError`` only when no
-    target plans at all."""
+    """The candidate plan that admits the most graphs like this one in the step (``copies``, ``copies_admitted``), then
+    the least ``held + peak``. The candidates: the plans near the smallest simulated peak
+    (``distributed_search.near_smallest``) and the plans saving least at the first and the last of those targets
+    (cap 0 saved), searched one pass first (``saved_cap_search="one-pass-first"``,
+    ``held_cap.reduce_saved_bytes``): this plan runs one step, so its recompute time counts for little, and what it
+    holds decides the step's floor (hf-1497, a drawn GPT-2 split before its loss, on the 2-core VM: the greedy alone
+    took 2.1 and 6.4 s for the two caps, this search 1.8 and 1.8 s, both holding 0.86 MB; one pass alone held 1.11
+    MB, and the floor named rose 10%). Why both ends: at the smallest peak's target alone a lower smallest peak can
+    leave only plans holding much. Why copies: the later graphs are unknown, so each is taken to be like this one
+    (its plan, its gradients); the step then fits with as many of them as the plan admits, and what this graph holds
+    and its peak both count (a plan whose own run breaks the step target admits none and is taken only where nothing
+    else is: GPT-2's body at a 5.26 MB budget, whose least ``held + peak`` peaked 7% over the step target, measured
+    1.07x the budget in step 1). The pair rule it replaces (least ``held + peak``, the next graph taken to peak like
+    this one, now the tie-break) ignored the third graph: the 2-break dropout MLP of tests/test_graph_breaks.py took
+    a plan holding 1.57 MB at a 2.62 MB peak in its first graph (2 such graphs fit the 5.54 MB step target) over one
+    holding 0.79 MB at 3.54 MB (3 fit), and its first step measured 6.03 MB at a 5.83 MB budget (5.25 MB by copies).
+    Raises ``BudgetInfeasibleError`` only when no target plans at all."""
     from .distributed_search import holding_least, near_smallest
 
     try:

@@ -51,7 +51,7 @@ def reduce_saved_bytes(facts: JointGraphFacts, start: Evaluated, target_bytes: i
     ``search="greedy"``: each round drops the saved value with the least added recompute time per byte
     it frees (ties: fewer bytes left, then graph order). A round simulates only the drops that can still
     win (``_best_drop``): the same value as simulating every drop, for a few simulations where that took
-    one per saved value. ``search="one-pass-first"``: ``reduce_saved_bytes_in_one_pass`` first (each saved
+    one per saved value. ``search="one-pass-first"``: ``_drops_in_one_pass`` first (each saved
     value tried once, in the order the greedy's first round ranks them), then the greedy's rounds from
     where it ends: the rounds start from a plan that already saves little, so there are few of them. Its
     drops are not the greedy's, so its plan may recompute more; for a plan whose recompute time counts for
@@ -61,7 +61,7 @@ def reduce_saved_bytes(facts: JointGraphFacts, start: Evaluated, target_bytes: i
     if search not in SAVED_CAP_SEARCHES:
         raise ValueError(f"saved-cap search {search!r}: expected one of {SAVED_CAP_SEARCHES}")
     peak_limit = max(target_bytes, start.peak_bytes)
-    current = start if search == "greedy" else reduce_saved_bytes_in_one_pass(facts, start, target_bytes, cap_bytes)
+    current = start if search == "greedy" else _drops_in_one_pass(facts, start, peak_limit, cap_bytes)
     held = saved_bytes_of(facts, current)
     for _ in range(MAX_ROUNDS):
         if held <= cap_bytes:
@@ -75,30 +75,23 @@ def reduce_saved_bytes(facts: JointGraphFacts, start: Evaluated, target_bytes: i
     return current
 
 
-def reduce_saved_bytes_in_one_pass(facts: JointGraphFacts, start: Evaluated, target_bytes: int,
-                                   cap_bytes: int) -> Evaluated:
+def _drops_in_one_pass(facts: JointGraphFacts, start: Evaluated, peak_limit_bytes: int, cap_bytes: int) -> Evaluated:
     """``reduce_saved_bytes``'s guarantees in one pass: the saved values ranked once by the greedy's
     first-round lower bound (added recompute time per byte freed, ``_drop_bounds``), each dropped from
-    the plan so far if that frees bytes and keeps the simulated peak <= ``max(target_bytes, start's
-    peak)``, until the saved bytes meet the cap. At most one simulation per saved value (the greedy
-    simulates a few per round, one round per drop). The ranking is not refreshed after a drop, so it may
-    stop holding more than the greedy would (``reduce_saved_bytes``'s ``"one-pass-first"`` goes on with the
-    greedy's rounds)."""
+    the plan so far if that frees bytes and keeps the simulated peak <= ``peak_limit_bytes``, until the
+    saved bytes meet the cap. At most one simulation per saved value (the greedy simulates a few per
+    round, one round per drop). The ranking is not refreshed after a drop, so it may stop holding more
+    than the greedy would (``reduce_saved_bytes``'s ``"one-pass-first"`` goes on with the greedy's rounds)."""
     current, held = start, saved_bytes_of(facts, start)
-    peak_limit = max(target_bytes, start.peak_bytes)
     for _, _, _, name in _drop_bounds(facts, start, held):
         if held <= cap_bytes:
             break
         if name not in current.chosen:
             continue
-        chosen = current.chosen - {name}
-        _, partition = partition_of(facts, chosen)
-        saved = _partition_saved_bytes(facts, partition)
-        if saved >= held:
-            continue
-        trial = evaluate(facts, chosen)
-        if trial.peak_bytes <= peak_limit:
-            current, held = trial, saved
+        chosen, simulated = current.chosen - {name}, {}
+        saved, peak, _ = _trial(facts, chosen, held, simulated)
+        if saved < held and peak <= peak_limit_bytes:
+            current, held = simulated.get(chosen) or evaluate(facts, chosen), saved
     return current
 
 
@@ -174,4 +167,4 @@ def _trial(facts: JointGraphFacts, chosen: frozenset[str], held_bytes: int,
     return numbers[0], max(numbers[1], 0), numbers[2]
 
 
-__all__ = ["MAX_ROUNDS", "SAVED_CAP_SEARCHES", "reduce_saved_bytes", "reduce_saved_bytes_in_one_pass", "saved_bytes_of"]
+__all__ = ["MAX_ROUNDS", "SAVED_CAP_SEARCHES", "reduce_saved_bytes", "saved_bytes_of"]
