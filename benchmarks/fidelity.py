@@ -211,6 +211,7 @@ def _plans_summary(backend: Any) -> dict[str, Any]:
         "no_remat_peak_bytes": [p.no_remat_peak_bytes for p in plans],
         "peak_step": [p.peak_step_name for p in plans],
         "fits_budget": [p.fits_budget for p in plans],
+        "code_generation": [getattr(g, "code_generation", "default") for g in records],
     }
 
 

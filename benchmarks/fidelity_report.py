@@ -274,6 +274,17 @@ def worst_cases(models: dict[str, dict[str, dict[str, Any]]], count: int = 5) ->
     return sorted(rows, key=lambda t: -t[2]["measured_later_bytes"] / t[2]["budget_bytes"])[:count]
 
 
+def lean_points(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The remat points where a graph's accepted plan runs under Inductor's lean code generation (a refused
+    budget's last candidate, ``remat/_torch_inductor.py``), as "model at point" (rows without the record's
+    ``code_generation``: the verdict that accepted the candidate names it)."""
+    def lean(plans: dict[str, Any]) -> bool:
+        return ("lean" in (plans.get("code_generation") or [])
+                or any("lean code generation" in (action or "") for action in plans.get("judgement") or []))
+    return [f"{m} at {p}" for m, points in models.items() for p, row in points.items()
+            if lean(row.get("plans_final") or {})]
+
+
 def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
     header, models = load(jsonl)
     descriptions = {m: (p.get("done") or {}).get("description", "") for m, p in models.items()}
@@ -348,6 +359,8 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"{s['floor_points']}" + "".join(f"; {m} then named {_mb(b)} MB" for m, b in s["floor_refused"].items()),
         f"- floor above plain Inductor's measured peak: {floors['floor_above_plain']} of {floors['models']} models; "
         f"above full per-block checkpointing's: {floors['floor_above_checkpoint']} of {floors['with_checkpoint']}",
+        f"- points whose plan runs under Inductor's lean code generation (a refused budget's candidate): "
+        f"{len(lean_points(models))}" + (f" ({', '.join(lean_points(models))})" if lean_points(models) else ""),
         "",
         *_accuracy_lines(models),
         *_check_lines(models),

@@ -6,7 +6,7 @@
 
 from .backend import RematBackend, backend
 from .compiled_graph import CompiledGraph
-from .backend import register as _register
+from .backend_registry import register as _register
 from .errors import BudgetInfeasibleError, RematError
 from .measure import PeakMeasurement, measure_peak_bytes
 from .metrics import MonitorOptions, StepMetrics, StepMonitor

@@ -52,6 +52,15 @@ in Inductor (torch 2.13.0):
   model's fused nodes (off: ``topological_sort_schedule``'s order is kept).
 
 The simulator models Inductor's CPU backend: ``InductorConfig.cpu_*`` resolve the thresholds for CPU.
+
+Code generations (``code_generation_patches``): remat compiles a graph under Inductor's config as the user
+left it ("default") or, as one more candidate for a budget the simulator refused (``pipeline.refusal_candidates``),
+under "lean" code generation: ``realize_acc_reads_threshold`` lowered to ``realize_reads_threshold``, so a
+pointwise value is stored once it loads more buffers than a value with several readers may (Inductor's own
+bound for those), not only past the accumulated-reads bound (12 on CPU, 8 elsewhere). Inlined, such a value
+keeps every buffer it loads live until its last reader runs; stored, only its result. The plan is made and
+the code generated under the same patch (the simulator reads the config when it plans), and the record
+says which (``CompiledGraph.code_generation``); Inductor's check judges the candidate like any other.
 """
 
 from __future__ import annotations
@@ -60,6 +69,10 @@ import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Iterator
+
+DEFAULT_CODE_GENERATION = "default"
+LEAN_CODE_GENERATION = "lean"
+CODE_GENERATIONS = (DEFAULT_CODE_GENERATION, LEAN_CODE_GENERATION)
 
 # torch/_inductor/scheduler.py: Scheduler.are_long_distant_nodes returns ``proximity_score > 64``
 HORIZONTAL_FUSION_MAX_DISTANCE = 64
@@ -131,6 +144,33 @@ def inductor_config() -> InductorConfig:
         fallback_random=bool(config.fallback_random),
         deterministic_algorithms=bool(torch.are_deterministic_algorithms_enabled()),
     )
+
+
+def code_generation_patches(code_generation: str, device_type: str) -> dict[str, int]:
+    """The ``torch._inductor.config`` values ``code_generation`` (one of ``CODE_GENERATIONS``) sets over the
+    current config on ``device_type`` (module docstring): none for the default; for "lean",
+    ``realize_acc_reads_threshold`` at ``realize_reads_threshold`` where that is below the device's current
+    threshold, else none (the lean code generation is then the default one)."""
+    if code_generation not in CODE_GENERATIONS:
+        raise ValueError(f"unknown code generation {code_generation!r}; expected one of {CODE_GENERATIONS}")
+    if code_generation == DEFAULT_CODE_GENERATION:
+        return {}
+    config = inductor_config()
+    current = config.cpu_acc_reads_threshold if device_type == "cpu" else (
+        config.realize_acc_reads_threshold if config.realize_acc_reads_threshold is not None
+        else config.realize_gpu_acc_reads_threshold)
+    lean = config.realize_reads_threshold
+    return {"realize_acc_reads_threshold": lean} if lean < current else {}
+
+
+@contextlib.contextmanager
+def code_generation(code_generation: str, device_type: str) -> Iterator[None]:
+    """Inside, Inductor's config carries ``code_generation_patches(code_generation, device_type)``: what
+    remat plans (the simulator reads the config) and what Inductor generates (and keys its caches by)."""
+    from torch._inductor import config
+
+    with config.patch(code_generation_patches(code_generation, device_type)):
+        yield
 
 
 @functools.cache
@@ -208,5 +248,6 @@ def fusion_choices() -> Iterator[None]:
         yield
 
 
-__all__ = ["HORIZONTAL_FUSION_MAX_DISTANCE", "InductorConfig", "VERTICAL_FUSION_MAX_DISTANCE", "fusion_choices",
+__all__ = ["CODE_GENERATIONS", "DEFAULT_CODE_GENERATION", "HORIZONTAL_FUSION_MAX_DISTANCE", "LEAN_CODE_GENERATION",
+           "code_generation", "code_generation_patches", "InductorConfig", "VERTICAL_FUSION_MAX_DISTANCE", "fusion_choices",
            "fusion_choices_class", "inductor_config"]

@@ -10,6 +10,7 @@ dynamic shapes are planned at their largest sizes (``dynamic.py``); compiles are
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -20,27 +21,28 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import fx
 
-from ._torch_compile import (CodeCapture, make_partitioner, register_dynamo_backend, split_by_default, split_joint,
-                             watch_compiled_backward)
+from ._torch_compile import CodeCapture, make_partitioner, split_by_default, split_joint, watch_compiled_backward
 from ._torch_dynamo import copy_dynamo_graph, copy_dynamo_graph_or_none, current_compile_id, passthrough_error_class
 from ._torch_graph_breaks import caller_resumes_after, graph_break_follows
+from ._torch_inductor import DEFAULT_CODE_GENERATION, LEAN_CODE_GENERATION
+from ._torch_inductor import code_generation as inductor_code_generation
 from .compile_cache import (CachedPlanner, CallCache, StepKey, cache_possible, call_cacheable, compile_cached,
                             graph_identity, partitioner_uuid, store_call)
 from .compiled_graph import CompiledGraph
 from .cost_model.tensors import has_symbolic_shapes
 from .devices import device_of, free_device_bytes
-from .distributed import JUDGED_SHARE_KINDS, GraphShare, StepLedger
+from .distributed import StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
 from .distributed_errors import ShareInfeasibleError
 from .errors import BudgetInfeasibleError
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
-from .inductor_verdict import check_rule, refusal_for, share_check_target
+from .inductor_verdict import check_may_overrule, check_rule, refusal_for, share_check_target
 from .judge_loop import judge_compiled, refused_at
-from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, budget_from_env, make_options
+from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, make_options
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
-from .pipeline import (REFUSAL_CANDIDATE_KINDS, candidate_plan, estimated_plan_for, plan_graph, prepare_graph,
+from .pipeline import (LEAN_CODE_GENERATION_CANDIDATE, REFUSAL_CANDIDATE_KINDS, candidate_plan, estimated_plan_for, plan_graph, prepare_graph,
                        replan_estimate, request_for, with_eager_loss_reserve)
 from .simulator.library_scratch import scratch_key
 from .step_budget import StepAccount, need_of, note_step_plan, slot_of
@@ -145,7 +147,8 @@ class RematBackend:
             # a re-plan under its share of the known step: cached under the key a later process computes
             step_key = self._step_hooks.key_at_replan(wrapper, correction) if in_step and cache_possible(args) else None
             fn, record, cache = self._recompile(pristine, args, correction, wrapper.record.graph_key, replanned,
-                                                identity=identity, step_key=step_key)
+                                                identity=identity, step_key=step_key,
+                                                code_generation=wrapper.record.code_generation)
             if record.cache.startswith("autograd-cache hit"):
                 return fn, record      # restored: judged when it was made
             if judge:
@@ -173,7 +176,11 @@ class RematBackend:
 
         def recompile(correction: Correction, key: str, candidate: Optional[str] = None) -> tuple[Callable[..., Any], CodeCapture]:
             replanned = CodeCapture(defer_loading=True)   # re-plans: under the judged plan's key, for its step's use
-            compiled.append((self._recompile(gm, args, correction.keeping_step_use(made_for), key, replanned, candidate)[0], replanned))
+            # a re-plan keeps the judged plan's code generation; a candidate has its own
+            generation = (LEAN_CODE_GENERATION if candidate == LEAN_CODE_GENERATION_CANDIDATE else DEFAULT_CODE_GENERATION
+                          if candidate in REFUSAL_CANDIDATE_KINDS else self.compiled_graphs[-1].code_generation)
+            compiled.append((self._recompile(gm, args, correction.keeping_step_use(made_for), key, replanned, candidate,
+                                             code_generation=generation)[0], replanned))
             return compiled[-1]
 
         def compile_candidate(refused: CompiledGraph, kind: str) -> tuple[Callable[..., Any], CodeCapture]:
@@ -195,19 +202,6 @@ class RematBackend:
                 replanned.load()      # the kept plan's kernels are built now, before its first call
         return kept
 
-    def _check_may_overrule(self, share: Optional[GraphShare], joint: fx.GraphModule, joint_inputs: Sequence[object],
-                            error: BudgetInfeasibleError) -> bool:
-        """Whether a budget the simulator refused goes to Inductor's check first (the plan the refusal rests on
-        is compiled and judged in ``__call__``, or by the re-planning caller): the check is on, no best effort,
-        static shapes (the graphs ``_judged`` judges), and either the graph is alone in its step and this is not
-        a re-plan (whose refusal the re-planning caller handles), or it shares a step (``JUDGED_SHARE_KINDS``) and
-        the refusal names the plan it rests on (``ShareInfeasibleError``: the budget named is read off its code)."""
-        shared = share is not None and share.kind in JUDGED_SHARE_KINDS and isinstance(error, ShareInfeasibleError)
-        return (self.options.inductor_check and self.options.budget_bytes is not None and not self.options.best_effort
-                and not has_symbolic_shapes(joint_inputs)
-                and not has_symbolic_shapes([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])
-                and (shared or (share is None and getattr(self._replan, "correction", None) is None)))
-
     def _remember(self, key: str, correction: Correction) -> Optional[str]:
         self._corrections[key] = correction
         path = write_correction(key, correction)
@@ -215,24 +209,28 @@ class RematBackend:
 
     def _recompile(self, gm: fx.GraphModule, args: list, correction: Correction, key: str,
                    capture: Optional[CodeCapture] = None, candidate: Optional[str] = None, identity: str = "",
-                   step_key: Optional[StepKey] = None) -> tuple[Callable[..., Any], CompiledGraph, Optional[CallCache]]:
+                   step_key: Optional[StepKey] = None,
+                   code_generation: str = DEFAULT_CODE_GENERATION) -> tuple[Callable[..., Any], CompiledGraph, Optional[CallCache]]:
         """Compile a copy of Dynamo's graph ``gm`` for the real inputs ``args`` (static shapes, as traced),
         planning at the target ``correction`` gives (or, with ``candidate``, that candidate when the target is
         refused: ``partition``); returns the callable, its record (which keeps the graph's store ``key``: the
         next process's) and the call cache to store the record in once judged (or None). With ``step_key`` (its
         share of the known step: ``StepHooks.key_at_replan``) AOTAutograd's cache is on, keyed as the graph's
         compile in a later process recalling the step is (with its call ``identity``): a hit restores the
-        stored record (its ``cache`` says so; judged when made)."""
+        stored record (its ``cache`` says so; judged when made). Planned and compiled under ``code_generation``."""
         self._replan.correction, self._replan.key, self._replan.candidate = correction, key, candidate
+        self._replan.code_generation = code_generation
         try:
-            fn, entry, call_cache = compile_cached(
-                lambda: copy_dynamo_graph(gm), args, self.partitioner, capture, self._replan, True,
-                CallCache(identity, partitioner_uuid(self.options, dict(self._corrections), step_key))
-                if step_key is not None and identity else None, step_key,
-                lambda cache: cache.restore(lambda: self._replan_id(correction), self.options.dump_dir,
-                                            self.step_account, current_compile_id()))
+            with inductor_code_generation(code_generation, device_of(args).type):
+                fn, entry, call_cache = compile_cached(
+                    lambda: copy_dynamo_graph(gm), args, self.partitioner, capture, self._replan, True,
+                    CallCache(identity, partitioner_uuid(self.options, dict(self._corrections), step_key))
+                    if step_key is not None and identity else None, step_key,
+                    lambda cache: cache.restore(lambda: self._replan_id(correction), self.options.dump_dir,
+                                                self.step_account, current_compile_id()))
         finally:
             self._replan.correction, self._replan.candidate, self._replan.refused, self._replan.estimated = (None,) * 4
+            self._replan.code_generation = DEFAULT_CODE_GENERATION
         if entry is not None and entry.record is not None:
             self.compiled_graphs.append(entry.record)
         return fn, self.compiled_graphs[-1], call_cache
@@ -304,7 +302,8 @@ class RematBackend:
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
                               f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "
                               f"{correction.factor:.3f}x ({correction.source}).",) + error.args[1:]
-            if candidate is None and not self._check_may_overrule(share, joint, joint_inputs, error):
+            if candidate is None and not check_may_overrule(self.options, share, joint, joint_inputs, error,
+                                                            getattr(self._replan, "correction", None) is not None):
                 raise passthrough_error_class(BudgetInfeasibleError)(error) from None
             if candidate in REFUSAL_CANDIDATE_KINDS:
                 plan = candidate_plan(candidate, facts, request, self._replan.refused[2] if self._replan.refused else None)
@@ -314,7 +313,14 @@ class RematBackend:
                 plan = plan_at(target_bytes, best_effort=True)
             judged_share, target_of = judged_by(share)
             refusal = refusal_for(error, plan, judged_share, held_of, target_of, self.options.budget_bytes)
+        generation = getattr(self._replan, "code_generation", DEFAULT_CODE_GENERATION)
+        if candidate == LEAN_CODE_GENERATION_CANDIDATE and refusal is None:    # fits as simulated: still a candidate
+            judged_share, target_of = judged_by(share)
+            refusal = refusal_for(self._replan.refused[1], plan, judged_share, held_of, target_of, self.options.budget_bytes)
         cache = planner.source(plan)
+        if generation != DEFAULT_CODE_GENERATION:   # the record, its dump and report say which code it is planned for
+            plan = dataclasses.replace(plan, solver=f"{plan.solver}; Inductor's {generation} code generation "
+                                                    "(remat/_torch_inductor.py)")
         if not plan.fits_budget and refusal is None:
             warnings.warn(f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the smallest-"
                           f"peak plan found, predicted peak {plan.predicted_peak_bytes / 1e9:.4f} GB (best_effort=True).",
@@ -339,7 +345,8 @@ class RematBackend:
         inputs, grads = self._step_hooks.account.io_bytes(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
         record = CompiledGraph(graph_id, current_compile_id(), plan, regions, dump_path, distributed, key, base_target_bytes,
                                correction, step_share=step_share, check_target_bytes=check_target, cache=cache, refusal=refusal,
-                               input_activation_bytes=inputs, param_grad_bytes=grads, facts=facts, eager_loss_bytes=facts.eager_loss_bytes)
+                               input_activation_bytes=inputs, param_grad_bytes=grads, facts=facts, eager_loss_bytes=facts.eager_loss_bytes,
+                               code_generation=generation)
         self.compiled_graphs.append(record)
         facts.analysis.forget_simulations()     # planned: the record keeps its facts, not the search's simulations
         log.info("remat %s: predicted peak %d bytes, budget %s", graph_id, plan.predicted_peak_bytes, plan.budget_bytes)
@@ -396,54 +403,3 @@ def backend(
         best_effort=best_effort, headroom_fraction=headroom_fraction, pareto_points=pareto_points, estimator=estimator,
         free_bytes_for_auto=free_device_bytes() if needs_free else None, verify_peak=verify_peak,
         inductor_check=inductor_check, outputs_held=outputs_held))
-
-
-class _EnvBackends:
-    """The backends ``backend="remat"`` made, one per configuration (the values of ``REMAT_BUDGET_GB`` and
-    ``REMAT_DUMP_DIR``): while the environment is unchanged every graph goes to the same ``RematBackend``, so
-    its dump numbers graphs across the whole run and its step ledger (DDP pieces) is kept. Per configuration,
-    not per graph: one small entry per distinct environment the process used."""
-
-    def __init__(self) -> None:
-        self._by_config: dict[tuple[str, str], RematBackend] = {}
-        self._lock = threading.Lock()
-
-    def for_environment(self, environ: Optional[dict[str, str]] = None) -> RematBackend:
-        """The backend for the environment's current configuration, made on first use (ValueError naming a
-        bad variable and its value)."""
-        from .options import BUDGET_ENV_VAR, DUMP_DIR_ENV_VAR, dump_dir_from_env
-
-        env = os.environ if environ is None else environ
-        config = (env.get(BUDGET_ENV_VAR, "").strip(), env.get(DUMP_DIR_ENV_VAR, ""))
-        with self._lock:
-            found = self._by_config.get(config)
-            if found is None:
-                found = self._by_config[config] = backend(budget_from_env(env), dump_dir=dump_dir_from_env(env))
-            return found
-
-
-_ENV_BACKENDS = _EnvBackends()
-
-
-def remat_backend_from_env(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """The backend behind ``torch.compile(backend="remat")``: budget from ``REMAT_BUDGET_GB``, dump
-    directory from ``REMAT_DUMP_DIR``, read on every call; the same ``RematBackend`` serves every
-    graph while they are unchanged (``_EnvBackends``). A bad value raises ``ValueError`` naming the
-    variable, and it reaches the caller of the compiled function as a ``ValueError`` (Dynamo does
-    not wrap it in ``BackendCompilerFailed``)."""
-    try:
-        compiler = _ENV_BACKENDS.for_environment()
-    except ValueError as error:
-        raise passthrough_error_class(ValueError)(error) from None
-    return compiler(gm, example_inputs)
-
-
-def register() -> None:
-    """Make ``torch.compile(backend="remat")`` work (idempotent). An installed package declares the
-    ``torch_dynamo_backends`` entry point, which Dynamo loads on first lookup (registering here as well would
-    make that load fail as a duplicate), so this registers only without one (a source checkout on PYTHONPATH)."""
-    from importlib.metadata import entry_points
-
-    if any(ep.name == "remat" for ep in entry_points(group="torch_dynamo_backends")):
-        return
-    register_dynamo_backend(remat_backend_from_env, "remat")

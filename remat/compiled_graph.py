@@ -52,6 +52,9 @@ class CompiledGraph:
     # what an eager loss on its outputs is taken to hold between its forward and backward (a graph alone in its
     # step: ``passes.joint_graph.eager_loss_reserve_bytes``), in its simulated peaks and Inductor's checked ones
     eager_loss_bytes: int = 0
+    # the Inductor code generation its plan was made and its code generated under ("default" or "lean":
+    # ``_torch_inductor.code_generation_patches``); its re-plans keep it
+    code_generation: str = "default"
     # the facts the plan was made on (what the tools simulate the plan with). Not part of the record's
     # identity, not stored by the compile cache: None on a record an AOTAutograd cache hit restored.
     # Held for the backend's lifetime, in host memory (Python objects, no tensor storage).

@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from .cost_model.tensors import has_symbolic_shapes
 from .distributed import JUDGED_SHARE_KINDS, SINGLE_GRAPH_SHARE_KINDS
+from .distributed_errors import ShareInfeasibleError
 
 if TYPE_CHECKING:
+    from torch import fx
+
     from .distributed import GraphShare
 
 
@@ -126,6 +130,21 @@ def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held
     held = held_of(plan)
     limit = lambda b: peak_limit_bytes(share.at(target_for_budget(b)), held)  # noqa: E731
     return Refusal(error, limit, limit(budget_bytes))
+
+
+def check_may_overrule(options: Any, share: Optional["GraphShare"], joint: "fx.GraphModule",
+                       joint_inputs: Sequence[object], error: Exception, replanning: bool) -> bool:
+    """Whether a budget the simulator refused goes to Inductor's check first (the plan the refusal rests on
+    is compiled and judged by the backend, or by the re-planning caller): the check is on (``options``), no
+    best effort, static shapes (the graphs the backend judges), and either the graph is alone in its step and
+    this is not a re-plan (``replanning``: its refusal is the re-planning caller's), or it shares a step
+    (``JUDGED_SHARE_KINDS``) and the refusal names the plan it rests on (``ShareInfeasibleError``: the budget
+    named is read off its code)."""
+    shared = share is not None and share.kind in JUDGED_SHARE_KINDS and isinstance(error, ShareInfeasibleError)
+    return (options.inductor_check and options.budget_bytes is not None and not options.best_effort
+            and not has_symbolic_shapes(joint_inputs)
+            and not has_symbolic_shapes([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])
+            and (shared or (share is None and not replanning)))
 
 
 def check_rule(share: Optional["GraphShare"], correction: Any, options: Any, device_type: str,

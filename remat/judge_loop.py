@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from ._torch_dynamo import passthrough_error_class
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
-from .pipeline import FREE_MINCUT_CANDIDATE, SMALLEST_PEAK_CANDIDATE, refusal_candidates
+from .pipeline import (FREE_MINCUT_CANDIDATE, LEAN_CODE_GENERATION_CANDIDATE, SMALLEST_PEAK_CANDIDATE, lean_plans_lower,
+                       refusal_candidates)
 from .inductor_check import CheckedPeak, checked_peak_of, trusted_peak_bytes
 from .inductor_verdict import Judgement, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
 from .units import format_bytes, format_gb_up, format_seconds
@@ -87,7 +88,8 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
             # GPT-2's body under load), and what they save is what a share rarely admits.
             candidates: tuple = ()
             if compile_candidate is not None and record.step_share is None:
-                kinds = (FREE_MINCUT_CANDIDATE,) if record.facts is None else refusal_candidates(record.facts, record.plan)
+                kinds = ((FREE_MINCUT_CANDIDATE,) if record.facts is None
+                         else refusal_candidates(record.facts, record.plan, device_type))
                 candidates = tuple((kind, functools.partial(_checked_candidate, compile_candidate, record, kind,
                                                             device_type, outputs_held)) for kind in kinds)
             accepted = overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
@@ -287,9 +289,13 @@ def _checked_replan(recompile: Callable[..., tuple[Callable[..., Any], "CodeCapt
 
 def _checked_candidate(compile_candidate: Callable[["CompiledGraph", str], tuple[Callable[..., Any], "CodeCapture"]],
                        refused: "CompiledGraph", kind: str, device_type: str,
-                       outputs_held: bool) -> tuple[Callable[..., Any], Optional[CheckedPeak]]:
+                       outputs_held: bool) -> Optional[tuple[Callable[..., Any], Optional[CheckedPeak]]]:
     """Compile candidate ``kind``'s plan of the graph whose record ``refused`` is (its record is appended) and
-    read its checked peak."""
+    read its checked peak; None, and nothing compiled, for the lean code generation's candidate where the search
+    there finds no plan lower than ``refused``'s (``pipeline.lean_plans_lower``)."""
+    if kind == LEAN_CODE_GENERATION_CANDIDATE and (
+            refused.facts is None or not lean_plans_lower(refused.facts, refused.plan, device_type)):
+        return None
     fn, capture = compile_candidate(refused, kind)
     return fn, checked_peak_of(capture.graphs, device_type, outputs_held, refused.eager_loss_bytes)
 
@@ -304,14 +310,15 @@ def refused_at(replan: Any, target_bytes: Optional[int]) -> bool:
 
 def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
                        checked_peak_bytes: Optional[int],
-                       candidates: Sequence[tuple[str, Callable[[], tuple[Callable[..., Any], Optional[CheckedPeak]]]]] = (),
+                       candidates: Sequence[tuple[str, Callable[[], Optional[tuple[Callable[..., Any], Optional[CheckedPeak]]]]]] = (),
                        rejected: tuple[Judgement, ...] = (), within_budget_runs: bool = False) -> Callable[..., Any]:
     """Inductor's verdict on the smallest-peak plan of a budget the simulator refused (the last record of
     ``compiled_graphs``; ``checked_peak_bytes``: its trusted checked peak, ``trusted_peak_bytes``): at or
     under the planning target, the plan runs (the simulator over-predicted it) and the record carries
     the verdict. Otherwise each of ``candidates`` is compiled and checked in turn (``(kind, compile)``:
-    ``compile()`` appends its record and returns its callable and checked peak; the backend's are the free
-    min-cut plan, then checkpointing every repeated block, ``pipeline.refusal_candidates``): the simulator
+    ``compile()`` appends its record and returns its callable and checked peak, or None where it compiled
+    nothing; the backend's are the free min-cut plan, then checkpointing every repeated block, then lean code
+    generation, ``pipeline.refusal_candidates``): the simulator
     can rank plans the wrong way round (its smallest-peak plan may check above a plan it thinks larger),
     and Inductor's number decides, so the first candidate that checks at or under the target runs.
     Otherwise the records leave ``compiled_graphs`` and the refusal is raised, naming the budget whose
@@ -344,7 +351,10 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     standing_bytes = checked_peak_bytes if checked_peak_bytes is not None else record.plan.predicted_peak_bytes
     judged = rejected + (verdict,)
     for kind, compile_candidate in candidates:
-        candidate_fn, other_checked = compile_candidate()
+        compiled = compile_candidate()
+        if compiled is None:    # not worth a compile (``_checked_candidate``)
+            continue
+        candidate_fn, other_checked = compiled
         other = compiled_graphs[-1]
         candidate_checked = trusted_peak_bytes(other_checked, other.plan.predicted_peak_bytes)
         assert other.refusal is not None   # the candidate's own admission: what it holds may differ

@@ -105,3 +105,25 @@ def test_kernel_model_follows_the_realize_thresholds():
     assert stored(wide) and not stored(wide, realize_reads_threshold=5)
     narrow = [op("p", inputs=("x0", "x1", "x2"), users=1), reduction("s", "p")]
     assert not stored(narrow) and stored(narrow, realize_acc_reads_threshold=2)
+
+
+def test_lean_code_generation_lowers_the_accumulated_reads_bound_to_the_reuse_bound():
+    """"lean" sets ``realize_acc_reads_threshold`` to ``realize_reads_threshold`` where that is lower than the
+    device's current bound (CPU 12, GPU 8 in torch 2.13), and nothing where it is not; "default" sets nothing; the
+    context patches Inductor's config, which the simulator's record then reads, and restores it."""
+    from remat._torch_inductor import code_generation, code_generation_patches
+
+    reuse = inductor_settings.realize_reads_threshold
+    assert code_generation_patches("default", "cpu") == {} == code_generation_patches("default", "cuda")
+    for device in ("cpu", "cuda"):
+        assert code_generation_patches("lean", device) == {"realize_acc_reads_threshold": reuse}
+    with inductor_settings.patch(realize_acc_reads_threshold=reuse):    # the user's bound is lean already
+        assert code_generation_patches("lean", "cpu") == {}
+    with inductor_settings.patch(realize_cpu_acc_reads_threshold=reuse + 1):
+        assert code_generation_patches("lean", "cpu") == {"realize_acc_reads_threshold": reuse}
+    with pytest.raises(ValueError, match="unknown code generation 'fast'"):
+        code_generation_patches("fast", "cpu")
+    before = inductor_config()
+    with code_generation("lean", "cpu"):
+        assert inductor_config().cpu_acc_reads_threshold == reuse
+    assert inductor_config() == before

@@ -186,7 +186,7 @@ def test_environment_errors_name_the_variable_and_reach_the_caller_as_value_erro
 def test_backend_remat_is_one_backend_per_configuration(monkeypatch, tmp_path):
     """A graph break makes two graphs; both go to one backend, dumped as graph_000 and graph_001.
     A new environment gets a new backend, and going back finds the first one again."""
-    from remat.backend import _ENV_BACKENDS
+    from remat.backend_registry import _ENV_BACKENDS
 
     class Broken(torch.nn.Module):
         def __init__(self) -> None:

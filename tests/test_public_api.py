@@ -68,7 +68,7 @@ def test_error_tree():
 
 def test_backend_is_registered_by_name():
     assert "remat" in torch._dynamo.list_backends(exclude_tags=())
-    from remat.backend import remat_backend_from_env
+    from remat.backend_registry import remat_backend_from_env
 
     assert torch._dynamo.lookup_backend("remat") is remat_backend_from_env
 

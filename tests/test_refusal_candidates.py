@@ -102,6 +102,17 @@ def test_the_first_candidate_under_the_target_runs_and_later_ones_are_not_compil
     assert fn == "graph_000_r1's callable" and compiled == ["graph_000_r1"]
 
 
+def test_a_candidate_that_compiles_nothing_is_skipped_and_the_next_one_judged():
+    """A candidate's ``compile()`` returns None where it is not worth a compile (the lean code generation's, where
+    the search under it finds nothing lower: ``judge_loop._checked_candidate``); the next candidate is judged."""
+    graphs, compiled = [_record("graph_000", 1200)], []
+    fn = overrule_or_refuse("smallest", graphs, 1300, (
+        ("lean code generation", lambda: None),
+        ("per-block checkpointing", _candidate_named(graphs, "graph_000_r1", 990, compiled))))
+    assert fn == "graph_000_r1's callable" and compiled == ["graph_000_r1"]
+    assert [g.graph_id for g in graphs] == ["graph_000_r1"]
+
+
 def test_with_every_candidate_over_the_target_the_lowest_checked_names_the_budget():
     graphs, compiled = [_record("graph_000", 1200)], []
     with pytest.raises(BudgetInfeasibleError) as raised:
