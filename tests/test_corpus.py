@@ -14,8 +14,10 @@ from remat.testing.random_nets import net_spec
 
 STEP_SEED = 1234
 # From TEST_SEEDS: 24 = written-out attention applied twice (the same block), in-place residual,
-# dropout; 6 = conv net with BatchNorm, max and avg pooling, a residual and dropout.
-E2E_SEEDS = (24, 6)
+# dropout. Until session 41 also 6 (a conv net with BatchNorm, max and avg pooling, a residual and dropout;
+# the zoo CNN's end-to-end tests cover BatchNorm): one drawn net here, the distribution in benchmarks/fidelity.py.
+E2E_SEEDS = (24,)
+CONV_SEED = 6
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -27,7 +29,7 @@ def test_seed_ranges_are_disjoint() -> None:
     assert set(E2E_SEEDS) <= set(TEST_SEEDS)
 
 
-@pytest.mark.parametrize("seed", [TEST_SEEDS[0], TEST_SEEDS[1], E2E_SEEDS[1]])
+@pytest.mark.parametrize("seed", [TEST_SEEDS[0], TEST_SEEDS[1], CONV_SEED])
 def test_random_net_is_fixed_by_its_seed(seed: int) -> None:
     entry = corpus.random_entry(seed)
     first, second = entry.build(), entry.build()

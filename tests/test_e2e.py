@@ -1,7 +1,9 @@
-"""End to end (issue 2): every zoo model, compiled with remat at budget None, at ~70% and ~50%
-of its measured peak without remat (the run that saves every value the backward reads and
-recomputes nothing, ``no_remat_peak`` in conftest.py), and at the smallest feasible budget
-the planner names ("min"), against eager and against plain Inductor.
+"""End to end (issue 2): every zoo model, compiled with remat at budget None, at ~50% of its
+measured peak without remat (the run that saves every value the backward reads and recomputes
+nothing, ``no_remat_peak`` in conftest.py), and at the smallest feasible budget the planner
+names ("min"), against eager and against plain Inductor. (Until session 41 also at ~70%: cut to
+keep the suite near 15 minutes; budgets at 90%, 70% and 50% of plain Inductor's peak are measured,
+gradients included, on every model of the fidelity corpus, ``benchmarks/fidelity.py``.)
 
 Each (model, budget) is compiled once per session (``_RUNS``); the checks on it are separate
 tests so one failure does not hide the others. Every compile here takes 10-40 s on two
@@ -32,7 +34,7 @@ from remat.units import format_gb_up
 pytestmark = pytest.mark.e2e
 
 SMALLEST = 0.0   # "min": ask for 1 kB, test at the smallest feasible budget the error names
-FRACTIONS = (None, 0.7, 0.5, SMALLEST)
+FRACTIONS = (None, 0.5, SMALLEST)
 CASES = [(name, fraction) for name in ZOO for fraction in FRACTIONS]
 
 
@@ -58,7 +60,7 @@ def _run(baseline: BaselineCache, tmp_factory: pytest.TempPathFactory, name: str
 
     ``SMALLEST``: a 1 kB budget must raise ``BudgetInfeasibleError``, and the run is made at the
     smallest feasible budget it names (printed), so the invariants are tested at the tightest
-    budget remat reaches. At ~70% / ~50% an infeasible budget is replaced by the smallest
+    budget remat reaches. At ~50% an infeasible budget is replaced by the smallest
     feasible budget it names, recorded in ``CLAMPED`` and printed.
 
     A compile that fails is remembered and re-raised by every test of that case, so each
@@ -102,7 +104,7 @@ def _run(baseline: BaselineCache, tmp_factory: pytest.TempPathFactory, name: str
 
 
 def test_the_no_remat_baseline_recomputes_nothing(no_remat_peak):
-    """The base of the ~70% / ~50% budgets is a no-recomputation run (only values the forward
+    """The base of the ~50% budgets is a no-recomputation run (only values the forward
     keeps in registers are rebuilt by the backward's kernels, and views of a saved value, which
     cost nothing: each storage is saved once), with eager's gradients."""
     for name in ZOO:

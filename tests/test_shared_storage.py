@@ -191,8 +191,9 @@ def _smallest_budget_gb(variant: dict, fallback_random: bool) -> float:
 
 VARIANTS = {"issue15": {}, "no-dropout": {"dropout": 0.0}, "no-rescale": {"rescale": False},
             "no-repeat": {"repeat": False}}
+# (Inductor's RNG at "between" too until session 41: its plans lie between the two kept here)
 CASES = [("issue15", True, None), ("issue15", True, "between"), ("issue15", True, "smallest"),
-         ("issue15", False, "between"), ("issue15", False, "smallest"),
+         ("issue15", False, "smallest"),
          ("no-dropout", True, "between"), ("no-rescale", True, "between"), ("no-repeat", True, "between")]
 
 
