@@ -140,10 +140,14 @@ def _point_rows(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+LOOSE_FLOOR_FRACTION = 0.05   # a floor whose own point measures more than this under it is counted as loose
+
+
 def _floor_rows(models: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], dict[str, int]]:
     lines = ["| model | plain MB | floor MB | floor / plain | checkpoint MB | floor / checkpoint | floor point: step 3 MB |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    counts = {"models": 0, "floor_above_plain": 0, "with_checkpoint": 0, "floor_above_checkpoint": 0}
+    counts = {"models": 0, "floor_above_plain": 0, "with_checkpoint": 0, "floor_above_checkpoint": 0,
+              "measured_at_floor": 0, "loose_floors": 0}
     for name, points in models.items():
         plain = (points.get("plain") or {}).get("measured_later_bytes")
         floor = (points.get("probe") or {}).get("floor_bytes")
@@ -156,6 +160,9 @@ def _floor_rows(models: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str]
         if ckpt:
             counts["with_checkpoint"] += 1
             counts["floor_above_checkpoint"] += floor > ckpt
+        if at_floor:    # a floor the plan run at it measures far under: a lower budget may have been accepted
+            counts["measured_at_floor"] += 1
+            counts["loose_floors"] += at_floor < (1 - LOOSE_FLOOR_FRACTION) * floor
         lines.append(f"| {name} | {_mb(plain)} | {_mb(floor)} | {floor / plain:.3f} | {_mb(ckpt)} "
                      f"| {'' if not ckpt else f'{floor / ckpt:.3f}'} | {_mb(at_floor)} |")
     return lines, counts
@@ -358,7 +365,9 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"- floor points refused at the budget the probe named (it must be accepted): {len(s['floor_refused'])} of "
         f"{s['floor_points']}" + "".join(f"; {m} then named {_mb(b)} MB" for m, b in s["floor_refused"].items()),
         f"- floor above plain Inductor's measured peak: {floors['floor_above_plain']} of {floors['models']} models; "
-        f"above full per-block checkpointing's: {floors['floor_above_checkpoint']} of {floors['with_checkpoint']}",
+        f"above full per-block checkpointing's: {floors['floor_above_checkpoint']} of {floors['with_checkpoint']}; "
+        f"floors whose own point measures more than {LOOSE_FLOOR_FRACTION:.0%} under them (loose: the probe's plans check "
+        f"higher than the plan a retry there runs): {floors['loose_floors']} of {floors['measured_at_floor']}",
         f"- points whose plan runs under Inductor's lean code generation (a refused budget's candidate): "
         f"{len(lean_points(models))}" + (f" ({', '.join(lean_points(models))})" if lean_points(models) else ""),
         "",
