@@ -11,6 +11,7 @@ dynamic shapes are planned at their largest sizes (``dynamic.py``); compiles are
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -39,10 +40,11 @@ from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
 from .inductor_verdict import check_may_overrule, check_rule, refusal_for, share_check_target
 from .judge_loop import judge_compiled, refused_at
-from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, make_options
+from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, make_options, target_for_budget
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
-from .pipeline import (LEAN_CODE_GENERATION_CANDIDATE, REFUSAL_CANDIDATE_KINDS, candidate_plan, estimated_plan_for, plan_graph, prepare_graph,
+from .pipeline import (LEAN_CODE_GENERATION_CANDIDATE, NAMED_BUDGET_CANDIDATE, REFUSAL_CANDIDATE_KINDS,
+                       SEARCHED_CANDIDATE_KINDS, as_candidate, candidate_plan, estimated_plan_for, plan_graph, prepare_graph,
                        replan_estimate, request_for, with_eager_loss_reserve)
 from .simulator.library_scratch import scratch_key
 from .step_budget import StepAccount, need_of, note_step_plan, slot_of
@@ -178,16 +180,20 @@ class RematBackend:
             replanned = CodeCapture(defer_loading=True)   # re-plans: under the judged plan's key, for its step's use
             # a re-plan keeps the judged plan's code generation; a candidate has its own
             generation = (LEAN_CODE_GENERATION if candidate == LEAN_CODE_GENERATION_CANDIDATE else DEFAULT_CODE_GENERATION
-                          if candidate in REFUSAL_CANDIDATE_KINDS else self.compiled_graphs[-1].code_generation)
+                          if candidate in REFUSAL_CANDIDATE_KINDS + (NAMED_BUDGET_CANDIDATE,)
+                          else self.compiled_graphs[-1].code_generation)
             compiled.append((self._recompile(gm, args, correction.keeping_step_use(made_for), key, replanned, candidate,
                                              code_generation=generation)[0], replanned))
             return compiled[-1]
 
-        def compile_candidate(refused: CompiledGraph, kind: str) -> tuple[Callable[..., Any], CodeCapture]:
-            # candidate ``kind`` at the refused target, the refusal handed on (judge_loop.refused_at): no 2nd search
+        def compile_candidate(refused: CompiledGraph, kind: str,
+                              target_bytes: Optional[int] = None) -> tuple[Callable[..., Any], CodeCapture]:
+            # candidate ``kind`` at the refused target, the refusal handed on (judge_loop.refused_at): no 2nd search;
+            # the named budget's plan at ``target_bytes``
             same = refused.correction or Correction(1.0, self.options.budget_bytes, 0, 0, refused.graph_id, "a candidate plan")
             assert refused.refusal is not None
             self._replan.refused = (refused.plan.target_bytes, refused.refusal.error, refused.plan)
+            self._replan.candidate_target = target_bytes
             return recompile(same, refused.graph_key, kind)
 
         device, key, made_for = device_of(args).type, self.compiled_graphs[-1].graph_key, self.compiled_graphs[-1].correction
@@ -230,7 +236,7 @@ class RematBackend:
                                                 self.step_account, current_compile_id()))
         finally:
             self._replan.correction, self._replan.candidate, self._replan.refused, self._replan.estimated = (None,) * 4
-            self._replan.code_generation = DEFAULT_CODE_GENERATION
+            self._replan.code_generation, self._replan.candidate_target = DEFAULT_CODE_GENERATION, None
         if entry is not None and entry.record is not None:
             self.compiled_graphs.append(entry.record)
         return fn, self.compiled_graphs[-1], call_cache
@@ -285,12 +291,17 @@ class RematBackend:
                     best_effort: Optional[bool] = None, saved_cap_search: str = "greedy") -> Plan:
             return planner(request.at(target_bytes, saved_cap_bytes, best_effort, saved_cap_search))
         refusal, asked_share = None, share
+        planning_rule = functools.partial(target_for_budget, headroom_fraction=request.headroom_fraction)
         judged_by = lambda sh: check_rule(sh, correction, self.options, device_type, modeled)  # noqa: E731
         candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
         try:
             if share is None and candidate in REFUSAL_CANDIDATE_KINDS and refused_at(self._replan, target_bytes):
                 raise self._replan.refused[1]   # the refusal the candidate is for: known, not searched again
-            if share is None:   # alone in its step (a room-search try estimated moments ago is not planned again)
+            if share is None and candidate == LEAN_CODE_GENERATION_CANDIDATE:   # its smallest peak, whatever the target
+                plan = as_candidate(plan_at(1, best_effort=True), request.at(target_bytes))
+            elif share is None and candidate == NAMED_BUDGET_CANDIDATE:    # what a retry at that budget plans first
+                plan = as_candidate(plan_at(self._replan.candidate_target), request.at(target_bytes))
+            elif share is None:   # alone in its step (a room-search try estimated moments ago is not planned again)
                 plan = estimated_plan_for(getattr(self._replan, "estimated", None), key, request.at(target_bytes)) \
                     or plan_at(target_bytes)
             else:  # the largest target the step's ledger admits (remat/distributed.py)
@@ -302,8 +313,9 @@ class RematBackend:
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
                               f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "
                               f"{correction.factor:.3f}x ({correction.source}).",) + error.args[1:]
-            if candidate is None and not check_may_overrule(self.options, share, joint, joint_inputs, error,
-                                                            getattr(self._replan, "correction", None) is not None):
+            if (candidate is None and not check_may_overrule(self.options, share, joint, joint_inputs, error,
+                                                             getattr(self._replan, "correction", None) is not None)
+                    or candidate == NAMED_BUDGET_CANDIDATE):    # no plan at that target: no such candidate
                 raise passthrough_error_class(BudgetInfeasibleError)(error) from None
             if candidate in REFUSAL_CANDIDATE_KINDS:
                 plan = candidate_plan(candidate, facts, request, self._replan.refused[2] if self._replan.refused else None)
@@ -312,11 +324,12 @@ class RematBackend:
             else:
                 plan = plan_at(target_bytes, best_effort=True)
             judged_share, target_of = judged_by(share)
-            refusal = refusal_for(error, plan, judged_share, held_of, target_of, self.options.budget_bytes)
+            refusal = refusal_for(error, plan, judged_share, held_of, target_of, self.options.budget_bytes, planning_rule)
         generation = getattr(self._replan, "code_generation", DEFAULT_CODE_GENERATION)
-        if candidate == LEAN_CODE_GENERATION_CANDIDATE and refusal is None:    # fits as simulated: still a candidate
+        if candidate in SEARCHED_CANDIDATE_KINDS and refusal is None:    # fits as simulated: still the refusal's candidate
             judged_share, target_of = judged_by(share)
-            refusal = refusal_for(self._replan.refused[1], plan, judged_share, held_of, target_of, self.options.budget_bytes)
+            refusal = refusal_for(self._replan.refused[1], plan, judged_share, held_of, target_of, self.options.budget_bytes,
+                                  planning_rule)
         cache = planner.source(plan)
         if generation != DEFAULT_CODE_GENERATION:   # the record, its dump and report say which code it is planned for
             plan = dataclasses.replace(plan, solver=f"{plan.solver}; Inductor's {generation} code generation "

@@ -90,11 +90,15 @@ class Refusal:
     named budget comes from: the budget less headroom for a graph alone in its step; for a graph
     sharing a step at graph breaks, the largest peak its share of that budget's step target admits
     next to what the plan holds, ``distributed_search.peak_limit_bytes``); ``target_bytes``: that
-    peak at the budget refused, the number the plan's checked peak is judged against."""
+    peak at the budget refused, the number the plan's checked peak is judged against;
+    ``planning_target_for(budget_bytes)``: the simulated peak a plan at that budget is searched for (the budget
+    less the planning headroom, no correction), or None: what the named budget's plan is planned at
+    (``judge_loop._checked_retry``)."""
 
     error: Exception
     target_for: Callable[[int], int]
     target_bytes: int
+    planning_target_for: Optional[Callable[[int], int]] = None
 
 
 def without_tracebacks(error: BaseException) -> BaseException:
@@ -114,17 +118,20 @@ def without_tracebacks(error: BaseException) -> BaseException:
 
 
 def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held_of: Callable[[Any], int],
-                target_for_budget: Callable[[int], int], budget_bytes: int) -> Refusal:
+                target_for_budget: Callable[[int], int], budget_bytes: int,
+                planning_target_for: Optional[Callable[[int], int]] = None) -> Refusal:
     """The refusal of ``budget_bytes`` whose plan ``plan`` is compiled for Inductor's check.
     ``target_for_budget``: the backend's planning target of a budget (the budget less headroom).
     A graph alone in its step is judged against that target; one sharing a step at graph breaks
     (``share`` of kind "break", or "runs": its runs stack, or "accumulated": next to the step's gradients) against the
     largest peak its share admits next to what ``plan``
     holds (``held_of``), at the budget refused and at any budget named (``peak_limit_bytes``).
-    The refusal keeps ``error`` without its tracebacks (``without_tracebacks``)."""
+    The refusal keeps ``error`` without its tracebacks (``without_tracebacks``); ``planning_target_for``, for a
+    graph alone in its step: the planning rule (``Refusal.planning_target_for``)."""
     without_tracebacks(error)
     if share is None or share.kind not in JUDGED_SHARE_KINDS:
-        return Refusal(error, target_for_budget, target_for_budget(budget_bytes))
+        return Refusal(error, target_for_budget, target_for_budget(budget_bytes),
+                       planning_target_for if share is None else None)
     from .distributed_search import peak_limit_bytes
 
     held = held_of(plan)

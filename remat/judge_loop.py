@@ -16,13 +16,13 @@ import functools
 import itertools
 from fractions import Fraction
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from ._torch_dynamo import passthrough_error_class
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
-from .pipeline import (FREE_MINCUT_CANDIDATE, LEAN_CODE_GENERATION_CANDIDATE, SMALLEST_PEAK_CANDIDATE, lean_plans_lower,
-                       refusal_candidates)
+from .pipeline import (FREE_MINCUT_CANDIDATE, LEAN_CODE_GENERATION_CANDIDATE, NAMED_BUDGET_CANDIDATE,
+                       SMALLEST_PEAK_CANDIDATE, lean_plans_lower, refusal_candidates)
 from .inductor_check import CheckedPeak, checked_peak_of, trusted_peak_bytes
 from .inductor_verdict import Judgement, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
 from .units import format_bytes, format_gb_up, format_seconds
@@ -87,13 +87,16 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
             # A graph sharing a step has no candidates: compiling one repeats the share's search (minutes on
             # GPT-2's body under load), and what they save is what a share rarely admits.
             candidates: tuple = ()
+            named_candidate = None
             if compile_candidate is not None and record.step_share is None:
                 kinds = ((FREE_MINCUT_CANDIDATE,) if record.facts is None
                          else refusal_candidates(record.facts, record.plan, device_type))
                 candidates = tuple((kind, functools.partial(_checked_candidate, compile_candidate, record, kind,
                                                             device_type, outputs_held)) for kind in kinds)
+                named_candidate = functools.partial(_checked_retry, compile_candidate, record, device_type, outputs_held)
             accepted = overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
-                                          candidates, rejected, within_budget_runs=ran_out is not None)
+                                          candidates, rejected, within_budget_runs=ran_out is not None,
+                                          named_candidate=named_candidate)
             if ran_out is not None:
                 # the plan kept carries the correction of the re-plans, not the 1-byte target it was found at
                 # (a step's or the feedback loop's later re-plan starts from a record's correction)
@@ -300,6 +303,25 @@ def _checked_candidate(compile_candidate: Callable[["CompiledGraph", str], tuple
     return fn, checked_peak_of(capture.graphs, device_type, outputs_held, refused.eager_loss_bytes)
 
 
+def _checked_retry(compile_candidate: Callable[..., tuple[Callable[..., Any], "CodeCapture"]], refused: "CompiledGraph",
+                   device_type: str, outputs_held: bool,
+                   named_budget: Optional[int]) -> Optional[tuple[Callable[..., Any], Optional[CheckedPeak]]]:
+    """The plan the search makes at the planning target of ``named_budget`` (``Refusal.planning_target_for``), what a
+    retry there plans first, compiled as the refused graph's candidate (its record appended) with its checked peak.
+    None, and nothing compiled, without a budget or a planning rule, where that target is below the smallest peak the
+    simulator found (``refused``'s plan: a retry there is refused by the simulator and runs these same candidates),
+    or where the search finds no plan at it. Every candidate before it is made without regard to the target, so a
+    retry at the budget this one's check names meets the same plans and this one, which checks within it."""
+    rule = refused.refusal.planning_target_for if refused.refusal is not None else None
+    if named_budget is None or rule is None or rule(named_budget) < refused.plan.predicted_peak_bytes:
+        return None
+    try:
+        fn, capture = compile_candidate(refused, NAMED_BUDGET_CANDIDATE, rule(named_budget))
+    except BudgetInfeasibleError:
+        return None
+    return fn, checked_peak_of(capture.graphs, device_type, outputs_held, refused.eager_loss_bytes)
+
+
 def refused_at(replan: Any, target_bytes: Optional[int]) -> bool:
     """Whether the compile ``replan`` (the backend's per-thread re-plan state) describes is a candidate
     plan of a refusal at ``target_bytes`` (``_checked_candidate``: its ``refused`` is (target, error, plan)):
@@ -311,7 +333,9 @@ def refused_at(replan: Any, target_bytes: Optional[int]) -> bool:
 def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
                        checked_peak_bytes: Optional[int],
                        candidates: Sequence[tuple[str, Callable[[], Optional[tuple[Callable[..., Any], Optional[CheckedPeak]]]]]] = (),
-                       rejected: tuple[Judgement, ...] = (), within_budget_runs: bool = False) -> Callable[..., Any]:
+                       rejected: tuple[Judgement, ...] = (), within_budget_runs: bool = False,
+                       named_candidate: Optional[Callable[[Optional[int]], Optional[tuple[Callable[..., Any], Optional[CheckedPeak]]]]] = None
+                       ) -> Callable[..., Any]:
     """Inductor's verdict on the smallest-peak plan of a budget the simulator refused (the last record of
     ``compiled_graphs``; ``checked_peak_bytes``: its trusted checked peak, ``trusted_peak_bytes``): at or
     under the planning target, the plan runs (the simulator over-predicted it) and the record carries
@@ -321,6 +345,10 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     generation, ``pipeline.refusal_candidates``): the simulator
     can rank plans the wrong way round (its smallest-peak plan may check above a plan it thinks larger),
     and Inductor's number decides, so the first candidate that checks at or under the target runs.
+    Then ``named_candidate(named)``, where given: the plan a retry at the budget ``named`` (the one this refusal
+    would name now, from the lowest-checked plan so far) plans first, compiled and checked like a candidate
+    (None where it compiled nothing): the simulator can rank that plan above the others and Inductor's check put it
+    lower, and the budget named is then the one its check fits (``_checked_retry``).
     Otherwise the records leave ``compiled_graphs`` and the refusal is raised, naming the budget whose
     target holds the lowest checked peak, above or below the simulator's figure
     (``inductor_verdict.named_budget_after_check``). ``rejected``: the verdicts on
@@ -350,7 +378,13 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
     # replaces it only when lower than that
     standing_bytes = checked_peak_bytes if checked_peak_bytes is not None else record.plan.predicted_peak_bytes
     judged = rejected + (verdict,)
-    for kind, compile_candidate in candidates:
+
+    def and_the_named_budgets_plan() -> Iterator[tuple[str, Callable[[], Optional[tuple[Callable[..., Any], Optional[CheckedPeak]]]]]]:
+        yield from candidates
+        if named_candidate is not None:     # named from the lowest-checked plan so far, when it is asked for
+            yield NAMED_BUDGET_CANDIDATE, lambda: named_candidate(named_budget_after_check(record.refusal, checked_peak_bytes))
+
+    for kind, compile_candidate in and_the_named_budgets_plan():
         compiled = compile_candidate()
         if compiled is None:    # not worth a compile (``_checked_candidate``)
             continue

@@ -238,6 +238,10 @@ REFUSAL_CANDIDATE_KINDS = (FREE_MINCUT_CANDIDATE, BLOCK_CHECKPOINT_CANDIDATE, CH
 # The budget planned again, and compiled, under Inductor's lean code generation (``_torch_inductor``): the
 # plan the search finds there for the refused target, else its smallest-peak plan there.
 LEAN_CODE_GENERATION_CANDIDATE = "lean code generation"
+# The plan the search makes at the planning target of the budget the refusal would name (what a retry there plans
+# first), judged after every other candidate (``judge_loop._checked_retry``).
+NAMED_BUDGET_CANDIDATE = "named budget's"
+SEARCHED_CANDIDATE_KINDS = (LEAN_CODE_GENERATION_CANDIDATE, NAMED_BUDGET_CANDIDATE)   # planned by the search, not built
 
 
 def refusal_candidates(facts: JointGraphFacts, refused: Optional[Plan] = None,
@@ -297,7 +301,13 @@ def free_mincut_candidate(facts: JointGraphFacts, request: PlanningRequest) -> P
     budget, which the simulator refused: Inductor's check judges it when the smallest-peak plan checks
     over the target (``judge_loop.overrule_or_refuse``). It carries the request's budget and target and
     ``fits_budget=False`` (the simulator does not say it fits; only the check can)."""
-    plan = plan_graph(facts, dataclasses.replace(request, budget_bytes=None, target_bytes=None, best_effort=True))
+    return as_candidate(plan_graph(facts, dataclasses.replace(request, budget_bytes=None, target_bytes=None,
+                                                              best_effort=True)), request)
+
+
+def as_candidate(plan: Plan, request: PlanningRequest) -> Plan:
+    """``plan``, made at another target, as a candidate for ``request``'s refused budget: it carries the request's
+    budget and target and ``fits_budget=False`` (the simulator does not say it fits; only the check can)."""
     return dataclasses.replace(plan, budget_bytes=request.budget_bytes, target_bytes=request.target_bytes,
                                fits_budget=False, solver=f"{plan.solver}; a candidate for Inductor's check")
 
@@ -315,7 +325,7 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
 
 
 __all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "CHASE_CANDIDATE", "FREE_MINCUT_CANDIDATE", "LEAN_CODE_GENERATION_CANDIDATE",
-           "SMALLEST_PEAK_CANDIDATE", "lean_plans_lower", "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "device_request", "free_mincut_candidate",
+           "NAMED_BUDGET_CANDIDATE", "SEARCHED_CANDIDATE_KINDS", "SMALLEST_PEAK_CANDIDATE", "as_candidate", "lean_plans_lower", "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "device_request", "free_mincut_candidate",
            "refusal_candidates", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
            "replan_estimate", "EstimatedPlan", "estimated_plan_for", "request_for", "simulator_models",
            "trace_joint_facts", "with_eager_loss_reserve"]

@@ -237,3 +237,57 @@ def test_a_refusal_does_not_keep_the_frames_its_error_passed_through_alive():
     assert held() is None, "the refusal's error kept the step's frame, and the tensor in it, alive"
     assert refusal.error is error and error.__traceback__ is None and error.__cause__.__traceback__ is None
     assert refusal.target_bytes == _target_for(BUDGET)
+
+
+def test_the_named_budgets_plan_is_asked_for_the_budget_the_lowest_checked_plan_names_and_lowers_it():
+    """After every candidate, ``named_candidate`` is called with the budget the refusal would name from the
+    lowest-checked plan so far (here the free min-cut's 1100); its plan (what a retry there plans first) checks
+    lower, 1080, and the error names the budget that one fits. Under the target it runs instead."""
+    graphs, compiled, asked = [_record("graph_000", 1200)], [], []
+
+    def named_plan(checked: int):
+        def compile_and_check(named_budget):
+            asked.append(named_budget)
+            return _candidate_named(graphs, "graph_000_r2", checked, compiled)()
+        return compile_and_check
+
+    with pytest.raises(BudgetInfeasibleError) as raised:
+        overrule_or_refuse("smallest", graphs, 1300, (("free min-cut", _candidate_named(graphs, "graph_000_r1", 1100, compiled)),),
+                           named_candidate=named_plan(1080))
+    assert compiled == ["graph_000_r1", "graph_000_r2"] and graphs == []
+    assert _target_for(asked[0]) >= 1100 > _target_for(asked[0] - 1)      # the budget 1100 names
+    assert raised.value.min_feasible_bytes == 1080
+    assert _target_for(raised.value.min_budget_bytes) >= 1080 > _target_for(raised.value.min_budget_bytes - 1)
+
+    graphs, compiled, asked = [_record("graph_000", 1200)], [], []
+    fn = overrule_or_refuse("smallest", graphs, 1300, (("free min-cut", _candidate_named(graphs, "graph_000_r1", 1100, compiled)),),
+                            named_candidate=named_plan(990))
+    assert fn == "graph_000_r2's callable" and [g.graph_id for g in graphs] == ["graph_000_r2"]
+    assert graphs[-1].judgement.action.startswith("accepted: Inductor's check of the named budget's plan")
+    graphs = [_record("graph_000", 1200)]
+    with pytest.raises(BudgetInfeasibleError):     # nothing compiled for it: the refusal stands as before
+        overrule_or_refuse("smallest", graphs, 1300, (), named_candidate=lambda named_budget: None)
+
+
+def test_the_named_budgets_plan_is_not_compiled_where_a_retry_would_be_refused_by_the_simulator():
+    """``_checked_retry`` compiles nothing without a named budget or a planning rule, nor where the named budget's
+    planning target is below the smallest peak the simulator found (a retry there runs the same candidates)."""
+    import dataclasses
+
+    from remat.judge_loop import _checked_retry
+
+    never = lambda *args: pytest.fail("nothing to compile")  # noqa: E731
+    record = _record("graph_000", 1200)
+    assert _checked_retry(never, record, "cpu", False, 5000) is None          # no planning rule
+    record = dataclasses.replace(record, refusal=dataclasses.replace(record.refusal, planning_target_for=_target_for))
+    assert _checked_retry(never, record, "cpu", False, None) is None
+    assert _checked_retry(never, record, "cpu", False, 1263) is None          # target 1199 < 1200
+    asked = []
+
+    def compile_candidate(refused, kind, target_bytes):
+        asked.append((refused.graph_id, kind, target_bytes))
+        raise BudgetInfeasibleError("no plan there", budget_bytes=BUDGET, min_feasible_bytes=1300, min_budget_bytes=1369,
+                                    reasons=("saved activations",))
+
+    assert _checked_retry(compile_candidate, record, "cpu", False, 1264) is None   # target 1200: asked, none found
+    assert asked == [("graph_000", "named budget's", 1200)]
