@@ -283,7 +283,7 @@ def worst_cases(models: dict[str, dict[str, dict[str, Any]]], count: int = 5) ->
 
 def lean_points(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     """The remat points where a graph's accepted plan runs under Inductor's lean code generation (a refused
-    budget's last candidate, ``remat/_torch_inductor.py``), as "model at point" (rows without the record's
+    budget's candidate, ``remat/_torch_inductor.py``), as "model at point" (rows without the record's
     ``code_generation``: the verdict that accepted the candidate names it)."""
     def lean(plans: dict[str, Any]) -> bool:
         return ("lean" in (plans.get("code_generation") or [])
@@ -292,12 +292,20 @@ def lean_points(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
             if lean(row.get("plans_final") or {})]
 
 
+def candidate_points(models: dict[str, dict[str, dict[str, Any]]], kind: str) -> list[str]:
+    """The remat points where a graph runs the refusal's candidate ``kind`` (its verdict names it), as "model at point"."""
+    return [f"{m} at {p}" for m, points in models.items() for p, row in points.items()
+            if any(f"check of the {kind} plan" in (action or "")
+                   for action in (row.get("plans_final") or {}).get("judgement") or [])]
+
+
 def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
     header, models = load(jsonl)
     descriptions = {m: (p.get("done") or {}).get("description", "") for m, p in models.items()}
     finished = [m for m, p in models.items() if "done" in p]
     dead = {m: p["done"]["error"] for m, p in models.items() if str((p.get("done") or {}).get("error", "")).startswith("worker ")}
     s = summary(models)
+    lean, named_plan = lean_points(models), candidate_points(models, "named budget's")
     floor_lines, floors = _floor_rows(models)
     source, machine = header.get("source", {}), header.get("machine", {})
     lines = [
@@ -369,7 +377,9 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"floors whose own point measures more than {LOOSE_FLOOR_FRACTION:.0%} under them (loose: the probe's plans check "
         f"higher than the plan a retry there runs): {floors['loose_floors']} of {floors['measured_at_floor']}",
         f"- points whose plan runs under Inductor's lean code generation (a refused budget's candidate): "
-        f"{len(lean_points(models))}" + (f" ({', '.join(lean_points(models))})" if lean_points(models) else ""),
+        f"{len(lean)}" + (f" ({', '.join(lean)})" if lean else ""),
+        f"- points whose plan is the named budget's plan (a refused budget's last candidate): {len(named_plan)}"
+        + (f" ({', '.join(named_plan)})" if named_plan else ""),
         "",
         *_accuracy_lines(models),
         *_check_lines(models),
