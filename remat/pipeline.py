@@ -235,8 +235,8 @@ BLOCK_CHECKPOINT_CANDIDATE = "per-block checkpointing"
 # The refused plan's search, before it refined its lowest plan for time (``Plan.chase_saved``).
 CHASE_CANDIDATE = "least-peak chase"
 REFUSAL_CANDIDATE_KINDS = (FREE_MINCUT_CANDIDATE, BLOCK_CHECKPOINT_CANDIDATE, CHASE_CANDIDATE)
-# The budget planned again, and compiled, under Inductor's lean code generation (``_torch_inductor``): the
-# plan the search finds there for the refused target, else its smallest-peak plan there.
+# The graph planned again, and compiled, under Inductor's lean code generation (``_torch_inductor``): the
+# smallest-peak plan the search finds there, whatever the target (so a retry meets the same candidate).
 LEAN_CODE_GENERATION_CANDIDATE = "lean code generation"
 # The plan the search makes at the planning target of the budget the refusal would name (what a retry there plans
 # first), judged after every other candidate (``judge_loop._checked_retry``).
@@ -325,7 +325,9 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
 
 
 __all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "CHASE_CANDIDATE", "FREE_MINCUT_CANDIDATE", "LEAN_CODE_GENERATION_CANDIDATE",
-           "NAMED_BUDGET_CANDIDATE", "SEARCHED_CANDIDATE_KINDS", "SMALLEST_PEAK_CANDIDATE", "as_candidate", "lean_plans_lower", "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "device_request", "free_mincut_candidate",
+           "NAMED_BUDGET_CANDIDATE", "SEARCHED_CANDIDATE_KINDS", "SMALLEST_PEAK_CANDIDATE", "as_candidate",
+           "lean_plans_lower", "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "device_request",
+           "free_mincut_candidate",
            "refusal_candidates", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
            "replan_estimate", "EstimatedPlan", "estimated_plan_for", "request_for", "simulator_models",
            "trace_joint_facts", "with_eager_loss_reserve"]
