@@ -299,6 +299,8 @@ class RematBackend:
                 raise self._replan.refused[1]   # the refusal the candidate is for: known, not searched again
             if share is None and candidate == LEAN_CODE_GENERATION_CANDIDATE:   # its smallest peak, whatever the target
                 plan = as_candidate(plan_at(1, best_effort=True), request.at(target_bytes))
+                if plan.predicted_peak_bytes >= self._replan.refused[2].predicted_peak_bytes:
+                    raise self._replan.refused[1]     # no lower than the default's smallest: not compiled
             elif share is None and candidate == NAMED_BUDGET_CANDIDATE:    # what a retry at that budget plans first
                 plan = as_candidate(plan_at(self._replan.candidate_target), request.at(target_bytes))
             elif share is None:   # alone in its step (a room-search try estimated moments ago is not planned again)
@@ -308,14 +310,15 @@ class RematBackend:
                 plan, share = fit_in_step(share, lambda share: fit_plan(share, held_of, plan_at, self.options.budget_bytes,
                     request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at, held_of)
         except BudgetInfeasibleError as error:
-            if correction and correction.factor != 1.0 and not correction.foreseen and candidate not in REFUSAL_CANDIDATE_KINDS:
+            if (correction and correction.factor != 1.0 and not correction.foreseen    # (a candidate's error: never shown)
+                    and candidate not in REFUSAL_CANDIDATE_KINDS + SEARCHED_CANDIDATE_KINDS):
                 error.args = (f"{error.args[0]} The planning target includes the feedback loop's correction: "
                               f"{correction.graph_id} measured {correction.measured_peak_bytes / 1e9:.6f} GB where "
                               f"its plan predicted {correction.predicted_peak_bytes / 1e9:.6f} GB, "
                               f"{correction.factor:.3f}x ({correction.source}).",) + error.args[1:]
             if (candidate is None and not check_may_overrule(self.options, share, joint, joint_inputs, error,
                                                              getattr(self._replan, "correction", None) is not None)
-                    or candidate == NAMED_BUDGET_CANDIDATE):    # no plan at that target: no such candidate
+                    or candidate in SEARCHED_CANDIDATE_KINDS):    # no (lower) plan there: no such candidate
                 raise passthrough_error_class(BudgetInfeasibleError)(error) from None
             if candidate in REFUSAL_CANDIDATE_KINDS:
                 plan = candidate_plan(candidate, facts, request, self._replan.refused[2] if self._replan.refused else None)

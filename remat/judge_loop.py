@@ -22,7 +22,7 @@ from ._torch_dynamo import passthrough_error_class
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
 from .pipeline import (FREE_MINCUT_CANDIDATE, LEAN_CODE_GENERATION_CANDIDATE, NAMED_BUDGET_CANDIDATE,
-                       SMALLEST_PEAK_CANDIDATE, lean_plans_lower, refusal_candidates)
+                       SMALLEST_PEAK_CANDIDATE, refusal_candidates)
 from .inductor_check import CheckedPeak, checked_peak_of, trusted_peak_bytes
 from .inductor_verdict import Judgement, annotate_dump, judge_plan, named_budget_after_check, overrule_refusal
 from .units import format_bytes, format_gb_up, format_seconds
@@ -294,12 +294,15 @@ def _checked_candidate(compile_candidate: Callable[["CompiledGraph", str], tuple
                        refused: "CompiledGraph", kind: str, device_type: str,
                        outputs_held: bool) -> Optional[tuple[Callable[..., Any], Optional[CheckedPeak]]]:
     """Compile candidate ``kind``'s plan of the graph whose record ``refused`` is (its record is appended) and
-    read its checked peak; None, and nothing compiled, for the lean code generation's candidate where the search
-    there finds no plan lower than ``refused``'s (``pipeline.lean_plans_lower``)."""
-    if kind == LEAN_CODE_GENERATION_CANDIDATE and (
-            refused.facts is None or not lean_plans_lower(refused.facts, refused.plan, device_type)):
+    read its checked peak; None, and no code generated, for the lean code generation's candidate where the search
+    under it finds no plan simulated lower than ``refused``'s (the partitioner refuses it before splitting the graph:
+    one search, where a separate check ran it twice)."""
+    try:
+        fn, capture = compile_candidate(refused, kind)
+    except BudgetInfeasibleError:
+        if kind != LEAN_CODE_GENERATION_CANDIDATE:
+            raise
         return None
-    fn, capture = compile_candidate(refused, kind)
     return fn, checked_peak_of(capture.graphs, device_type, outputs_held, refused.eager_loss_bytes)
 
 

@@ -28,7 +28,7 @@ from torch import fx
 
 from ._torch_compile import default_partition_saved
 from ._torch_dynamo import trace_joint_graphs
-from ._torch_inductor import LEAN_CODE_GENERATION, code_generation, code_generation_patches
+from ._torch_inductor import LEAN_CODE_GENERATION, code_generation_patches
 from .cost_model.calibrate import measure_node_times
 from .cost_model.costs import annotate_costs
 from .cost_model.hardware import HardwareProfile, get_profile
@@ -252,8 +252,11 @@ def refusal_candidates(facts: JointGraphFacts, refused: Optional[Plan] = None,
     then the search's lowest plan before it was refined for time, where that differs
     (``refused.chase_saved``): the simulator ranks the refined one lower, by an error of its own; last,
     with ``device_type`` given, the budget planned under lean code generation where that differs from the
-    current config on the device (``LEAN_CODE_GENERATION_CANDIDATE``, compiled only where ``lean_plans_lower``;
-    the others keep the code generation the refused plan was compiled under, the default)."""
+    current config on the device (``LEAN_CODE_GENERATION_CANDIDATE``: its code generated only where the search under
+    the lean bound finds a plan simulated lower than ``refused``, the default's smallest-peak plan, which on a stack of
+    attention layers sharing one bias saves everything: the bias's gradient, a sum over layers inlined into one kernel,
+    holds every layer's probabilities anyway, and the lean search recomputes them; the others keep the code
+    generation the refused plan was compiled under, the default)."""
     kinds = (FREE_MINCUT_CANDIDATE,)
     if block_checkpoint_saved(facts) is not None:
         kinds += (BLOCK_CHECKPOINT_CANDIDATE,)
@@ -262,22 +265,6 @@ def refusal_candidates(facts: JointGraphFacts, refused: Optional[Plan] = None,
     if device_type is not None and code_generation_patches(LEAN_CODE_GENERATION, device_type):
         kinds += (LEAN_CODE_GENERATION_CANDIDATE,)
     return kinds
-
-
-def lean_plans_lower(facts: JointGraphFacts, refused: Plan, device_type: str) -> bool:
-    """Whether the search under lean code generation on ``device_type`` (``_torch_inductor.code_generation``) finds
-    a plan for ``refused``'s budget and target simulated lower than ``refused``, the smallest-peak plan the search
-    found under the code generation ``facts`` were simulated with (the default); False where the lean one is the
-    default there (``code_generation_patches``). One search, no compile: the lean candidate is compiled only where
-    the simulator sees it hold less (a plan the same saved values would not show: on a stack of attention layers
-    sharing one bias, the default's smallest-peak plan saves everything, since the bias's gradient, a sum over
-    layers inlined into one kernel, holds every layer's probabilities anyway, and the lean search recomputes them)."""
-    if not code_generation_patches(LEAN_CODE_GENERATION, device_type):
-        return False
-    with code_generation(LEAN_CODE_GENERATION, device_type):
-        lean = make_plan(dataclasses.replace(facts), refused.budget_bytes, target_bytes=refused.target_bytes,
-                         best_effort=True)   # a copy of the facts: its own analysis, the config read anew
-    return lean.predicted_peak_bytes < refused.predicted_peak_bytes
 
 
 def candidate_plan(kind: str, facts: JointGraphFacts, request: PlanningRequest, refused: Optional[Plan] = None) -> Plan:
@@ -326,7 +313,7 @@ def trace_joint_facts(model: Callable[..., Any], example_inputs: Sequence[Any], 
 
 __all__ = ["BLOCK_CHECKPOINT_CANDIDATE", "CHASE_CANDIDATE", "FREE_MINCUT_CANDIDATE", "LEAN_CODE_GENERATION_CANDIDATE",
            "NAMED_BUDGET_CANDIDATE", "SEARCHED_CANDIDATE_KINDS", "SMALLEST_PEAK_CANDIDATE", "as_candidate",
-           "lean_plans_lower", "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "device_request",
+           "PlanningRequest", "REFUSAL_CANDIDATE_KINDS", "candidate_plan", "device_request",
            "free_mincut_candidate",
            "refusal_candidates", "PreparedGraph", "budget_request", "facts_at_sizes", "plan_graph", "prepare_graph",
            "replan_estimate", "EstimatedPlan", "estimated_plan_for", "request_for", "simulator_models",

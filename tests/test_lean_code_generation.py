@@ -1,5 +1,5 @@
-"""Lean code generation as a refused budget's last candidate (``_torch_inductor.code_generation``,
-``pipeline.lean_plans_lower``, ``judge_loop._checked_candidate``).
+"""Lean code generation as a refused budget's candidate (``_torch_inductor.code_generation``,
+``pipeline.refusal_candidates``, ``judge_loop._checked_candidate``).
 
 A stack of attention layers that share one additive bias (a T5's relative position bias) gets that bias's
 gradient as a sum over layers of each layer's softmax gradient summed over the batch. Inductor lowers each
