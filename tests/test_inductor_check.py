@@ -354,8 +354,9 @@ def test_candidates_after_a_refused_corrected_re_plan_are_planned_at_the_correct
     assert refused.value.min_budget_bytes > refused.value.budget_bytes
     first, corrected = targets[0], targets[1]
     assert corrected < first
-    # the candidates too, except the named budget's plan, planned at that budget's own target (``_checked_retry``)
-    named_plan = [t for t in targets[1:] if t != corrected]
+    # the candidates too, except the lean code generation's smallest-peak plan (1 byte: whatever the target) and the
+    # named budget's plan, planned at that budget's own target (``_checked_retry``)
+    named_plan = [t for t in targets[1:] if t not in (corrected, 1)]
     assert len(targets) >= 3 and targets[1] == corrected and len(named_plan) <= 1, targets
     assert all(t > corrected for t in named_plan) and targets[-1] in named_plan + [corrected], targets
 
@@ -377,7 +378,8 @@ def test_a_refusal_searches_once_with_its_free_min_cut_candidate_checked(tmp_pat
     with pytest.raises(remat.BudgetInfeasibleError) as refused:
         run_step(torch.compile(model, backend=remat.backend(1e-6, inductor_check=True)), model, inputs)
     assert refused.value.min_budget_bytes > refused.value.budget_bytes
-    assert [r.best_effort for r in searched] == [False], searched
+    # (the lean code generation's candidate runs a search of its own, under its bound, for its smallest peak: 1 byte)
+    assert [r.best_effort for r in searched if r.target_bytes != 1] == [False], searched
 
 
 def test_a_library_output_of_unstated_size_leaves_the_plan_on_its_simulated_peak():
