@@ -113,9 +113,14 @@ class InductorConfig:
     @property
     def cpu_acc_reads_threshold(self) -> int:
         """Buffers a CPU pointwise value may load before it is stored."""
+        return self.acc_reads_threshold_for("cpu")
+
+    def acc_reads_threshold_for(self, device_type: str) -> int:
+        """Buffers a pointwise value on ``device_type`` may load before it is stored
+        (``ir.StorageBox.has_exceeded_max_reads``)."""
         if self.realize_acc_reads_threshold is not None:
             return self.realize_acc_reads_threshold
-        return self.realize_cpu_acc_reads_threshold
+        return self.realize_cpu_acc_reads_threshold if device_type == "cpu" else self.realize_gpu_acc_reads_threshold
 
 
 def inductor_config() -> InductorConfig:
@@ -156,11 +161,8 @@ def code_generation_patches(code_generation: str, device_type: str) -> dict[str,
     if code_generation == DEFAULT_CODE_GENERATION:
         return {}
     config = inductor_config()
-    current = config.cpu_acc_reads_threshold if device_type == "cpu" else (
-        config.realize_acc_reads_threshold if config.realize_acc_reads_threshold is not None
-        else config.realize_gpu_acc_reads_threshold)
     lean = config.realize_reads_threshold
-    return {"realize_acc_reads_threshold": lean} if lean < current else {}
+    return {"realize_acc_reads_threshold": lean} if lean < config.acc_reads_threshold_for(device_type) else {}
 
 
 @contextlib.contextmanager

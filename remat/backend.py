@@ -40,7 +40,7 @@ from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
 from .inductor_verdict import check_may_overrule, check_rule, refusal_for, share_check_target
 from .judge_loop import judge_compiled, refused_at
-from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, make_options, target_for_budget
+from .options import DEFAULT_MILP_TIME_LIMIT_S, BudgetSpec, RematOptions, make_options
 from .passes.plan import Plan
 from .passes.rewrite import place_recompute_regions
 from .pipeline import (LEAN_CODE_GENERATION_CANDIDATE, NAMED_BUDGET_CANDIDATE, REFUSAL_CANDIDATE_KINDS,
@@ -290,8 +290,8 @@ class RematBackend:
         def plan_at(target_bytes: Optional[int], saved_cap_bytes: Optional[int] = None,
                     best_effort: Optional[bool] = None, saved_cap_search: str = "greedy") -> Plan:
             return planner(request.at(target_bytes, saved_cap_bytes, best_effort, saved_cap_search))
-        refusal, asked_share = None, share
-        planning_rule = functools.partial(target_for_budget, headroom_fraction=request.headroom_fraction)
+        refusal, refused_by, asked_share = None, None, share    # refused_by: the refusal the plan compiled is for
+        planning_rule = functools.partial(self.options.planning_target_for, device_type=device_type, modeled=modeled)
         judged_by = lambda sh: check_rule(sh, correction, self.options, device_type, modeled)  # noqa: E731
         candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
         try:
@@ -326,13 +326,13 @@ class RematBackend:
                 plan = error.named_plan       # the plan the named budget rests on
             else:
                 plan = plan_at(target_bytes, best_effort=True)
+            refused_by = error
+        if candidate in SEARCHED_CANDIDATE_KINDS:    # fits as simulated: still the refusal's candidate
+            refused_by = self._replan.refused[1]
+        if refused_by is not None:
             judged_share, target_of = judged_by(share)
-            refusal = refusal_for(error, plan, judged_share, held_of, target_of, self.options.budget_bytes, planning_rule)
+            refusal = refusal_for(refused_by, plan, judged_share, held_of, target_of, self.options.budget_bytes, planning_rule)
         generation = getattr(self._replan, "code_generation", DEFAULT_CODE_GENERATION)
-        if candidate in SEARCHED_CANDIDATE_KINDS and refusal is None:    # fits as simulated: still the refusal's candidate
-            judged_share, target_of = judged_by(share)
-            refusal = refusal_for(self._replan.refused[1], plan, judged_share, held_of, target_of, self.options.budget_bytes,
-                                  planning_rule)
         cache = planner.source(plan)
         if generation != DEFAULT_CODE_GENERATION:   # the record, its dump and report say which code it is planned for
             plan = dataclasses.replace(plan, solver=f"{plan.solver}; Inductor's {generation} code generation "
