@@ -1,7 +1,8 @@
 """End to end (issue 2): every zoo model, compiled with remat at budget None, at ~50% of its
 measured peak without remat (the run that saves every value the backward reads and recomputes
 nothing, ``no_remat_peak`` in conftest.py), and at the smallest feasible budget the planner
-names ("min"), against eager and against plain Inductor. (Until session 41 also at ~70%: cut to
+names ("min"; gpt's under Inductor's RNG, ``test_dropout_masks_survive_recomputation``), against eager and
+against plain Inductor. (Until session 41 also at ~70%: cut to
 keep the suite near 15 minutes; budgets at 90%, 70% and 50% of plain Inductor's peak are measured,
 gradients included, on every model of the fidelity corpus, ``benchmarks/fidelity.py``.)
 
@@ -35,7 +36,12 @@ pytestmark = pytest.mark.e2e
 
 SMALLEST = 0.0   # "min": ask for 1 kB, test at the smallest feasible budget the error names
 FRACTIONS = (None, 0.5, SMALLEST)
-CASES = [(name, fraction) for name in ZOO for fraction in FRACTIONS]
+# gpt's floor is tested under Inductor's own RNG instead, by ``test_dropout_masks_survive_recomputation`` (the
+# same 1 kB probe, the budget it names run, measured within it, gradients equal plain Inductor's): the two probes
+# of one model cost ~110 s of the suite (session 42)
+FLOOR_TESTED_ELSEWHERE = frozenset({"gpt"})
+CASES = [(name, fraction) for name in ZOO for fraction in FRACTIONS
+         if not (fraction == SMALLEST and name in FLOOR_TESTED_ELSEWHERE)]
 
 
 def _case_id(fraction: Optional[float]) -> str:
@@ -229,7 +235,7 @@ def test_dump_is_written_and_parses(name, fraction, no_remat_peak, tmp_path_fact
     assert "1 GB = 1e9 bytes" in report
 
 
-@pytest.mark.parametrize("name", list(ZOO))
+@pytest.mark.parametrize("name", [name for name in ZOO if name not in FLOOR_TESTED_ELSEWHERE])
 def test_planned_peak_is_monotone_in_budget(name, no_remat_peak, tmp_path_factory):
     """Larger budget, larger-or-equal predicted peak.
 
@@ -237,7 +243,7 @@ def test_planned_peak_is_monotone_in_budget(name, no_remat_peak, tmp_path_factor
     min-cut's peak buys recompute time back with memory (a higher peak), so it is left out.
     Ordered by the budget each run actually got: a fraction out of reach runs at the smallest
     feasible budget the planner named, which can differ by a few bytes between two attempts."""
-    plans = [_only_plan(_run(no_remat_peak, tmp_path_factory, name, f)) for f in FRACTIONS]
+    plans = [_only_plan(_run(no_remat_peak, tmp_path_factory, name, f)) for n, f in CASES if n == name]
     ordered = sorted((p for p in plans if p.budget_bytes is not None), key=lambda p: p.budget_bytes, reverse=True)
     peaks = [p.predicted_peak_bytes for p in ordered]
     budgets = [p.budget_bytes for p in ordered]
