@@ -72,28 +72,53 @@ def test_the_smallest_peak_plan_recomputes_less_with_the_descent(llama_facts, mo
     assert (with_descent.peak_bytes, with_descent.extra_time_s) < (without.peak_bytes, without.extra_time_s)
 
 
+def _plan(peak: int, seconds: float) -> SimpleNamespace:
+    return SimpleNamespace(peak_bytes=peak, extra_time_s=seconds)
+
+
 def test_descents_aimed_above_the_lowest_peak_are_kept_when_they_land_lower(monkeypatch):
-    """``solve_greedy._above_the_lowest``: from every start, aims 1, 2 and 3 rungs (1/32 of the peak)
+    """``solve_greedy._around_the_lowest``: from every start, aims 1, 2 and 3 rungs (1/32 of the peak)
     above the lowest so far; a descent that lands lower (or as low and faster) replaces it, one that
     lands higher does not (the HF Llama's chase stopped at 33.38 MB; aimed at 34.42 MB the descent from
-    the per-block start ended at 32.20 MB)."""
-    def plan(peak: int, seconds: float) -> SimpleNamespace:
-        return SimpleNamespace(peak_bytes=peak, extra_time_s=seconds)
-
-    best, starts = plan(3200, 1.0), ("save all", "min-cut", "per-block")
+    the per-block start ended at 32.20 MB). Then the rungs below the new lowest (3100 // 32 = 96 apart)."""
+    best, starts = _plan(3200, 1.0), ("save all", "min-cut", "per-block")
     aims = []
 
     def descend(g, start, aim):
         aims.append((start, aim))
-        landed = {("per-block", 3300): plan(3100, 2.0), ("min-cut", 3400): plan(3100, 1.5)}
-        return None, [], landed.get((start, aim), plan(3500, 0.1))
+        landed = {("per-block", 3300): _plan(3100, 2.0), ("min-cut", 3400): _plan(3100, 1.5)}
+        return None, [], landed.get((start, aim), _plan(3500, 0.1))
 
     monkeypatch.setattr(solve_greedy, "_descend", descend)
-    assert solve_greedy._above_the_lowest(None, starts, best) == plan(3100, 1.5)
-    assert [aim for _, aim in aims[:3]] == [3300] * 3 and {aim for _, aim in aims} == {3300, 3400, 3500}
+    assert solve_greedy._around_the_lowest(None, starts, best) == _plan(3100, 1.5)
+    assert [aim for _, aim in aims[:3]] == [3300] * 3 and {aim for _, aim in aims[:9]} == {3300, 3400, 3500}
+    assert [aim for _, aim in aims[9::3]] == [3004, 2908, 2812] and len(aims) == 18   # one round below: none lower
+    monkeypatch.setattr(solve_greedy, "_descend", lambda g, start, aim: (None, [], _plan(3500, 0.1)))
+    assert solve_greedy._around_the_lowest(None, starts, best) is best
+
+
+def test_descents_aimed_below_the_lowest_peak_go_on_while_one_lands_lower(monkeypatch):
+    """The rungs below the lowest (session 42: on corpus seed 1493's net a descent aimed at 364,862 B, under the
+    lowest 379,136 B, ended at 347,200 B): aimed again below each new lowest, at most ``MAX_CHASE_ROUNDS`` times."""
+    landed = {("min-cut", 3000): _plan(2950, 1.0), ("save all", 2766): _plan(2700, 3.0)}
+    aims = []
+
+    def descend(g, start, aim):
+        aims.append(aim)
+        return None, [], landed.get((start, aim), _plan(3500, 0.1))
+
+    monkeypatch.setattr(solve_greedy, "_descend", descend)
+    assert solve_greedy._around_the_lowest(None, ("save all", "min-cut"), _plan(3200, 1.0)) == _plan(2700, 3.0)
+    assert aims[6::2] == [3100, 3000, 2900, 2858, 2766, 2674, 2616, 2532, 2448]   # from 3200, 2950, 2700
     aims.clear()
-    monkeypatch.setattr(solve_greedy, "_descend", lambda g, start, aim: (None, [], plan(3500, 0.1)))
-    assert solve_greedy._above_the_lowest(None, starts, best) is best
+
+    def always_lower(g, start, aim):
+        aims.append(aim)
+        return None, [], _plan(aim, 1.0)
+
+    monkeypatch.setattr(solve_greedy, "_descend", always_lower)
+    solve_greedy._around_the_lowest(None, ("save all",), _plan(3200, 1.0))
+    assert len(aims) == 3 * (1 + solve_greedy.MAX_CHASE_ROUNDS)
 
 
 def test_a_refusals_plan_carries_the_chases_unrefined_plan_as_a_candidate(llama_facts):
