@@ -147,6 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         print(model, rep, state, backend, json.dumps(result), flush=True)
     after = _uptime()
     loads = previous["loads"] + [[before, after]]
+    record.parent.mkdir(parents=True, exist_ok=True)     # a new --out folder (session 42 lost a run's table to it)
     record.write_text(json.dumps({"rows": rows, "loads": loads}, indent=1) + "\n")
     args.out.write_text(render(rows, loads, args.reps))
     print(f"wrote {args.out}")
