@@ -286,9 +286,11 @@ def _around_the_lowest(g: SearchContext, starts: tuple[Evaluated, ...], best: Ev
     Llama of ``benchmarks/hf_models.py`` the chase stopped at 33.38 MB and a descent aimed one rung above it ended
     at 32.20 MB; on corpus seed 1493's random net (session 42) one aimed at 364,862 B, under the lowest 379,136 B,
     ended at 347,200 B."""
-    for round_ in range(MAX_CHASE_ROUNDS + 1):   # round 0 aims above, the others below
-        lower, step = best, max(best.peak_bytes // LADDER_STEP, 1) * (1 if round_ == 0 else -1)
-        for aim in [best.peak_bytes + rung * step for rung in range(1, LADDER_RUNGS + 1)]:
+    for round_ in range(MAX_CHASE_ROUNDS + 1):   # round 0 aims above, the others below (``_aims``' rungs)
+        lower, step = best, max(best.peak_bytes // LADDER_STEP, 1)
+        aims = [best.peak_bytes + rung * step for rung in range(1, LADDER_RUNGS + 1)] if round_ == 0 else \
+            _aims(best.peak_bytes, LADDER_RUNGS)[1:]
+        for aim in aims:
             for start in starts:
                 found = _descend(g, start, aim)[2]
                 if (found.peak_bytes, found.extra_time_s) < (lower.peak_bytes, lower.extra_time_s):
