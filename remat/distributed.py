@@ -110,6 +110,11 @@ def largest_admitted(admits: Callable[[int], bool], high_bytes: int) -> int:
 # (``runs_share.runs_share``): every other term of the step is exact (its own held bytes, the measured gradients)
 SINGLE_GRAPH_SHARE_KINDS = ("runs", "accumulated")
 JUDGED_SHARE_KINDS = ("break",) + SINGLE_GRAPH_SHARE_KINDS
+# shares of a step's graphs planned before the step is known (its first run, ``step_budget.py``): accepted, a plan is
+# judged against its target; refused (its own run does not fit next to what is live before it,
+# ``step_fit.runs_over_next_to_live``), its budget is named from the checked code of the plan it rests on, as above
+PROVISIONAL_SHARE_KINDS = ("break-partial", "break-smallest")
+REFUSAL_CHECKED_SHARE_KINDS = JUDGED_SHARE_KINDS + PROVISIONAL_SHARE_KINDS
 
 
 @dataclass(frozen=True)

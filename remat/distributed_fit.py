@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from .distributed import JUDGED_SHARE_KINDS, LOSS_OUTPUT_COPIES, GraphShare, LedgerEntry, StepLedger, piece_target, write_share_to_dump
+from .distributed import LOSS_OUTPUT_COPIES, REFUSAL_CHECKED_SHARE_KINDS, GraphShare, LedgerEntry, StepLedger, piece_target, write_share_to_dump
 from .distributed_errors import ShareInfeasibleError, budget_for_step_target, restate_infeasible
 from .distributed_record import DistributedGraphRecord, collectives_of
 from .distributed_search import (  # noqa: F401 - FIT_ROUNDS, REPLAY_STEP: the search's constants, read by tests
@@ -192,7 +192,7 @@ def fit_plan(share: GraphShare, held_of: "Callable[[Any], int]", plan_at: "Calla
     except NoPlan as refused:
         error, named = _infeasible(refused.error, share, refused.candidates, held_of, budget_bytes, target_for_budget,
                                    loose=refused.loose)
-        if share.kind in JUDGED_SHARE_KINDS and named is not None:   # the backend has Inductor check the plan named
+        if share.kind in REFUSAL_CHECKED_SHARE_KINDS and named is not None:   # the backend has Inductor check the plan named
             raise ShareInfeasibleError(error, named) from None
         if ledger is None or share.kind != "ddp":
             raise error from None

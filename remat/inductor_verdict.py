@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .cost_model.tensors import has_symbolic_shapes
-from .distributed import JUDGED_SHARE_KINDS, SINGLE_GRAPH_SHARE_KINDS
+from .distributed import JUDGED_SHARE_KINDS, REFUSAL_CHECKED_SHARE_KINDS, SINGLE_GRAPH_SHARE_KINDS
 from .distributed_errors import ShareInfeasibleError
 
 if TYPE_CHECKING:
@@ -123,13 +123,13 @@ def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held
     """The refusal of ``budget_bytes`` whose plan ``plan`` is compiled for Inductor's check.
     ``target_for_budget``: the backend's planning target of a budget (the budget less headroom).
     A graph alone in its step is judged against that target; one sharing a step at graph breaks
-    (``share`` of kind "break", or "runs": its runs stack, or "accumulated": next to the step's gradients) against the
-    largest peak its share admits next to what ``plan``
+    (``share`` of kind "break", or "runs": its runs stack, or "accumulated": next to the step's gradients, or one of
+    the step's first run, ``PROVISIONAL_SHARE_KINDS``) against the largest peak its share admits next to what ``plan``
     holds (``held_of``), at the budget refused and at any budget named (``peak_limit_bytes``).
     The refusal keeps ``error`` without its tracebacks (``without_tracebacks``); ``planning_target_for``, for a
     graph alone in its step: the planning rule (``Refusal.planning_target_for``)."""
     without_tracebacks(error)
-    if share is None or share.kind not in JUDGED_SHARE_KINDS:
+    if share is None or share.kind not in REFUSAL_CHECKED_SHARE_KINDS:
         return Refusal(error, target_for_budget, target_for_budget(budget_bytes),
                        planning_target_for if share is None else None)
     from .distributed_search import peak_limit_bytes
@@ -147,7 +147,7 @@ def check_may_overrule(options: Any, share: Optional["GraphShare"], joint: "fx.G
     this is not a re-plan (``replanning``: its refusal is the re-planning caller's), or it shares a step
     (``JUDGED_SHARE_KINDS``) and the refusal names the plan it rests on (``ShareInfeasibleError``: the budget
     named is read off its code)."""
-    shared = share is not None and share.kind in JUDGED_SHARE_KINDS and isinstance(error, ShareInfeasibleError)
+    shared = share is not None and share.kind in REFUSAL_CHECKED_SHARE_KINDS and isinstance(error, ShareInfeasibleError)
     return (options.inductor_check and options.budget_bytes is not None and not options.best_effort
             and not has_symbolic_shapes(joint_inputs)
             and not has_symbolic_shapes([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])

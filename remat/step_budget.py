@@ -27,7 +27,9 @@ corrects; measured figures in docs/budget.md):
   resume function still to run, ``caller_resumes_after``) takes its leanest plan (``leanest_plan``,
   kind "break-smallest"), since the later graphs and their gradients ``G_>k`` are unknown; a graph no
   break follows (the frame's last) is planned next to what the pending graphs hold (kind
-  "break-partial"). Step 1 then fits unless the budget is below what the leanest plans compose, the
+  "break-partial"); one whose plan, next to what is live before it, is over the budget itself refuses the budget
+  at once (``step_fit.runs_over_next_to_live``). Step 1 then fits unless the budget is below what the leanest plans
+  compose, the
   step's graphs come from frames compiled apart (no break tells the first that the second follows),
   or the leanest plan's assumption (the later graphs are like this one, ``copies_admitted``) is far off. A step an earlier
   process settled is planned at once at the shares it gave (``step_memory.py``): no provisional plans;
@@ -63,7 +65,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from .distributed import GraphShare, piece_target
+from .distributed import PROVISIONAL_SHARE_KINDS, GraphShare, piece_target
 from .errors import BudgetInfeasibleError
 from .options import target_for_budget
 from .runs_share import runs_share
@@ -431,7 +433,7 @@ def note_step_plan(account: StepAccount, graph_id: str, share: Optional[GraphSha
     inputs, grads = account.io_bytes(slot, joint, num_fwd_outputs, static_indices)
     held_of = account.held_of(slot, joint, num_fwd_outputs, static_indices)
     floor = account.floor_of(slot)
-    provisional = share is not None and share.kind in ("break-partial", "break-smallest")
+    provisional = share is not None and share.kind in PROVISIONAL_SHARE_KINDS
     if floor is None and share is not None:
         smallest = smallest_plan(plan_at, plan)
         floor = account.set_floor(slot, smallest.predicted_peak_bytes, held_of(smallest))

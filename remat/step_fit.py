@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .distributed import GraphShare
 from .errors import BudgetInfeasibleError
@@ -18,16 +18,32 @@ log = logging.getLogger("remat")
 
 
 def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, GraphShare]]",
-                plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]") -> tuple[Any, GraphShare]:
+                plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
+                budget_bytes: Optional[int] = None) -> tuple[Any, GraphShare]:
     """``fit(share)`` (``distributed_fit.fit_plan``), except while the step's graphs are unknown.
     A graph a graph break follows (kind "break-smallest") takes ``leanest_plan`` outright, with
     ``reserve_met`` False: the later graphs, what they hold and their gradients are unknown, so it
     takes the least room it can. A graph of kind "break-partial" (no break follows in its frame)
     that no plan fits next to what the earlier graphs hold takes its smallest-peak plan. Either is
     re-planned once its step completes (``StepGraph.provisional``). Elsewhere the error stands (it
-    names the budget that fits)."""
+    names the budget that fits).
+
+    Except where even that plan's own run, next to what is live before it (the earlier graphs' held values,
+    its activation inputs), is predicted over ``budget_bytes`` itself (``runs_over_next_to_live``): step 1 would
+    run over the budget, whatever the later graphs are, so the budget is refused at once by ``fit(share)``'s
+    error, before the step runs (a Hugging Face GPT-2 with a 32,000-token vocabulary, split before its loss:
+    the loss graph's plan peaked at 65.5 MB next to its 65.5 MB of logits, and step 1 ran ~1.5x an 86.8 MB
+    budget before the second step refused it, naming 138.3 MB). Over the step target but within the budget,
+    the plan runs and the second step's re-plans decide (the earlier graphs' re-plans may hold less, and the
+    budget then fits: a refusal there named a budget 0.3% over one that fits). The name such a refusal gives
+    is what this graph needs next to the earlier graphs' step-1 plans; the second step's re-plan, next to the
+    later graphs' gradients and its earlier graphs' re-plans, may name slightly more (docs/budget.md). The
+    first graph of a step has nothing live before it: Inductor's check judges its plan against the step
+    target (``judge_loop``), as any graph's."""
     if share.kind == "break-smallest":
         plan = leanest_plan(plan_at, held_of, lambda p: copies_admitted(share, held_of(p), p.predicted_peak_bytes))
+        if runs_over_next_to_live(share, held_of(plan), plan.predicted_peak_bytes, budget_bytes):
+            return fit(share)    # raises naming the budget the step needs; a plan it admits is taken
         log.info("remat: graph %d of the first step takes its leanest plan until the step's graphs are known "
                  "(a graph break follows it)", share.index + 1)
         return plan, replace(share, target_bytes=plan.target_bytes or 0, reserve_met=False)
@@ -43,10 +59,25 @@ def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, Graph
         except BudgetInfeasibleError as again:
             refused = again
             continue
+        if runs_over_next_to_live(share, held_of(plan), plan.predicted_peak_bytes, budget_bytes):
+            raise refused
         log.info("remat: graph %d of the first step fits no plan next to the earlier graphs; smallest-peak plan "
                  "taken until the step's graphs are re-planned", share.index + 1)
         return plan, replace(share, target_bytes=plan.target_bytes or 0, reserve_met=False)
     raise refused
+
+
+def runs_over_next_to_live(share: GraphShare, held_bytes: int, peak_bytes: int, budget_bytes: Optional[int]) -> bool:
+    """Whether something is live before this graph runs (earlier graphs' held values, its activation inputs) and
+    a plan holding ``held_bytes`` and peaking at ``peak_bytes`` (simulated) runs over ``budget_bytes`` next to it:
+    all its runs (``runs_peak_bytes``) with the gradients and bytes outside the step's graphs, the terms of
+    ``GraphShare.admits`` without the room it keeps for later graphs, against the budget rather than its target.
+    False with no budget, and for a graph with nothing live before it (the first of its step), whose plan
+    Inductor's check judges against the step target."""
+    if budget_bytes is None or share.held_before_bytes + share.input_activation_bytes <= 0:
+        return False
+    return (share.held_before_bytes + share.later_grad_bytes + share.outside_bytes
+            + share.runs_peak_bytes(held_bytes, peak_bytes) > budget_bytes)
 
 
 MAX_COPIES = 64   # copies_admitted stops counting here (a plan that holds nothing and has no gradients)
