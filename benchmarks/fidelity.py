@@ -129,7 +129,7 @@ ENV_RECORDED = ("PYTHONHASHSEED", "TORCHINDUCTOR_COMPILE_THREADS", "REMAT_SOURCE
 
 import remat  # noqa: E402
 from common import global_relative_grad_error, grads_of, machine_info, max_relative_grad_error, source_info  # noqa: E402  (run as a script: benchmarks/ is sys.path[0])
-from remat.testing import corpus as corpus_mod, finetune  # noqa: E402
+from remat.testing import corpus as corpus_mod, finetune, hf_models  # noqa: E402
 
 
 # ---- one variant ---------------------------------------------------------------------------------
@@ -527,11 +527,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="every variant's model and floating inputs in this dtype, no autocast (plus a plain-fp32 reference)")
     parser.add_argument("--eager-cross-entropy", action="store_true",
                         help="every variant's loss a cross-entropy outside the compiled model, on its output as logits")
+    parser.add_argument("--hf-vocab", type=int, default=hf_models.VOCAB,
+                        help=f"the drawn Hugging Face language models' vocabulary (default {hf_models.VOCAB}; real "
+                             "models' 32,000-50,257 make the logits and the loss the step's largest tensors)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    entries = corpus_mod.entries(args.seeds, cnn_seeds=args.cnn_seeds, hf_seeds=args.hf_seeds)
+    entries = corpus_mod.entries(args.seeds, cnn_seeds=args.cnn_seeds, hf_seeds=args.hf_seeds, hf_vocab=args.hf_vocab)
     md = args.md or args.out.with_suffix(".md")
     if args.worker is not None:
         entry = next(e for e in entries if e.name == args.worker)
@@ -570,6 +573,7 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
                            "runs_per_step": args.runs_per_step, "micro_batches": args.micro_batches,
                            "channels_last": args.channels_last, "fractions": list(args.fractions),
                            "model_dtype": args.model_dtype, "eager_cross_entropy": args.eager_cross_entropy,
+                           "hf_vocab": args.hf_vocab,
                            "environment": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ}})
     todo = interleave_families([e for e in chosen if e.name not in finished])
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -600,7 +604,8 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
     print(f"[{time.strftime('%H:%M:%S')}] {entry.name}: {entry.description}", flush=True)
     command = [sys.executable, "-X", "faulthandler", __file__, "--worker", entry.name, "--out", str(args.out),
                "--seeds", ",".join(map(str, args.seeds)), "--cnn-seeds", ",".join(map(str, args.cnn_seeds)),
-               "--hf-seeds", ",".join(map(str, args.hf_seeds))] + (["--floor-point"] if args.floor_point else []) \
+               "--hf-seeds", ",".join(map(str, args.hf_seeds)), "--hf-vocab", str(args.hf_vocab)] \
+        + (["--floor-point"] if args.floor_point else []) \
         + ["--fractions", ",".join(map(str, args.fractions)) or "none"] \
         + (["--autocast", args.autocast] if args.autocast else []) + (["--freeze", args.freeze] if args.freeze else []) \
         + (["--user-checkpointing"] if args.user_checkpointing else []) + (["--profile-first-step"] if args.profile_first_step else []) \

@@ -187,6 +187,25 @@ def test_drawn_hf_configs_are_fixed_by_their_seed_and_cover_every_family() -> No
     assert names[-2:] == ["hf-3", "hf-4"] and len(set(names)) == len(names)
 
 
+def test_a_drawn_hf_models_vocabulary_is_a_parameter_that_changes_no_other_draw() -> None:
+    """``hf_spec(seed, vocab)``: the same configuration with a larger vocabulary, said in the description; the
+    default's descriptions are unchanged; a corpus built with ``hf_vocab`` builds its language models with it."""
+    from remat.testing import hf_models
+
+    for seed in DRAWN_SEEDS:
+        default, large = hf_models.hf_spec(seed).description, hf_models.hf_spec(seed, 32000).description
+        assert default == hf_models.hf_spec(seed, hf_models.VOCAB).description and "vocabulary" not in default
+        assert large == f"{default}, vocabulary 32,000"
+    with pytest.raises(ValueError, match="vocab=2"):
+        hf_models.hf_spec(DRAWN_SEEDS[0], 2)
+    if hf_skip_reason() is not None:
+        return
+    seed = next(s for s in DRAWN_SEEDS if hf_models.hf_spec(s).description.startswith("GPT2LMHeadModel"))
+    (entry,) = [e for e in corpus.entries((), include_cnns=False, hf_seeds=(seed,), hf_vocab=1000) if e.name == f"hf-{seed}"]
+    built = entry.build()
+    assert built.model.config.vocab_size == 1000 and int(built.kwargs["input_ids"].max()) < 1000
+
+
 def _step(built: corpus.Built, module: object) -> None:
     built.model.zero_grad(set_to_none=True)
     torch.manual_seed(STEP_SEED)

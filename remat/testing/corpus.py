@@ -207,16 +207,17 @@ def hf_skip_reason() -> Optional[str]:
 
 
 def entries(seeds: tuple[int, ...] = BENCHMARK_SEEDS, *, include_cnns: bool = True, include_hf: bool = True,
-            cnn_seeds: tuple[int, ...] = (), hf_seeds: tuple[int, ...] = ()) -> list[CorpusEntry]:
+            cnn_seeds: tuple[int, ...] = (), hf_seeds: tuple[int, ...] = (),
+            hf_vocab: int = hf_models.VOCAB) -> list[CorpusEntry]:
     """Random nets for ``seeds``, then the fixed CNN shapes and the CNNs drawn from ``cnn_seeds``
     (``cnn-<seed>``), then the fixed Hugging Face models and those drawn from ``hf_seeds``
-    (``hf-<seed>``) when ``transformers`` is importable (``hf_skip_reason()`` says why not
-    otherwise). A drawn model's parameters and inputs come from its own seed."""
+    (``hf-<seed>``, language models with an ``hf_vocab``-token vocabulary) when ``transformers`` is importable
+    (``hf_skip_reason()`` says why not otherwise). A drawn model's parameters and inputs come from its own seed."""
     chosen = [random_entry(seed) for seed in seeds]
     if include_cnns:
         chosen += [cnn_entry(shape) for shape in cnns.SHAPES]
         chosen += [cnn_entry(cnns.cnn_shape(seed), seed) for seed in cnn_seeds]
     if include_hf and hf_skip_reason() is None:
         chosen += [hf_entry(spec) for spec in hf_models.hf_specs()]
-        chosen += [hf_entry(hf_models.hf_spec(seed), seed) for seed in hf_seeds]
+        chosen += [hf_entry(hf_models.hf_spec(seed, hf_vocab), seed) for seed in hf_seeds]
     return chosen

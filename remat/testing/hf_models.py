@@ -13,7 +13,7 @@ model's own per-layer checkpointing (``gradient_checkpointing_enable`` with
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -133,11 +133,21 @@ def hf_specs() -> list[HFModelSpec]:
 DRAWN_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "bert", "t5", "vit")
 
 
-def hf_spec(seed: int) -> HFModelSpec:
+def hf_spec(seed: int, vocab: int = VOCAB) -> HFModelSpec:
     """The configuration ``seed`` names (pure), named ``hf-<seed>``: a family of ``DRAWN_FAMILIES``,
     1-3 layers (T5: that many on each side), hidden size 32-192 in 2 or 4 heads of 16-48, batch 2-4 of
     32-128 tokens (ViT: 32x32 or 48x48 images, patches of 4 or 8); per family its own draws
-    (attention implementation, GQA, tied embeddings, dropout). The model builds its own loss."""
+    (attention implementation, GQA, tied embeddings, dropout). The model builds its own loss.
+    ``vocab``: the language models' vocabulary (``VOCAB`` by default; real models' 32,000-50,257 make the
+    logits and the loss the step's largest tensors), said in the description when not the default; the
+    draws do not depend on it."""
+    if vocab < 4:
+        raise ValueError(f"vocab={vocab}: a vocabulary needs at least 4 tokens (the special tokens use ids 0-2)")
+    spec = _drawn_spec(seed, vocab)
+    return spec if vocab == VOCAB else replace(spec, description=f"{spec.description}, vocabulary {vocab:,}")
+
+
+def _drawn_spec(seed: int, vocab: int) -> HFModelSpec:
     rng = random.Random(f"hf-{seed}")   # a string seed is hashed: nearby integers draw unlike nets
     family = rng.choice(DRAWN_FAMILIES)
     heads = rng.choice([2, 4])
@@ -147,36 +157,36 @@ def hf_spec(seed: int) -> HFModelSpec:
     dropout = rng.choice([0.0, 0.1])
     size = f"{layers} layers d={hidden}, {heads} heads"
     if family == "gpt2":
-        make = _decoder("GPT2LMHeadModel", "GPT2Config", attn, vocab_size=VOCAB, n_positions=128, n_embd=hidden,
+        make = _decoder("GPT2LMHeadModel", "GPT2Config", attn, vocab_size=vocab, n_positions=128, n_embd=hidden,
                         n_layer=layers, n_head=heads, bos_token_id=0, eos_token_id=0, use_cache=False,
                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
         return HFModelSpec(f"hf-{seed}", f"GPT2LMHeadModel {size}, {attn} attention, dropout {dropout}, batch {batch} x {seq}",
-                           make, _tokens(VOCAB, batch, seq, True))
+                           make, _tokens(vocab, batch, seq, True))
     if family in ("llama", "mistral", "qwen2"):
         kv_heads, tied = rng.choice([heads, heads // 2]), rng.random() < 0.5
         cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
-        config = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=16 * round(hidden * 8 / 3 / 16),
+        config = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=16 * round(hidden * 8 / 3 / 16),
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=128, use_cache=False, bos_token_id=0, eos_token_id=1, pad_token_id=2,
                       tie_word_embeddings=tied)
         return HFModelSpec(f"hf-{seed}", f"{cls} {size} ({kv_heads} key/value), {attn} attention, "
                            f"{'tied' if tied else 'untied'} embeddings, batch {batch} x {seq}",
-                           _decoder(cls, cls.replace("ForCausalLM", "Config"), attn, **config), _tokens(VOCAB, batch, seq, True))
+                           _decoder(cls, cls.replace("ForCausalLM", "Config"), attn, **config), _tokens(vocab, batch, seq, True))
     if family == "bert":
-        make = _decoder("BertForMaskedLM", "BertConfig", attn, vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+        make = _decoder("BertForMaskedLM", "BertConfig", attn, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, intermediate_size=4 * hidden, max_position_embeddings=128,
                         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
         return HFModelSpec(f"hf-{seed}", f"BertForMaskedLM {size}, {attn} attention, dropout {dropout}, batch {batch} x {seq}",
-                           make, _tokens(VOCAB, batch, seq, False))
+                           make, _tokens(vocab, batch, seq, False))
     if family == "t5":
         target = rng.choice([seq // 2, seq])
-        make = _decoder("T5ForConditionalGeneration", "T5Config", "eager", vocab_size=VOCAB, d_model=hidden,
+        make = _decoder("T5ForConditionalGeneration", "T5Config", "eager", vocab_size=vocab, d_model=hidden,
                         d_kv=hidden // heads, d_ff=rng.choice([2, 4]) * hidden, num_layers=layers, num_decoder_layers=layers,
                         num_heads=heads, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False,
                         dropout_rate=dropout)
         return HFModelSpec(f"hf-{seed}", f"T5ForConditionalGeneration {layers}+{layers} layers d={hidden}, {heads} heads, "
                            f"dropout {dropout}, batch {batch}, {seq} -> {target} tokens",
-                           make, _seq2seq(VOCAB, batch, seq, target))
+                           make, _seq2seq(vocab, batch, seq, target))
     image, patch = rng.choice([32, 48]), rng.choice([4, 8])
     make = _decoder("ViTForImageClassification", "ViTConfig", attn, image_size=image, patch_size=patch, hidden_size=hidden,
                     num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden, num_labels=10,
