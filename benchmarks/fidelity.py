@@ -79,6 +79,11 @@ its output taken as class logits (``remat.testing.corpus.to_eager_cross_entropy`
 ``logits`` against its labels, the model no longer computing its loss), as most training loops write
 ``F.cross_entropy(model(x), y)`` next to a compiled model: eager memory in the step that no graph's plan sees.
 
+With ``--hf-vocab N`` the drawn Hugging Face language models (``hf-<seed>``) have an ``N``-token vocabulary
+(``remat.testing.hf_models.hf_spec``; the default 512 keeps the logits small): at a real model's 32,000-50,257 the
+logits, the loss and their gradients are the step's largest tensors, and a GPT-2 split before its loss is dominated
+by its loss graph.
+
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
 ``max_k(held by graphs before k + k's activation inputs + later graphs' gradients + peak of k)``,
