@@ -280,7 +280,8 @@ class RematBackend:
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
         if getattr(self._replan, "step_key", None) is not None:   # a compile keyed by its share plans at it, or stops
             self._replan.step_key.check(share)
-        facts = with_eager_loss_reserve(facts, share, correction)   # alone in its step: an eager loss on its outputs
+        # alone in its step: an eager loss on its outputs (none where a graph break follows: the next graph takes them)
+        facts = with_eager_loss_reserve(facts, share, correction, getattr(self._replan, "follows", False))
 
         # every answer kept by its request, here and on disk (compile_cache.CachedPlanner)
         planner = CachedPlanner(key, self.options, profile, device_type, modeled, static_indices,

@@ -104,16 +104,18 @@ def prepare_graph(joint: fx.GraphModule, joint_inputs: Sequence[object], num_fwd
 
 
 def with_eager_loss_reserve(facts: JointGraphFacts, share: Any,
-                            correction: Optional[Correction] = None) -> JointGraphFacts:
+                            correction: Optional[Correction] = None, break_follows: bool = False) -> JointGraphFacts:
     """``facts`` of a graph alone in its step (``share`` None, or a share of its own stacked runs or of the
     step's accumulated gradients: ``distributed.SINGLE_GRAPH_SHARE_KINDS``) with the reserve for an eager
     loss on its outputs (``JointGraphFacts.eager_loss_bytes``): what ``correction`` measured the loss to hold,
     else ``eager_loss_reserve_bytes`` (``remat/eager_loss.py``). Its simulated peaks and Inductor's checked ones
     then count it between its forward and its backward. Any other graph's unchanged: a graph at a break hands
-    its outputs to the next graph, and a DDP step's loss is in its last piece's share."""
+    its outputs to the next graph (``break_follows``: a graph break follows it, also with no budget, where no
+    share says so; a GPT-2 split before its loss predicted 202 MB for a 136 MB step, its logits taken twice
+    for an eager loss the loss graph computes), and a DDP step's loss is in its last piece's share."""
     from .distributed import SINGLE_GRAPH_SHARE_KINDS
 
-    if share is not None and share.kind not in SINGLE_GRAPH_SHARE_KINDS:
+    if break_follows or (share is not None and share.kind not in SINGLE_GRAPH_SHARE_KINDS):
         return facts
     measured = correction.eager_loss_bytes if correction is not None else None
     reserve = eager_loss_reserve_bytes(facts) if measured is None else measured

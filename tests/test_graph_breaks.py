@@ -22,6 +22,7 @@ from torch import nn
 import remat
 from remat.errors import BudgetInfeasibleError
 from remat.measure import close_open_window
+from remat.passes.joint_graph import eager_loss_reserve_bytes
 from remat.step_budget import (StepAccount, StepGraph, composed_peak_bytes, later_demand_bytes, share_in_step, slot_of,
                                 step_overruns, step_totals)
 from conftest import assert_grads_close, grads_of, run_step, scale_simulated_peaks
@@ -398,6 +399,9 @@ def test_an_unbudgeted_step_split_at_graph_breaks_is_predicted_from_its_records(
     assert len(records) == 2
     assert records[0].input_activation_bytes == records[1].input_activation_bytes == batch_bytes
     assert records[0].param_grad_bytes == sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    # no eager loss is reserved on the first graph's outputs (the second graph takes them), as under a budget's
+    # share; the last graph's outputs go to the eager loss of run_step
+    assert records[0].eager_loss_bytes == 0 and records[1].eager_loss_bytes == eager_loss_reserve_bytes(records[1].facts) > 0
     terms = [(r.plan.saved_bytes + r.input_activation_bytes, r.input_activation_bytes, r.param_grad_bytes,
               r.plan.predicted_peak_bytes) for r in records]
     predicted = composed_peak_bytes(terms)
