@@ -310,7 +310,7 @@ class RematBackend:
             else:  # the largest target the step's ledger admits (remat/distributed.py)
                 plan, share = fit_in_step(share, lambda share: fit_plan(share, held_of, plan_at, self.options.budget_bytes,
                     request.target_for, plan_capped=plan_at, ledger=self._step_ledger), plan_at, held_of,
-                    self.options.budget_bytes)
+                    None if self.options.best_effort else self.options.budget_bytes)   # best effort: runs, not refused
         except BudgetInfeasibleError as error:
             if (correction and correction.factor != 1.0 and not correction.foreseen    # (a candidate's error: never shown)
                     and candidate not in REFUSAL_CANDIDATE_KINDS + SEARCHED_CANDIDATE_KINDS):

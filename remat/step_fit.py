@@ -72,8 +72,9 @@ def runs_over_next_to_live(share: GraphShare, held_bytes: int, peak_bytes: int, 
     a plan holding ``held_bytes`` and peaking at ``peak_bytes`` (simulated) runs over ``budget_bytes`` next to it:
     all its runs (``runs_peak_bytes``) with the gradients and bytes outside the step's graphs, the terms of
     ``GraphShare.admits`` without the room it keeps for later graphs, against the budget rather than its target.
-    False with no budget, and for a graph with nothing live before it (the first of its step), whose plan
-    Inductor's check judges against the step target."""
+    False with no budget (the backend passes none under ``best_effort=True``, which runs over rather than refuse),
+    and for a graph with nothing live before it (the first of its step), whose plan Inductor's check judges
+    against the step target."""
     if budget_bytes is None or share.held_before_bytes + share.input_activation_bytes <= 0:
         return False
     return (share.held_before_bytes + share.later_grad_bytes + share.outside_bytes

@@ -382,6 +382,21 @@ def test_the_step_fits_the_budget_across_graph_breaks(breaks, fraction, dropout,
 
 
 @pytest.mark.e2e
+def test_best_effort_runs_the_steps_of_a_budget_the_first_step_would_refuse():
+    """``best_effort=True`` at 40% of plain Inductor's step peak (refused in the first step otherwise, above): the
+    steps run, with warnings, and no ``BudgetInfeasibleError``."""
+    torch.manual_seed(0)
+    model, x = BrokenBlocks(1), torch.randn(512, 128)
+    torch._dynamo.reset()
+    plain_peaks, _ = _measured_steps(torch.compile(model, backend="inductor"), model, x, 1)
+    backend = remat.backend(budget_gb=0.4 * plain_peaks[-1] / 1e9, best_effort=True)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="remat"):
+        peaks, _ = _measured_steps(torch.compile(model, backend=backend), model, x, 2)
+    assert len(peaks) == 2
+
+
+@pytest.mark.e2e
 def test_an_unbudgeted_step_split_at_graph_breaks_is_predicted_from_its_records():
     """Without a budget nothing composes the step at run time; its records carry what composing it
     needs (each graph's activation inputs and parameter gradients), and the step they compose
