@@ -143,6 +143,16 @@ def _point_rows(models: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
 LOOSE_FLOOR_FRACTION = 0.05   # a floor whose own point measures more than this under it is counted as loose
 
 
+def _accepted_floor(points: dict[str, dict[str, Any]]) -> tuple[Optional[int], Optional[int], str]:
+    """(the floor, its point's step-3 peak, a note): the budget the probe named, or, where that budget was refused and
+    the budget its refusal named was accepted (``floor-named``), that one: the smallest budget remat accepted."""
+    named = (points.get("probe") or {}).get("floor_bytes")
+    retried = points.get("floor-named") or {}
+    if named and retried.get("budget_bytes") and not retried.get("error"):
+        return retried["budget_bytes"], retried.get("measured_later_bytes"), f" (retry; probe {_mb(named)})"
+    return named, (points.get("floor") or {}).get("measured_later_bytes"), ""
+
+
 def _floor_rows(models: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], dict[str, int]]:
     lines = ["| model | plain MB | floor MB | floor / plain | checkpoint MB | floor / checkpoint | floor point: step 3 MB |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -150,9 +160,8 @@ def _floor_rows(models: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str]
               "measured_at_floor": 0, "loose_floors": 0}
     for name, points in models.items():
         plain = (points.get("plain") or {}).get("measured_later_bytes")
-        floor = (points.get("probe") or {}).get("floor_bytes")
+        floor, at_floor, note = _accepted_floor(points)
         ckpt = (points.get("checkpoint") or {}).get("measured_later_bytes")
-        at_floor = (points.get("floor") or {}).get("measured_later_bytes")
         if not plain or not floor:
             continue
         counts["models"] += 1
@@ -163,7 +172,7 @@ def _floor_rows(models: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str]
         if at_floor:    # a floor the plan run at it measures far under: a lower budget may have been accepted
             counts["measured_at_floor"] += 1
             counts["loose_floors"] += at_floor < (1 - LOOSE_FLOOR_FRACTION) * floor
-        lines.append(f"| {name} | {_mb(plain)} | {_mb(floor)} | {floor / plain:.3f} | {_mb(ckpt)} "
+        lines.append(f"| {name} | {_mb(plain)} | {_mb(floor)}{note} | {floor / plain:.3f} | {_mb(ckpt)} "
                      f"| {'' if not ckpt else f'{floor / ckpt:.3f}'} | {_mb(at_floor)} |")
     return lines, counts
 
@@ -372,7 +381,8 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
            if accuracy_ratios(models) else ""),
         f"- floor points refused at the budget the probe named (it must be accepted): {len(s['floor_refused'])} of "
         f"{s['floor_points']}" + "".join(f"; {m} then named {_mb(b)} MB" for m, b in s["floor_refused"].items()),
-        f"- floor above plain Inductor's measured peak: {floors['floor_above_plain']} of {floors['models']} models; "
+        f"- floor (the smallest budget accepted: the probe's, or the retry's where the probe's was refused) above plain "
+        f"Inductor's measured peak: {floors['floor_above_plain']} of {floors['models']} models; "
         f"above full per-block checkpointing's: {floors['floor_above_checkpoint']} of {floors['with_checkpoint']}; "
         f"floors whose own point measures more than {LOOSE_FLOOR_FRACTION:.0%} under them (loose: the probe's plans check "
         f"higher than the plan a retry there runs): {floors['loose_floors']} of {floors['measured_at_floor']}",
