@@ -273,15 +273,16 @@ class RematBackend:
         # Under DDP / FSDP2 the per-rank budget is split across the step's graphs (remat/distributed.py).
         share = share_for_graph(self._step_ledger, target_bytes, joint, num_fwd_outputs, static_indices)
         held_of = lambda p: held_bytes_of(joint, static_indices, p.saved_bytes, p.saved_primals)  # noqa: E731
+        follows = getattr(self._replan, "follows", False)   # a graph break follows this graph
         if share is None and target_bytes is not None:   # graph breaks: one budget per step (remat/step_budget.py)
             step = self._step_hooks.account
             share = step.share_for_joint(slot_of(graph_id), target_bytes, joint, need_of(facts), num_fwd_outputs, static_indices,
-                                         getattr(self._replan, "follows", False), key, correction, request.headroom_fraction)
+                                         follows, key, correction, request.headroom_fraction)
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
         if getattr(self._replan, "step_key", None) is not None:   # a compile keyed by its share plans at it, or stops
             self._replan.step_key.check(share)
         # alone in its step: an eager loss on its outputs (none where a graph break follows: the next graph takes them)
-        facts = with_eager_loss_reserve(facts, share, correction, getattr(self._replan, "follows", False))
+        facts = with_eager_loss_reserve(facts, share, correction, follows)
 
         # every answer kept by its request, here and on disk (compile_cache.CachedPlanner)
         planner = CachedPlanner(key, self.options, profile, device_type, modeled, static_indices,

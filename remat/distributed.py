@@ -188,8 +188,14 @@ class GraphShare:
     def loose_target_bytes(self) -> int:
         """The largest peak this graph may have if it kept nothing for its backward: the room
         with no bytes held (``admits`` then checks what the plan really holds)."""
-        return (self.step_target_bytes - self.held_before_bytes - self.later_grad_bytes - self.outside_bytes
-                - self.runs_peak_bytes(0, 0))
+        return self.step_target_bytes - self.own_run_bytes(0, 0)
+
+    def own_run_bytes(self, held_bytes: int, peak_bytes: int) -> int:
+        """The step's live bytes at this graph's worst run, for a plan holding ``held_bytes`` and peaking at
+        ``peak_bytes``: what is live before it (the earlier pieces' held bytes, the later pieces' gradients, the
+        bytes outside the step's graphs) and its own runs (``runs_peak_bytes``)."""
+        return (self.held_before_bytes + self.later_grad_bytes + self.outside_bytes
+                + self.runs_peak_bytes(held_bytes, peak_bytes))
 
     def admits(self, held_bytes: int, peak_bytes: int) -> bool:
         """Whether a plan that holds ``held_bytes`` for its backward (its saved activations and
@@ -197,9 +203,9 @@ class GraphShare:
         target: its own runs (``runs_peak_bytes``) and, for later pieces, the room reserved
         for them next to what it holds."""
         fixed = self.held_before_bytes + self.later_grad_bytes + self.outside_bytes
-        own = self.runs_peak_bytes(held_bytes, peak_bytes)
         later = self.repeats * held_bytes + max(self.reserved_later_bytes, self.loss_bytes())
-        return fixed + own <= self.step_target_bytes and fixed + later <= self.step_target_bytes
+        return (self.own_run_bytes(held_bytes, peak_bytes) <= self.step_target_bytes
+                and fixed + later <= self.step_target_bytes)
 
     def largest_held_bytes(self, peak_bytes: int) -> int:
         """The most a plan peaking at ``peak_bytes`` may hold for its backward and still be

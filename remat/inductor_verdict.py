@@ -145,7 +145,7 @@ def check_may_overrule(options: Any, share: Optional["GraphShare"], joint: "fx.G
     is compiled and judged by the backend, or by the re-planning caller): the check is on (``options``), no
     best effort, static shapes (the graphs the backend judges), and either the graph is alone in its step and
     this is not a re-plan (``replanning``: its refusal is the re-planning caller's), or it shares a step
-    (``JUDGED_SHARE_KINDS``) and the refusal names the plan it rests on (``ShareInfeasibleError``: the budget
+    (``REFUSAL_CHECKED_SHARE_KINDS``) and the refusal names the plan it rests on (``ShareInfeasibleError``: the budget
     named is read off its code)."""
     shared = share is not None and share.kind in REFUSAL_CHECKED_SHARE_KINDS and isinstance(error, ShareInfeasibleError)
     return (options.inductor_check and options.budget_bytes is not None and not options.best_effort

@@ -70,15 +70,14 @@ def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, Graph
 def runs_over_next_to_live(share: GraphShare, held_bytes: int, peak_bytes: int, budget_bytes: Optional[int]) -> bool:
     """Whether something is live before this graph runs (earlier graphs' held values, its activation inputs) and
     a plan holding ``held_bytes`` and peaking at ``peak_bytes`` (simulated) runs over ``budget_bytes`` next to it:
-    all its runs (``runs_peak_bytes``) with the gradients and bytes outside the step's graphs, the terms of
-    ``GraphShare.admits`` without the room it keeps for later graphs, against the budget rather than its target.
+    ``GraphShare.own_run_bytes`` (all its runs, with the gradients and bytes outside the step's graphs: ``admits``'
+    first condition), against the budget rather than the step target.
     False with no budget (the backend passes none under ``best_effort=True``, which runs over rather than refuse),
     and for a graph with nothing live before it (the first of its step), whose plan Inductor's check judges
     against the step target."""
     if budget_bytes is None or share.held_before_bytes + share.input_activation_bytes <= 0:
         return False
-    return (share.held_before_bytes + share.later_grad_bytes + share.outside_bytes
-            + share.runs_peak_bytes(held_bytes, peak_bytes) > budget_bytes)
+    return share.own_run_bytes(held_bytes, peak_bytes) > budget_bytes
 
 
 MAX_COPIES = 64   # copies_admitted stops counting here (a plan that holds nothing and has no gradients)
