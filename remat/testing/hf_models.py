@@ -13,7 +13,7 @@ model's own per-layer checkpointing (``gradient_checkpointing_enable`` with
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -139,15 +139,11 @@ def hf_spec(seed: int, vocab: int = VOCAB) -> HFModelSpec:
     32-128 tokens (ViT: 32x32 or 48x48 images, patches of 4 or 8); per family its own draws
     (attention implementation, GQA, tied embeddings, dropout). The model builds its own loss.
     ``vocab``: the language models' vocabulary (``VOCAB`` by default; real models' 32,000-50,257 make the
-    logits and the loss the step's largest tensors), said in the description when not the default; the
-    draws do not depend on it."""
+    logits and the loss the step's largest tensors), said in a language model's description when not the
+    default; the draws do not depend on it."""
     if vocab < 4:
         raise ValueError(f"vocab={vocab}: a vocabulary needs at least 4 tokens (the special tokens use ids 0-2)")
-    spec = _drawn_spec(seed, vocab)
-    return spec if vocab == VOCAB else replace(spec, description=f"{spec.description}, vocabulary {vocab:,}")
-
-
-def _drawn_spec(seed: int, vocab: int) -> HFModelSpec:
+    said = "" if vocab == VOCAB else f", vocabulary {vocab:,}"    # a ViT has none
     rng = random.Random(f"hf-{seed}")   # a string seed is hashed: nearby integers draw unlike nets
     family = rng.choice(DRAWN_FAMILIES)
     heads = rng.choice([2, 4])
@@ -160,7 +156,7 @@ def _drawn_spec(seed: int, vocab: int) -> HFModelSpec:
         make = _decoder("GPT2LMHeadModel", "GPT2Config", attn, vocab_size=vocab, n_positions=128, n_embd=hidden,
                         n_layer=layers, n_head=heads, bos_token_id=0, eos_token_id=0, use_cache=False,
                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
-        return HFModelSpec(f"hf-{seed}", f"GPT2LMHeadModel {size}, {attn} attention, dropout {dropout}, batch {batch} x {seq}",
+        return HFModelSpec(f"hf-{seed}", f"GPT2LMHeadModel {size}, {attn} attention, dropout {dropout}, batch {batch} x {seq}{said}",
                            make, _tokens(vocab, batch, seq, True))
     if family in ("llama", "mistral", "qwen2"):
         kv_heads, tied = rng.choice([heads, heads // 2]), rng.random() < 0.5
@@ -170,13 +166,13 @@ def _drawn_spec(seed: int, vocab: int) -> HFModelSpec:
                       max_position_embeddings=128, use_cache=False, bos_token_id=0, eos_token_id=1, pad_token_id=2,
                       tie_word_embeddings=tied)
         return HFModelSpec(f"hf-{seed}", f"{cls} {size} ({kv_heads} key/value), {attn} attention, "
-                           f"{'tied' if tied else 'untied'} embeddings, batch {batch} x {seq}",
+                           f"{'tied' if tied else 'untied'} embeddings, batch {batch} x {seq}{said}",
                            _decoder(cls, cls.replace("ForCausalLM", "Config"), attn, **config), _tokens(vocab, batch, seq, True))
     if family == "bert":
         make = _decoder("BertForMaskedLM", "BertConfig", attn, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, intermediate_size=4 * hidden, max_position_embeddings=128,
                         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-        return HFModelSpec(f"hf-{seed}", f"BertForMaskedLM {size}, {attn} attention, dropout {dropout}, batch {batch} x {seq}",
+        return HFModelSpec(f"hf-{seed}", f"BertForMaskedLM {size}, {attn} attention, dropout {dropout}, batch {batch} x {seq}{said}",
                            make, _tokens(vocab, batch, seq, False))
     if family == "t5":
         target = rng.choice([seq // 2, seq])
@@ -185,7 +181,7 @@ def _drawn_spec(seed: int, vocab: int) -> HFModelSpec:
                         num_heads=heads, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False,
                         dropout_rate=dropout)
         return HFModelSpec(f"hf-{seed}", f"T5ForConditionalGeneration {layers}+{layers} layers d={hidden}, {heads} heads, "
-                           f"dropout {dropout}, batch {batch}, {seq} -> {target} tokens",
+                           f"dropout {dropout}, batch {batch}, {seq} -> {target} tokens{said}",
                            make, _seq2seq(vocab, batch, seq, target))
     image, patch = rng.choice([32, 48]), rng.choice([4, 8])
     make = _decoder("ViTForImageClassification", "ViTConfig", attn, image_size=image, patch_size=patch, hidden_size=hidden,
