@@ -79,6 +79,11 @@ its output taken as class logits (``remat.testing.corpus.to_eager_cross_entropy`
 ``logits`` against its labels, the model no longer computing its loss), as most training loops write
 ``F.cross_entropy(model(x), y)`` next to a compiled model: eager memory in the step that no graph's plan sees.
 
+With ``--break-seeds`` the corpus adds random nets with graph breaks (``rand-brk-<seed>``: the net ``rand-<seed>``
+with breaks drawn by ``remat.testing.random_nets.with_graph_breaks``: in the model's own forward, or inside blocks
+called from a loop, so the model's own forward runs eagerly; nothing, a finiteness check or an eager autograd
+function at each break): steps of several graphs, with eager code between them.
+
 With ``--hf-vocab N`` the drawn Hugging Face language models (``hf-<seed>``) have an ``N``-token vocabulary
 (``remat.testing.hf_models.hf_spec``; the default 512 keeps the logits small): at a real model's 32,000-50,257 the
 logits, the loss and their gradients are the step's largest tensors, and a GPT-2 split before its loss is dominated
@@ -505,6 +510,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seeds", type=parse_seeds, default=corpus_mod.BENCHMARK_SEEDS, help="random-net seeds, e.g. 1000-1031")
     parser.add_argument("--cnn-seeds", type=parse_seeds, default=(), help="CNNs drawn from these seeds (cnn-<seed>)")
     parser.add_argument("--hf-seeds", type=parse_seeds, default=(), help="Hugging Face configurations drawn from these seeds (hf-<seed>)")
+    parser.add_argument("--break-seeds", type=parse_seeds, default=(),
+                        help="random nets with graph breaks drawn from these seeds (rand-brk-<seed>)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these corpus names")
     parser.add_argument("--limit", type=int, default=None, help="run at most this many models")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -539,7 +546,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--retry-dead", action="store_true", help="run again the models whose worker died in an earlier run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    entries = corpus_mod.entries(args.seeds, cnn_seeds=args.cnn_seeds, hf_seeds=args.hf_seeds, hf_vocab=args.hf_vocab)
+    entries = corpus_mod.entries(args.seeds, cnn_seeds=args.cnn_seeds, hf_seeds=args.hf_seeds, hf_vocab=args.hf_vocab,
+                                 break_seeds=args.break_seeds)
     md = args.md or args.out.with_suffix(".md")
     if args.worker is not None:
         entry = next(e for e in entries if e.name == args.worker)
@@ -553,7 +561,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from fidelity_report import write_report
 
     write_report(args.out, md, {"seeds": list(args.seeds), "cnn_seeds": list(args.cnn_seeds),
-                                "hf_seeds": list(args.hf_seeds), "hf_skip_reason": corpus_mod.hf_skip_reason(),
+                                "hf_seeds": list(args.hf_seeds), "break_seeds": list(args.break_seeds), "hf_skip_reason": corpus_mod.hf_skip_reason(),
                                 "environment": RUN_ENVIRONMENT_BEFORE_IT_WAS_RECORDED})
     print(f"wrote {md}")
     return 0
@@ -609,7 +617,8 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
     print(f"[{time.strftime('%H:%M:%S')}] {entry.name}: {entry.description}", flush=True)
     command = [sys.executable, "-X", "faulthandler", __file__, "--worker", entry.name, "--out", str(args.out),
                "--seeds", ",".join(map(str, args.seeds)), "--cnn-seeds", ",".join(map(str, args.cnn_seeds)),
-               "--hf-seeds", ",".join(map(str, args.hf_seeds)), "--hf-vocab", str(args.hf_vocab)] \
+               "--hf-seeds", ",".join(map(str, args.hf_seeds)), "--hf-vocab", str(args.hf_vocab),
+               "--break-seeds", ",".join(map(str, args.break_seeds))] \
         + (["--floor-point"] if args.floor_point else []) \
         + ["--fractions", ",".join(map(str, args.fractions)) or "none"] \
         + (["--autocast", args.autocast] if args.autocast else []) + (["--freeze", args.freeze] if args.freeze else []) \

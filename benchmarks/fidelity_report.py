@@ -351,9 +351,10 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"Models finished: {len(finished)} of the {len(models)} started ({sum(1 for m in finished if m.startswith('rand-'))} random nets, "
         f"{sum(1 for m in finished if m.startswith('cnn-'))} CNNs, {sum(1 for m in finished if m.startswith('hf-'))} Hugging Face models"
         f"{': left out, ' + meta['hf_skip_reason'] if meta.get('hf_skip_reason') else ''}); random-net seeds of the corpus: "
-        f"{_seed_ranges(meta.get('seeds', []))}, of them run: {_seed_ranges(sorted(int(m[5:]) for m in finished if m.startswith('rand-')))}"
+        f"{_seed_ranges(meta.get('seeds', []))}, of them run: {_seed_ranges(sorted(int(m[5:]) for m in finished if m.startswith('rand-') and m[5:].isdigit()))}"
         + "".join(f"; {what} drawn from seeds {_seed_ranges(meta[key])}" for key, what in
-                  (("cnn_seeds", "CNNs"), ("hf_seeds", "Hugging Face configurations")) if meta.get(key)) + "."
+                  (("break_seeds", "random nets with graph breaks (rand-brk-<seed>)"), ("cnn_seeds", "CNNs"),
+                   ("hf_seeds", "Hugging Face configurations")) if meta.get(key)) + "."
         + (f" Not finished: {', '.join(m for m in models if m not in finished)}." if len(finished) < len(models) else ""),
         *([f"Resumed {len(header['runs']) - 1} time(s); the models each invocation ran, by the commit it ran: "
            + "; ".join(f"run {i + 1} ({run.get('started', '?')}, commit {run.get('source', {}).get('commit', '?')}, "

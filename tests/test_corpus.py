@@ -232,3 +232,37 @@ def test_remat_gradients_equal_plain_inductor(seed: int) -> None:
     _step(built, torch.compile(built.model, backend=backend))   # best effort may warn: only gradients are checked here
     assert backend.compiled_graphs, "remat planned no graph"
     assert_grads_close(grads_of(built.model), expected)
+
+
+def test_graph_breaks_are_drawn_apart_from_the_net_and_split_its_forward() -> None:
+    """``with_graph_breaks``: the net is the one ``net_spec`` draws (breaks aside), the breaks are fixed by the seed,
+    the corpus names the net ``rand-brk-<seed>``, and Dynamo splits its forward into several graphs whose step gives
+    the same loss and gradients as the eager net's (each break kind, at points of the forward and inside blocks)."""
+    import dataclasses
+
+    from remat.testing import random_nets
+
+    specs = {seed: random_nets.with_graph_breaks(net_spec(seed)) for seed in TEST_SEEDS}
+    assert all(dataclasses.replace(spec, breaks=None) == net_spec(seed) for seed, spec in specs.items())
+    assert all(spec == random_nets.with_graph_breaks(net_spec(seed)) for seed, spec in specs.items())
+    assert {spec.breaks.kind for spec in specs.values()} == set(random_nets.BREAK_KINDS)
+    assert any(spec.breaks.blocks for spec in specs.values()) and any(spec.breaks.points for spec in specs.values())
+    eager_function = next(s for s, spec in specs.items() if spec.breaks.kind == "eager-function" and spec.breaks.blocks)
+    graph_break = next(s for s, spec in specs.items() if spec.breaks.kind == "graph-break" and spec.breaks.points)
+    for seed in (eager_function, graph_break):
+        entry = corpus.random_entry(seed, graph_breaks=True)
+        assert entry.name == f"rand-brk-{seed}" and entry.description.startswith(corpus.random_entry(seed).description)
+        graphs: list[int] = []
+
+        def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+            graphs.append(len(gm.graph.nodes))
+            return gm.forward
+
+        eager, compiled = entry.build(), entry.build()
+        torch._dynamo.reset()
+        torch.manual_seed(STEP_SEED)
+        eager.loss(eager.model).backward()
+        torch.manual_seed(STEP_SEED)
+        compiled.loss(torch.compile(compiled.model, backend=counting)).backward()
+        assert len(graphs) >= 2, (seed, graphs)
+        assert_grads_close(grads_of(compiled.model), grads_of(eager.model))

@@ -171,15 +171,19 @@ def output_shape(spec: random_nets.NetSpec) -> tuple[int, ...]:
     return (spec.batch, 8) if spec.final_reduce in ("mean", "amax") else (spec.batch, spec.seq_len, 8)
 
 
-def random_entry(seed: int) -> CorpusEntry:
+def random_entry(seed: int, graph_breaks: bool = False) -> CorpusEntry:
+    """The random net ``seed`` draws (``rand-<seed>``); with ``graph_breaks``, that net with the graph breaks
+    ``random_nets.with_graph_breaks`` draws for it (``rand-brk-<seed>``)."""
     spec = random_nets.net_spec(seed)
+    if graph_breaks:
+        spec = random_nets.with_graph_breaks(spec)
 
     def make(checkpoint_blocks: bool) -> Built:
         model, inputs = random_nets.build_net(spec, checkpoint_blocks)
         shape = output_shape(spec)
         return Built(model, inputs, weighted_sum(shape) if shape else _own_loss)
 
-    return CorpusEntry(f"rand-{seed}", "random", spec.describe(), seed, spec.has_repeated_blocks,
+    return CorpusEntry(f"rand-{'brk-' if graph_breaks else ''}{seed}", "random", spec.describe(), seed, spec.has_repeated_blocks,
                        "each application of model.blocks[i] under torch.utils.checkpoint(use_reentrant=False)", make)
 
 
@@ -208,12 +212,12 @@ def hf_skip_reason() -> Optional[str]:
 
 def entries(seeds: tuple[int, ...] = BENCHMARK_SEEDS, *, include_cnns: bool = True, include_hf: bool = True,
             cnn_seeds: tuple[int, ...] = (), hf_seeds: tuple[int, ...] = (),
-            hf_vocab: int = hf_models.VOCAB) -> list[CorpusEntry]:
-    """Random nets for ``seeds``, then the fixed CNN shapes and the CNNs drawn from ``cnn_seeds``
+            hf_vocab: int = hf_models.VOCAB, break_seeds: tuple[int, ...] = ()) -> list[CorpusEntry]:
+    """Random nets for ``seeds``, the random nets with graph breaks for ``break_seeds`` (``rand-brk-<seed>``), then the fixed CNN shapes and the CNNs drawn from ``cnn_seeds``
     (``cnn-<seed>``), then the fixed Hugging Face models and those drawn from ``hf_seeds``
     (``hf-<seed>``, language models with an ``hf_vocab``-token vocabulary) when ``transformers`` is importable
     (``hf_skip_reason()`` says why not otherwise). A drawn model's parameters and inputs come from its own seed."""
-    chosen = [random_entry(seed) for seed in seeds]
+    chosen = [random_entry(seed) for seed in seeds] + [random_entry(seed, graph_breaks=True) for seed in break_seeds]
     if include_cnns:
         chosen += [cnn_entry(shape) for shape in cnns.SHAPES]
         chosen += [cnn_entry(cnns.cnn_shape(seed), seed) for seed in cnn_seeds]

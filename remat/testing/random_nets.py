@@ -16,6 +16,17 @@
 - conv nets: conv3x3 + BatchNorm (or none) + activation blocks with residuals, max / avg
   pooling, global average pooling and a linear head.
 
+``with_graph_breaks(spec)`` adds graph breaks to a net (``BreakSpec``, drawn from the net's seed by its
+own generator, so the net itself is the one ``net_spec`` draws): at points of the model's own forward
+(after the embedding, input projection or stem, before the head, before the loss; Dynamo splits the forward into
+graphs there and resumes after the break), or inside blocks (a block's forward ends in the break: the
+blocks are called from a loop, so Dynamo runs the model's own forward eagerly, embedding, head and loss
+included, and compiles each block's forward on its own, as with a Hugging Face layer that breaks).
+What runs at a break: ``torch._dynamo.graph_break()`` (nothing), a finiteness check that reads a
+tensor's value in Python (``bool(torch.isfinite(h).all())``, as training loops guard against NaNs), or
+an eager function (``torch._dynamo.disable``) whose autograd saves its input and output for the
+backward, memory no compiled graph holds.
+
 Sizes are drawn so one compile takes seconds and a training step peaks at roughly 0.2-30 MB.
 """
 
@@ -71,12 +82,16 @@ class NetSpec:
     tied_head: bool
     loss_inside: bool
     final_reduce: str                 # seq nets: "none" | "mean" | "amax"
+    breaks: "BreakSpec | None" = None  # graph breaks (``with_graph_breaks``); None: the forward has none
 
     @property
     def has_repeated_blocks(self) -> bool:
         return len(self.schedule) >= 2
 
     def describe(self) -> str:
+        return self._describe_net() + ("" if self.breaks is None else f"; {self.breaks.describe()}")
+
+    def _describe_net(self) -> str:
         if self.kind == "conv":
             parts = [f"c{b.c_out}{'-bn' if b.batchnorm else ''}-{b.activation}{'-res' if b.residual else ''}"
                      f"{'-' + b.pool + 'pool' if b.pool != 'none' else ''}{'-drop' if b.dropout_p else ''}"
@@ -139,6 +154,61 @@ def net_spec(seed: int) -> NetSpec:
                    vocab=rng.choice([256, 512, 1024]), blocks=blocks, schedule=tuple(schedule),
                    tied_head=kind == "lm" and rng.random() < 0.5, loss_inside=kind == "lm" and rng.random() < 0.5,
                    final_reduce=rng.choice(["none", "mean", "amax"]))
+
+
+BREAK_KINDS = ("graph-break", "finite-check", "eager-function")
+BREAK_POINTS = {"lm": ("after-input", "before-head", "before-loss"), "seq": ("after-input", "before-head"),
+                "conv": ("after-input", "before-head")}
+BREAK_DRAW_OFFSET = 7_000_003     # the breaks' generator: seed + this, apart from the net's own draw
+
+
+@dataclass(frozen=True)
+class BreakSpec:
+    """Where a net's forward breaks its graph and what runs there (``with_graph_breaks``)."""
+
+    points: tuple[str, ...]      # in the model's own forward, of ``BREAK_POINTS[kind]``
+    blocks: tuple[int, ...]      # distinct blocks whose forward ends in a break (the model's forward then runs eagerly)
+    kind: str                    # of ``BREAK_KINDS``: what runs at each break
+
+    def describe(self) -> str:
+        where = (f"blocks {list(self.blocks)} end in" if self.blocks else "the forward has")
+        return f"{where} a graph break ({self.kind})" + (f" at {', '.join(self.points)}" if self.points else "")
+
+
+def with_graph_breaks(spec: NetSpec) -> NetSpec:
+    """``spec`` with graph breaks drawn from ``random.Random(spec.seed + BREAK_DRAW_OFFSET)`` (pure): in
+    two of three nets one to three points of the model's own forward, else one or two blocks (at most
+    every block but one) whose forward ends in a break; one kind of ``BREAK_KINDS`` for all of them."""
+    rng = random.Random(spec.seed + BREAK_DRAW_OFFSET)
+    points = tuple(p for p in BREAK_POINTS[spec.kind] if p != "before-loss" or spec.loss_inside)
+    kind = rng.choice(BREAK_KINDS)
+    if rng.random() < 2 / 3 or len(spec.blocks) < 2:
+        chosen = set(rng.sample(points, rng.randint(1, len(points))))
+        return dataclasses.replace(spec, breaks=BreakSpec(tuple(p for p in points if p in chosen), (), kind))
+    blocks = sorted(rng.sample(range(len(spec.blocks)), rng.randint(1, min(2, len(spec.blocks) - 1))))
+    return dataclasses.replace(spec, breaks=BreakSpec((), tuple(blocks), kind))
+
+
+@torch._dynamo.disable
+def _eager_silu_gate(h: torch.Tensor) -> torch.Tensor:
+    """``h * sigmoid(h)`` run eagerly wherever it is called from (its autograd saves ``h`` and ``sigmoid(h)``)."""
+    return h * torch.sigmoid(h)
+
+
+def graph_break(kind: str, h: torch.Tensor) -> torch.Tensor:
+    """What runs at a break of ``kind`` (``BREAK_KINDS``), on the value ``h`` crossing it."""
+    if kind == "graph-break":
+        torch._dynamo.graph_break()
+        return h
+    if kind == "finite-check":
+        if not bool(torch.isfinite(h.detach()).all()):
+            raise FloatingPointError("a non-finite activation")
+        return h
+    return _eager_silu_gate(h)
+
+
+def _break_at(spec: NetSpec, point: str, h: torch.Tensor) -> torch.Tensor:
+    return graph_break(spec.breaks.kind, h) if spec.breaks is not None and point in spec.breaks.points else h
 
 
 class RMSNorm(nn.Module):
@@ -211,9 +281,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, n_heads: int, spec: BlockSpec, seq_len: int) -> None:
+    def __init__(self, d: int, n_heads: int, spec: BlockSpec, seq_len: int, break_kind: str | None = None) -> None:
         super().__init__()
-        self.spec = spec
+        self.spec, self.break_kind = spec, break_kind
         self.norm = _norm(spec.norm, d)
         self.mixer = Attention(d, n_heads, spec, seq_len) if spec.mixer in ("attention", "sdpa") else MLP(d, spec)
         self.drop = nn.Dropout(spec.dropout_p)
@@ -231,13 +301,14 @@ class Block(nn.Module):
             h = x + h
         elif self.spec.residual == "add_":
             h = h.add_(x)     # in place on a value no backward reads (a dropout's, mul's or linear's output)
-        return self.norm(h) if self.spec.post_norm else h
+        h = self.norm(h) if self.spec.post_norm else h
+        return h if self.break_kind is None else graph_break(self.break_kind, h)
 
 
 class ConvBlock(nn.Module):
-    def __init__(self, c_in: int, spec: ConvBlockSpec) -> None:
+    def __init__(self, c_in: int, spec: ConvBlockSpec, break_kind: str | None = None) -> None:
         super().__init__()
-        self.spec = spec
+        self.spec, self.break_kind = spec, break_kind
         self.conv = nn.Conv2d(c_in, spec.c_out, 3, padding=1, bias=not spec.batchnorm)
         self.bn = nn.BatchNorm2d(spec.c_out) if spec.batchnorm else nn.Identity()
         self.drop = nn.Dropout(spec.dropout_p)
@@ -250,7 +321,7 @@ class ConvBlock(nn.Module):
             h = F.max_pool2d(h, 2)
         elif self.spec.pool == "avg":
             h = F.avg_pool2d(h, 2)
-        return h
+        return h if self.break_kind is None else graph_break(self.break_kind, h)
 
 
 class SeqNet(nn.Module):
@@ -265,18 +336,21 @@ class SeqNet(nn.Module):
             self.pos = nn.Parameter(0.02 * torch.randn(spec.seq_len, d))
         else:
             self.inp = nn.Linear(16, d)
-        self.blocks = nn.ModuleList(Block(d, spec.n_heads, b, spec.seq_len) for b in spec.blocks)
+        self.blocks = nn.ModuleList(Block(d, spec.n_heads, b, spec.seq_len, _block_break(spec, i))
+                                    for i, b in enumerate(spec.blocks))
         self.final_norm = nn.LayerNorm(d)
         self.head = None if spec.tied_head else nn.Linear(d, spec.vocab if spec.kind == "lm" else 8)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = self.emb(x) + self.pos[: x.shape[1]] if self.spec.kind == "lm" else self.inp(x)
+        h = _break_at(self.spec, "after-input", h)
         for i in self.spec.schedule:
             block = self.blocks[i]
             h = checkpoint(block, h, use_reentrant=False) if self.checkpoint_blocks else block(h)
-        h = self.final_norm(h)
+        h = _break_at(self.spec, "before-head", self.final_norm(h))
         out = h @ self.emb.weight.t() if self.head is None else self.head(h)
         if self.spec.kind == "lm":
+            out = _break_at(self.spec, "before-loss", out)
             return F.cross_entropy(out.view(-1, out.shape[-1]), targets.view(-1)) if self.spec.loss_inside else out
         if self.spec.final_reduce == "mean":
             return out.mean(dim=1)
@@ -289,17 +363,22 @@ class ConvNet(nn.Module):
         self.spec, self.checkpoint_blocks = spec, checkpoint_blocks
         self.stem = nn.Conv2d(3, spec.width, 3, padding=1)
         blocks, c = [], spec.width
-        for b in spec.blocks:
-            blocks.append(ConvBlock(c, b))
+        for i, b in enumerate(spec.blocks):
+            blocks.append(ConvBlock(c, b, _block_break(spec, i)))
             c = b.c_out
         self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(c, n_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.stem(x))
+        h = _break_at(self.spec, "after-input", F.relu(self.stem(x)))
         for block in self.blocks:
             h = checkpoint(block, h, use_reentrant=False) if self.checkpoint_blocks else block(h)
-        return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
+        return self.head(_break_at(self.spec, "before-head", F.adaptive_avg_pool2d(h, 1).flatten(1)))
+
+
+def _block_break(spec: NetSpec, index: int) -> str | None:
+    """The kind of break block ``index``'s forward ends in, or None."""
+    return spec.breaks.kind if spec.breaks is not None and index in spec.breaks.blocks else None
 
 
 def build_net(spec: NetSpec, checkpoint_blocks: bool = False) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
