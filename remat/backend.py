@@ -36,6 +36,7 @@ from .distributed import StepLedger
 from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_graph
 from .distributed_errors import ShareInfeasibleError
 from .errors import BudgetInfeasibleError
+from .measure import mark_compile
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
 from .inductor_verdict import check_may_overrule, check_rule, refusal_for, share_check_target
@@ -94,10 +95,12 @@ class RematBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         # at a graph break (its frame's, or a caller's yet to resume) a graph plans lean until its step is known
         self._replan.follows = graph_break_follows(gm) or caller_resumes_after()
+        mark_compile(started=True)     # inside a measured step (its first run): not the step's memory
         try:
             return self._compile(gm, example_inputs)
         finally:
             self._replan.follows = False
+            mark_compile(started=False)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         verify = self.options.verify_peak > 0

@@ -115,6 +115,8 @@ JUDGED_SHARE_KINDS = ("break",) + SINGLE_GRAPH_SHARE_KINDS
 # ``step_fit.runs_over_next_to_live``), its budget is named from the checked code of the plan it rests on, as above
 PROVISIONAL_SHARE_KINDS = ("break-partial", "break-smallest")
 REFUSAL_CHECKED_SHARE_KINDS = JUDGED_SHARE_KINDS + PROVISIONAL_SHARE_KINDS
+# shares of a step split at graph breaks (``step_budget.py``): known, or its first run's
+STEP_SHARE_KINDS = ("break",) + PROVISIONAL_SHARE_KINDS
 
 
 @dataclass(frozen=True)

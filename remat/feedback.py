@@ -150,6 +150,11 @@ class VerifiedGraph:
         return self._recompile is not None
 
     @property
+    def step_hooks(self) -> Any:
+        """The step's account across graph breaks this graph reports to (``step_loop.StepHooks``), or None."""
+        return self._step
+
+    @property
     def replan_pending(self) -> bool:
         """Whether a re-plan was asked for and not made yet (it is made at the next call)."""
         return self._pending is not None
@@ -199,7 +204,11 @@ class VerifiedGraph:
                 window = self._open_window(step, accumulated) if self._verify_left > 0 or accumulated else None
             elif self._verify_left > 0 and not own_spoiled:     # (a spoiled window of its own counted as it closed)
                 self._on_measured(self.record, step, None, MID_STEP_WHY)
+        if self._step is not None:
+            self._step.phase(self, "fwd-enter")
         out = self._fn(*args)
+        if self._step is not None:
+            self._step.phase(self, "fwd-exit")
         if self.device.type == "cpu" and (self._verify_left > 0 or self._accumulation.watching):   # (_mid_step)
             # out of flight when its own backward node starts: the end ``watch_backward`` reports is the start of the
             # next node, which a parameter's gradient node shared with every other run of the graph can be (a later
@@ -215,7 +224,8 @@ class VerifiedGraph:
             self._watch_backward(out, None, at_start=gc.collect)
         if self._step is not None:
             step_hooks = self._step
-            self._watch_backward(out, lambda: step_hooks.backward_done(self))
+            self._watch_backward(out, lambda: (step_hooks.phase(self, "bwd-exit"), step_hooks.backward_done(self)),
+                                 at_start=lambda: step_hooks.phase(self, "bwd-enter"))
         if window is not None:
             window.mark_phase(FORWARD_RETURNED_MARKER)     # what an eager loss holds: until the backward starts
             self._returned_bytes = 0 if self._outputs_held else output_bytes(out)
@@ -255,6 +265,8 @@ class VerifiedGraph:
             window.spoil("called again before its backward ran (a graph run several times per step: "
                          "its peak is not one call's)")
         mid_step, own = not window.marked, window.owner is self
+        if mid_step and not own and self._step is not None and self._step.adopt(window):
+            return None, True, False    # the first step's: the window goes on, measuring the whole step
         if window.marked or own:
             window.close()
         else:

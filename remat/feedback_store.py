@@ -66,15 +66,21 @@ class Correction:
     # its plan is then made for instead of the reserve assumed (``passes.joint_graph.eager_loss_reserve_bytes``);
     # None: not measured
     eager_loss_bytes: Optional[int] = None
+    # what a measured step of several graphs held outside every graph's plan (bytes): its peak less the graphs'
+    # composed prediction, where each graph was accepted on its Inductor-checked peak (eager code between or around
+    # the graphs, which no generated code states); the graph's plan is then made next to it (its share's outside
+    # bytes, ``step_budget.StepAccount.share_for``). Not stored: the step's measurement, not the graph's
+    eager_step_bytes: int = 0
 
     def keeping_step_use(self, made_for: Optional["Correction"]) -> "Correction":
         """This correction for a graph whose plan was made under ``made_for`` (None: none): a correction made for
         another reason (the check's re-plan of a plan made for stacked runs or accumulated gradients) keeps them, and
-        the eager loss's bytes measured where it measured none."""
+        the eager loss's bytes measured where it measured none, and the step's eager bytes."""
         if made_for is None:
             return self
         return replace(self, runs=max(self.runs, made_for.runs),
                        accumulated_grad_bytes=max(self.accumulated_grad_bytes, made_for.accumulated_grad_bytes),
+                       eager_step_bytes=max(self.eager_step_bytes, made_for.eager_step_bytes),
                        eager_loss_bytes=made_for.eager_loss_bytes if self.eager_loss_bytes is None
                        else self.eager_loss_bytes)
 

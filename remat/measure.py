@@ -133,6 +133,57 @@ def allocations_and_markers(prof: Any, markers: Sequence[str]) -> tuple[list[tup
     return events, times
 
 
+def phase_markers(prof: Any, prefix: str) -> list[tuple[int, str]]:
+    """``(time_ns, name without prefix)`` of every ``record_function`` event of a finished profile whose name starts
+    with ``prefix``, in time order."""
+    return sorted((e.start_time_ns, e.name[len(prefix):]) for e in _profiled_events(prof) if e.name.startswith(prefix))
+
+
+def peaks_by_phase(events: Iterable[tuple[int, int, int]], phases: Sequence[tuple[int, str]]) -> dict[str, int]:
+    """The most live (``window_peak``'s rule) in each phase: from each of ``phases`` (``(time_ns, name)``, time order)
+    to the next, by name (a name marked several times: the most over its intervals), the level it began at
+    included; "" for before the first. A compile inside the window (from a ``COMPILE_STARTED`` phase to the next
+    ``COMPILE_ENDED``) is no phase of its own and its allocations and frees are left out (memory it keeps is then
+    never counted, memory from before it that it frees lowers nothing): what the step's own code held. Pure."""
+    compiling, kept, boundaries = None, [], []
+    for time_ns, name in phases:
+        if name == COMPILE_STARTED:
+            compiling = time_ns if compiling is None else compiling
+        elif name == COMPILE_ENDED:
+            if compiling is not None:
+                boundaries.append((compiling, time_ns))
+            compiling = None
+        else:
+            kept.append((time_ns, name))
+    if compiling is not None:
+        boundaries.append((compiling, float("inf")))
+    events = [e for e in events if not any(start <= e[0] <= end for start, end in boundaries)]
+    times, names = [t for t, _ in kept], [""] + [name for _, name in kept]
+    peaks: dict[str, int] = {"": 0}
+    index, live = 0, 0
+
+    def enter_phases_until(time_ns: float) -> None:
+        nonlocal index
+        while index < len(times) and times[index] <= time_ns:
+            index += 1
+            peaks[names[index]] = max(peaks.get(names[index], 0), live)
+
+    for time_ns, after, _ in _live_after_each(events):
+        enter_phases_until(time_ns)
+        peaks[names[index]] = max(peaks[names[index]], after)
+        live = after
+    enter_phases_until(float("inf"))
+    return peaks
+
+
+def mark_compile(started: bool) -> None:
+    """Mark a compile's start or end on the window open on this thread, if it marks a step's phases (``StepWindow``):
+    Dynamo compiles a step's later graphs inside its first run, and the compile's allocations are not the step's."""
+    window = open_window()
+    if window is not None:
+        window.mark_phase(STEP_PHASE_PREFIX + (COMPILE_STARTED if started else COMPILE_ENDED), phases_only=True)
+
+
 def live_between(events: Iterable[tuple[int, int, int]], start_ns: int, end_ns: int) -> tuple[int, int]:
     """(live bytes at ``start_ns``, the most live from then to ``end_ns``) of the allocations made inside a
     window, by ``window_peak``'s rule (a free of memory allocated before the window lowers nothing). Pure."""
@@ -261,6 +312,13 @@ def profiler_running() -> bool:
     return bool(torch._C._autograd._profiler_enabled())
 
 
+# the phases of a step of several graphs a window marks (``StepWindow.mark_phase``): each graph's forward entry and
+# return, its backward's start and end ("fwd-enter:<graph>", "fwd-exit:", "bwd-enter:", "bwd-exit:"), which say
+# how much was live in each (``StepWindow.phase_peaks``)
+STEP_PHASE_PREFIX = "remat::step::"
+COMPILE_STARTED, COMPILE_ENDED = "compile-start", "compile-end"     # (``mark_compile``)
+
+
 class StepWindow:
     """The peak allocated above the baseline between ``open()`` and ``mark_end()``.
 
@@ -298,6 +356,11 @@ class StepWindow:
         self.marked = False
         self.spoiled_by = ""
         self.closed = False
+        # CPU: the most live in each phase (``mark_phase`` with ``STEP_PHASE_PREFIX``: "fwd-exit:graph_001", ...;
+        # "" before the first: ``peaks_by_phase``); None where no phase was marked (or on CUDA: the allocator keeps
+        # one peak)
+        self.phase_peaks: Optional[dict[str, int]] = None
+        self._phased = False
 
     def open(self) -> bool:
         """Start measuring; False (nothing started) if a window is already open on this thread,
@@ -324,6 +387,11 @@ class StepWindow:
         self._hook = register_optimizer_step_pre_hook(lambda *_: close_open_window())
         return True
 
+    def hand_over(self, owner: Any, on_close: Callable[[Optional[int], str], None]) -> None:
+        """From now on the window is ``owner``'s and reports to ``on_close`` (a graph's window at the start of a step
+        going on to measure the whole step: ``step_loop.StepHooks.adopt``)."""
+        self.owner, self._on_close = owner, on_close
+
     def spoil(self, why: str) -> None:
         """Discard this window's measurement (e.g. another compiled graph ran inside it)."""
         self.spoiled_by = self.spoiled_by or why
@@ -343,10 +411,12 @@ class StepWindow:
         if self._mark():
             self.close()
 
-    def mark_phase(self, marker: str) -> None:
+    def mark_phase(self, marker: str, phases_only: bool = False) -> None:
         """CPU: a ``FORWARD_RETURNED_MARKER`` / ``BACKWARD_STARTED_MARKER`` event (safe inside the autograd engine),
-        from which ``between_bytes`` is read at close; CUDA, or once the end is marked: nothing."""
-        if self._prof is not None and not self.marked:
+        from which ``between_bytes`` is read at close, or a step's phase (``STEP_PHASE_PREFIX``: ``phase_peaks``);
+        ``phases_only``: only in a window that marks phases already; CUDA, or once the end is marked: nothing."""
+        if self._prof is not None and not self.marked and (self._phased or not phases_only):
+            self._phased = self._phased or marker.startswith(STEP_PHASE_PREFIX)
             with torch.autograd.profiler.record_function(marker):
                 pass
 
@@ -378,6 +448,9 @@ class StepWindow:
             end_ns = times.get(WINDOW_END_MARKER)
             if self.marked:
                 self._peak = window_peak(events_until(events, end_ns)).peak_bytes
+            if self.marked and self._phased:
+                self.phase_peaks = peaks_by_phase(events_until(events, end_ns),
+                                                  phase_markers(self._prof, STEP_PHASE_PREFIX))
             if self.marked and FORWARD_RETURNED_MARKER in times and BACKWARD_STARTED_MARKER in times:
                 self.between_bytes = live_between(events, times[FORWARD_RETURNED_MARKER],
                                                   times[BACKWARD_STARTED_MARKER])

@@ -112,12 +112,17 @@ def with_eager_loss_reserve(facts: JointGraphFacts, share: Any,
     then count it between its forward and its backward. Any other graph's unchanged: a graph at a break hands
     its outputs to the next graph (``break_follows``: a graph break follows it, also with no budget, where no
     share says so; a GPT-2 split before its loss predicted 202 MB for a 136 MB step, its logits taken twice
-    for an eager loss the loss graph computes), and a DDP step's loss is in its last piece's share."""
-    from .distributed import SINGLE_GRAPH_SHARE_KINDS
+    for an eager loss the loss graph computes), and a DDP step's loss is in its last piece's share; a graph of a
+    step split at graph breaks gets what a measured step's eager code held after its forward returned, once
+    ``correction`` says so (``step_loop.eager_by_graph``)."""
+    from .distributed import SINGLE_GRAPH_SHARE_KINDS, STEP_SHARE_KINDS
 
-    if break_follows or (share is not None and share.kind not in SINGLE_GRAPH_SHARE_KINDS):
-        return facts
     measured = correction.eager_loss_bytes if correction is not None else None
+    if break_follows or (share is not None and share.kind not in SINGLE_GRAPH_SHARE_KINDS):
+        in_step = share is None or share.kind in STEP_SHARE_KINDS
+        if not (in_step and measured):
+            return facts
+        return dataclasses.replace(facts, eager_loss_bytes=measured)   # what eager code after it held, measured
     reserve = eager_loss_reserve_bytes(facts) if measured is None else measured
     return dataclasses.replace(facts, eager_loss_bytes=reserve) if reserve != facts.eager_loss_bytes else facts
 

@@ -70,13 +70,14 @@ def _explain_break(share: GraphShare) -> str:
         f"{format_bytes(share.held_before_bytes)}; activation inputs {format_bytes(share.input_activation_bytes)}; "
         f"gradients the later graphs' backwards produce before this one's {format_bytes(share.later_grad_bytes)}; "
         f"reserved for the later graphs {format_bytes(share.reserved_later_bytes)}"
-        + (f"; gradients earlier backwards of the step left in the parameters (gradient accumulation, measured by the "
-           f"feedback loop) {format_bytes(share.outside_bytes)}" if share.outside_bytes else "")
+        + (f"; held outside the graphs through its run, as the feedback loop measured (gradients earlier backwards "
+           f"of the step left in the parameters: gradient accumulation; eager code between or around the graphs) "
+           f"{format_bytes(share.outside_bytes)}" if share.outside_bytes else "")
         + (f" (an estimate of their smallest demand, {format_bytes(share.later_estimate_bytes)}, plus their "
            "part of what is left by need)" if share.later_estimate_bytes is not None else "")
         + f". Target for this graph's simulated peak: {format_bytes(share.target_bytes)}. The step fits if every "
         "graph's peak plus what the earlier graphs hold, its inputs and the later graphs' gradients stays under "
-        "the step target" + (" less those accumulated gradients." if share.outside_bytes else ".")
+        "the step target" + (" less what is held outside the graphs." if share.outside_bytes else ".")
         + ("" if share.reserve_met else
            " A graph break follows this graph and the later graphs are not known yet: of the plans near the smallest "
            "peak, the one under which the step admits the most later graphs like this one (each holding what it "

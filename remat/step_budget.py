@@ -54,8 +54,9 @@ corrects; measured figures in docs/budget.md):
   ``measured / predicted`` step peak, so that step and the next one measured may run over.
 
 The run-time side (the wrappers' hooks, the re-plans, the step window) is ``remat/step_loop.py``.
-Not counted: memory eager code between the graphs holds (beyond the graphs' inputs), which must fit
-in the headroom, as an eager loss must for a single graph.
+Memory eager code between and around the graphs holds (beyond the graphs' inputs) is not known before a
+step ran; the step's window measures it by phase, from the first step on, and the re-plans are made next to it
+(``step_loop.eager_by_graph``: a share's ``outside_bytes``, a graph's eager-loss reserve).
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ class StepAccount:
 
     def share_for(self, slot: str, step_target_bytes: int, input_activation_bytes: int, param_grad_bytes: int,
                   need_bytes: int, follows: bool = False, graph_key: str = "", runs: int = 1,
-                  accumulated_grad_bytes: int = 0) -> Optional[GraphShare]:
+                  accumulated_grad_bytes: int = 0, eager_step_bytes: int = 0) -> Optional[GraphShare]:
         """The share of the step for graph ``slot`` about to be planned, or None when it is alone in
         its step (nothing pending, no graph break after it and no known sequence with other graphs:
         the whole budget, as for one graph). In a known sequence: its earlier and later graphs'
@@ -218,7 +219,9 @@ class StepAccount:
         after the graphs pending now (``step_memory.recall_share``), else those pending graphs, and when
         a graph break ``follows`` it, kind "break-smallest" (its smallest-peak plan: what later graphs
         need is unknown). Alone in its step and measured running ``runs`` > 1 times before their backwards,
-        or next to ``accumulated_grad_bytes`` of the step's gradients (a feedback correction says so): ``runs_share``."""
+        or next to ``accumulated_grad_bytes`` of the step's gradients (a feedback correction says so): ``runs_share``.
+        In a step of several graphs both the accumulated gradients and ``eager_step_bytes`` (what the measured step held
+        outside the graphs' plans, ``step_loop.StepHooks``) are held outside the graphs (the share's ``outside_bytes``)."""
         with self._lock:
             floor = self._floors.get(slot)
             own_floor = 0 if floor is None else floor[0] + input_activation_bytes
@@ -239,21 +242,23 @@ class StepAccount:
             return runs_share(step_target_bytes, input_activation_bytes, param_grad_bytes, need_bytes, runs,
                               accumulated_grad_bytes) if runs > 1 or accumulated_grad_bytes > 0 else None
         return share_in_step(earlier, later, step_target_bytes, input_activation_bytes, param_grad_bytes,
-                             need_bytes, known, own_floor, smallest, group_runs, accumulated_grad_bytes)
+                             need_bytes, known, own_floor, smallest, group_runs, accumulated_grad_bytes + eager_step_bytes)
 
     def share_for_joint(self, slot: str, step_target_bytes: int, joint: "fx.GraphModule", need_bytes: int,
                         num_fwd_outputs: int, static_indices: Optional[Sequence[int]],
                         follows: bool = False, graph_key: str = "", made_for: Optional["Correction"] = None,
                         headroom_fraction: float = 0.0) -> Optional[GraphShare]:
-        """``share_for`` with the inputs and gradients read off the joint graph (``io_bytes``), and the runs and
-        accumulated gradients the feedback correction ``made_for`` measured (none: one run, none). The gradients
-        count at ``1 - headroom_fraction`` of their bytes, in the step target's units: measured exactly, they take
-        no headroom, so a plan next to them gets ``target_for_budget(budget - gradients)`` (a floor named is the
-        graph's at its headroom plus the gradients)."""
+        """``share_for`` with the inputs and gradients read off the joint graph (``io_bytes``), and the runs,
+        accumulated gradients and step's eager bytes the feedback correction ``made_for`` measured (none: one run,
+        none). The gradients and eager bytes count at ``1 - headroom_fraction`` of their bytes, in the step target's
+        units: measured exactly, they take no headroom, so a plan next to them gets ``target_for_budget(budget -
+        gradients)`` (a floor named is the graph's at its headroom plus them)."""
         inputs, grads = self.io_bytes(slot, joint, num_fwd_outputs, static_indices)
-        runs, accumulated = (1, 0) if made_for is None else (
-            made_for.runs, target_for_budget(made_for.accumulated_grad_bytes, headroom_fraction))
-        return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows, graph_key, runs, accumulated)
+        runs, accumulated, eager = (1, 0, 0) if made_for is None else (
+            made_for.runs, target_for_budget(made_for.accumulated_grad_bytes, headroom_fraction),
+            target_for_budget(made_for.eager_step_bytes, headroom_fraction))
+        return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows, graph_key, runs, accumulated,
+                              eager)
 
     def io_bytes(self, slot: str, joint: "fx.GraphModule", num_fwd_outputs: int,
                  static_indices: Optional[Sequence[int]]) -> tuple[int, int]:
@@ -362,9 +367,18 @@ class StepAccount:
     def step_peak_bytes(self, sequence: tuple[str, ...]) -> int:
         """The step's predicted peak from the running plans of ``sequence`` (``composed_peak_bytes``),
         the peak the condition bounds."""
+        return composed_peak_bytes(self.step_terms(sequence))
+
+    def step_terms(self, sequence: tuple[str, ...], peaks: Optional[dict[str, int]] = None) -> list[tuple[int, int, int, int]]:
+        """(held, inputs, gradients, peak) bytes of the running plan of each graph of ``sequence`` (``step_totals``'
+        terms; a graph with no plan is left out); with ``peaks`` (slot -> bytes, every slot of ``sequence``), those
+        peaks in place of the plans' simulated ones (the Inductor-checked peaks they were accepted on)."""
         with self._lock:
-            graphs = [g for s in sequence if (g := self._graph(s)) is not None]
-        return composed_peak_bytes(_terms(graphs))
+            graphs = [(s, g) for s in sequence if (g := self._graph(s)) is not None]
+        terms = _terms([g for _, g in graphs])
+        if peaks is not None:
+            terms = [(held, inputs, grads, peaks[s]) for (s, _), (held, inputs, grads, _) in zip(graphs, terms)]
+        return terms
 
     def overruns(self, sequence: tuple[str, ...]) -> dict[str, str]:
         """The slots of ``sequence`` whose running plans break the step's condition

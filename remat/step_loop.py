@@ -28,6 +28,14 @@ for the re-plans the account's condition needs, and measures whole steps:
   ``accumulated_grads.py``) is measured too, on a plan's first step, with them added to both peaks; over the
   budget every graph is re-planned next to them (each share holds them outside the graphs), and the settled
   step a later process recalls carries them.
+- **Eager code between and around the graphs.** The window marks each graph's phases (``phase``: forward entry
+  and return, backward start and end), and the first step is measured whole too (``adopt``: the window the first
+  graph opened, which the second graph's entry spoiled before). Where every plan was accepted on its
+  Inductor-checked peak, what was live in each phase beyond what the plans hold there (``eager_by_graph``) is
+  what each graph's re-plans are made next to: from the first step, in the re-plans its provisional plans get;
+  from a later step over the budget, in a round of its own (additive: ``Correction.eager_step_bytes`` and
+  ``eager_loss_bytes``, not a factor). A graph that no plan fits next to it refuses the budget before the next
+  step runs, naming one (``ShareInfeasibleError``).
 - **A step no plan fits** (``judge_step``). A step measured over its budget after a round of re-plans that
   lowered its measured peak by less than ``MIN_CORRECTION_GAIN`` (or after ``MAX_STEP_CORRECTIONS`` rounds)
   is over by memory remat's plans do not hold: eager code between or inside the graphs (a Hugging
@@ -53,8 +61,8 @@ from .accumulated_grads import AccumulationWatch, GradientLedger
 from .compile_cache import StepKey, step_key_of
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
-from .measure import StepWindow, open_window
-from .step_budget import StepAccount, slot_of
+from .measure import STEP_PHASE_PREFIX, StepWindow, open_window
+from .step_budget import StepAccount, slot_of, step_totals
 from .step_memory import RememberedStep, expected_share, remember_step, settled
 from .units import format_bytes
 
@@ -63,6 +71,11 @@ log = logging.getLogger("remat")
 MAX_STEP_REPLANS = 2       # re-plans of one graph the step's condition asks for; then it warns and stops
 MAX_STEP_CORRECTIONS = 3   # rounds of re-plans a measured step over its budget asks for
 MIN_CORRECTION_GAIN = 0.01  # a round lowering the measured step peak by less than this fraction: the step is refused
+FIRST_STEP_ACTION = "the first step, measured whole: "
+# eager memory a step measured under this fraction of its budget is left to the headroom (Inductor's check keeps 1% on
+# CPU): an eager loss's scalar, the 8 bytes of a sum, are no reason to re-plan, and a re-plan next to eager memory
+# is not keyed in AOTAutograd's cache (``key_at_replan``)
+EAGER_NOISE_FRACTION = 0.005
 INTERLEAVED_RUNS_WARNING = (
     "remat: {graph} ran again after another graph, before its backward (a model with graph breaks called several "
     "times per step, or a forward whose loss was not backpropagated): remat cannot account such a step across its "
@@ -100,6 +113,8 @@ class StepHooks:
         self._replans: dict[str, int] = {}
         self._corrections = 0
         self._over_bytes: list[int] = []            # the measured step peaks over the budget, in order
+        # slot -> (during its run, after its forward): the most a measured step's eager code held there (eager_by_graph)
+        self._eager: dict[str, tuple[int, int]] = {}
         self._refusal: Optional[BudgetInfeasibleError] = None   # raised at the next step's first forward entry
         # the last re-plan round asked for: (the step measured, its composed prediction, each graph's saved set then);
         # its measured peak is the last of _over_bytes
@@ -137,8 +152,8 @@ class StepHooks:
         running, first = self.account.plan_of(wrapper.record.graph_id), self.account.plan_of(slot)
         own = wrapper.record.correction.factor if wrapper.record.correction is not None else 1.0
         if (slot not in sequence or len(sequence) < 2 or running is None or first is None or correction.factor != own
-                or correction.accumulated_grad_bytes):   # planned next to accumulated gradients: not keyed
-            return None
+                or correction.accumulated_grad_bytes or correction.eager_step_bytes):
+            return None   # planned next to accumulated gradients or eager memory a step measured: not keyed
         earlier = []
         for before in sequence[:sequence.index(slot)]:
             found = self._wrapper(before)
@@ -149,6 +164,85 @@ class StepHooks:
         share = self.account.share_for(slot, running.step_target_bytes, first.input_activation_bytes,
                                        first.param_grad_bytes, running.need_bytes, False, running.graph_key)
         return step_key_of(share, earlier)
+
+    def phase(self, wrapper: Any, what: str) -> None:
+        """Mark ``what`` ("fwd-enter", "fwd-exit", "bwd-enter", "bwd-exit") of ``wrapper``'s graph on the window
+        measuring the step, if one is open (``measure.StepWindow.phase_peaks``: how much was live in each)."""
+        window = open_window()
+        if window is not None and (window.owner is self or getattr(window.owner, "step_hooks", None) is self):
+            window.mark_phase(f"{STEP_PHASE_PREFIX}{what}:{slot_of(wrapper.record.graph_id)}")
+
+    def adopt(self, window: Any) -> bool:
+        """Whether the step takes over ``window``, which a graph of its own opened at its forward entry and which
+        another graph of the step now entered: in the step's first run (no sequence known yet), the window then
+        measures the whole step (the first graph's backward ends it, after every later graph's) for
+        ``_first_step_measured``, where it was spoiled before (the first step was measured by nothing)."""
+        owner = window.owner
+        if self.account.sequence or window.spoiled_by or getattr(owner, "step_hooks", None) is not self:
+            return False
+        window.hand_over(self, lambda peak, why_not: self._first_step_measured(peak, why_not, window.phase_peaks))
+        return True
+
+    def _first_step_measured(self, peak_bytes: Optional[int], why_not: str,
+                             phase_peaks: Optional[dict[str, int]]) -> None:
+        """The first step, measured whole (``adopt``): what its eager code held during each graph's run and after
+        each graph's forward (``eager_by_graph``), where every graph's plan was accepted on its Inductor-checked peak,
+        is what each re-plan of the step is made next to (the provisional plans' re-plans at the next step's entry,
+        and any graph the step then runs over with), so that the next step, whose plans are looser than the first
+        step's leanest ones, fits. Nothing else is corrected: the first step's plans are provisional, and their
+        composed prediction is not the next step's."""
+        from .feedback import FeedbackEvent
+
+        sequence = self.account.sequence
+        wrappers = [self._wrapper(slot) for slot in dict.fromkeys(sequence)]
+        if peak_bytes is None or len(sequence) < 2 or any(w is None for w in wrappers):
+            return
+        budgets = [w.record.plan.budget_bytes for w in wrappers if w.record.plan.budget_bytes is not None]
+        budget, predicted = min(budgets, default=None), self.account.step_peak_bytes(sequence)
+        if budget is None:     # no budget: measured (what the first step peaked at), nothing to re-plan
+            self._events.append(FeedbackEvent(step_name(sequence), 0, None, predicted, peak_bytes, None,
+                                              FIRST_STEP_ACTION + "no budget"))
+            return
+        eager = self._note_eager(wrappers, sequence, peak_bytes, phase_peaks, budget)
+        name, held = step_name(sequence), sum(max(e) for e in eager.values())
+        self._events.append(FeedbackEvent(name, 0, budget, predicted, peak_bytes, None, FIRST_STEP_ACTION + (
+            eager_summary(eager) + ": every re-plan of the step is made next to it" if held else
+            "within budget" if peak_bytes <= budget else "over budget, nothing held outside the graphs")))
+        if not held:
+            return
+        why = f"the first step's eager code held {eager_summary(eager)}"
+        for wrapper in wrappers:
+            asked = wrapper.pending_correction
+            if asked is None and peak_bytes <= budget or not wrapper.can_replan:
+                continue     # no re-plan asked for, and the step fitted with what eager code held: kept
+            self._request_next_to_eager(wrapper, asked or step_correction(wrapper.record, why))
+        if peak_bytes > budget:
+            warnings.warn(f"remat: the first step of {len(sequence)} graphs measured {format_bytes(peak_bytes)}, over "
+                          f"the budget {format_bytes(budget)}, with eager code holding {eager_summary(eager)}; every "
+                          "re-plan of the step is made next to it.", stacklevel=2)
+
+    def _note_eager(self, wrappers: Sequence[Any], sequence: tuple[str, ...], peak_bytes: int,
+                    phase_peaks: Optional[dict[str, int]], budget_bytes: int) -> dict[str, tuple[int, int]]:
+        """What a measured step's eager code held by graph (``eager_by_graph``; nothing unless every plan was accepted
+        on its Inductor-checked peak; under ``EAGER_NOISE_FRACTION`` of the budget, nothing), kept as the most
+        measured so far per graph; returns this step's."""
+        checked = checked_peaks(wrappers)
+        if checked is None:
+            return {}
+        noise = EAGER_NOISE_FRACTION * budget_bytes
+        eager = {slot: tuple(b if b >= noise else 0 for b in held) for slot, held in
+                 eager_by_graph(sequence, self.account.step_terms(sequence, checked), peak_bytes, phase_peaks).items()}
+        for slot, (during, after) in eager.items():
+            before = self._eager.get(slot, (0, 0))
+            self._eager[slot] = (max(before[0], during), max(before[1], after))
+        return eager
+
+    def _request_next_to_eager(self, wrapper: Any, asked: Correction) -> None:
+        """Re-plan ``wrapper``'s graph with ``asked``, next to what the step's eager code was measured to hold during its
+        run (its share's outside bytes) and after its forward (its eager-loss reserve)."""
+        during, after = self._eager.get(slot_of(wrapper.record.graph_id), (0, 0))
+        wrapper.request_replan(replace(asked, eager_step_bytes=max(asked.eager_step_bytes, during),
+                                       eager_loss_bytes=max(asked.eager_loss_bytes or 0, after) or asked.eager_loss_bytes))
 
     def measures(self, wrapper: Any) -> bool:
         """Whether the step window, not ``wrapper``'s own, measures it (its sequence has several graphs)."""
@@ -232,7 +326,7 @@ class StepHooks:
             number = self._steps
         def closed(peak: Optional[int], why_not: str) -> None:
             self._accumulation.note_window(window.retained_bytes)
-            self._on_measured(sequence, number, peak, why_not, accumulated_grad_bytes)
+            self._on_measured(sequence, number, peak, why_not, accumulated_grad_bytes, window.phase_peaks)
         window = StepWindow(device, closed, owner=self)
         if window.open():
             self._window = window
@@ -301,7 +395,7 @@ class StepHooks:
         self._accumulation.restart()
 
     def _on_measured(self, sequence: tuple[str, ...], number: int, peak_bytes: Optional[int], why_not: str,
-                     accumulated_grad_bytes: int = 0) -> None:
+                     accumulated_grad_bytes: int = 0, phase_peaks: Optional[dict[str, int]] = None) -> None:
         """A step window closed: compare the step's peak with the budget; over it, re-plan every
         graph of the step at its target divided by ``measured / predicted`` step peak. ``accumulated_grad_bytes``:
         the step's gradients held at the window's start (gradient accumulation), added to both peaks; over the
@@ -343,6 +437,24 @@ class StepHooks:
             return
         self._corrections += 1
         self._round = (number, predicted, {slot_of(w.record.graph_id): w.record.plan.saved for w in wrappers})
+        eager = self._note_eager(wrappers, sequence, own_peak, phase_peaks, budget)
+        if any(max(e) for e in eager.values()):
+            self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor,
+                                              f"re-planned next to what eager code held: {eager_summary(eager)}",
+                                              accumulated_grad_bytes=accumulated_grad_bytes))
+            warnings.warn(f"remat: a step of {len(sequence)} graphs measured a peak of {format_bytes(peak_bytes)}, over "
+                          f"the budget {format_bytes(budget)}, with eager code (between or around its graphs, which no "
+                          f"generated code states) holding {eager_summary(eager)}; re-planning each graph next to it "
+                          "from its next call.", stacklevel=2)
+            for wrapper in wrappers:
+                if wrapper.can_replan:
+                    self._request_next_to_eager(wrapper, replace(
+                        step_correction(wrapper.record, ""), budget_bytes=budget, predicted_peak_bytes=predicted,
+                        measured_peak_bytes=peak_bytes, source=f"measured step {number} of {name}", foreseen=False,
+                        accumulated_grad_bytes=accumulated_grad_bytes))
+            self._verify_left = self._verify_peak
+            self._accumulation.restart()
+            return
         self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, "re-planned",
                                           accumulated_grad_bytes=accumulated_grad_bytes))
         if accumulated_grad_bytes:    # the simulator's error is the graphs' own; the gradients are planned next to
@@ -395,6 +507,57 @@ class StepHooks:
                                               "infeasible: the last round of re-plans changed no graph's plan"))
             self._refuse(sequence, number, budget, predicted, self._over_bytes[-1], ", the last changing no graph's plan")
             raise passthrough_error_class(BudgetInfeasibleError)(self._refusal)
+
+
+def checked_peaks(wrappers: Sequence[Any]) -> Optional[dict[str, int]]:
+    """Slot -> the Inductor-checked peak each of ``wrappers``' plans was accepted on; None where one was not
+    (its simulated peak stood: then what a step measured above the plans may be the simulator's error)."""
+    checked = {}
+    for wrapper in wrappers:
+        judgement = wrapper.record.judgement
+        if judgement is None or judgement.checked_peak_bytes is None:
+            return None
+        checked[slot_of(wrapper.record.graph_id)] = judgement.checked_peak_bytes
+    return checked
+
+
+def eager_by_graph(sequence: tuple[str, ...], terms: Sequence[tuple[int, int, int, int]], peak_bytes: int,
+                   phase_peaks: Optional[dict[str, int]]) -> dict[str, tuple[int, int]]:
+    """What a measured step's eager code held, by graph: slot -> (during its run, after its forward returned), bytes.
+    ``terms``: each graph's (held, inputs, gradients, accepted peak) in ``sequence`` order (``StepAccount.step_terms``,
+    with the Inductor-checked peaks: the code a graph runs states what it allocates, so what was live beyond it is
+    eager code's: a loss, a function Dynamo does not compile, the model's own forward where Dynamo compiled only its
+    blocks). ``phase_peaks``: the most live in each phase of the step (``measure.StepWindow.phase_peaks``):
+    during graph k's forward or backward, beyond the step's prediction there (``step_totals``); after graph k's
+    forward returned, beyond what graphs 0..k hold and what the next graph takes from it; after graph k's backward,
+    beyond what the graphs before it hold, the gradients of k and the graphs after it and the gradient of k's inputs
+    it hands back, charged to the graph before it as after its forward (its forward ran, its backward not yet: the
+    eager code runs next to what it holds, as an eager loss does next to a graph alone in its step). Without phases (CUDA: the allocator keeps one peak), the step's peak
+    beyond the composed one, during every graph's run. A slot run several times: the most over its runs. Pure."""
+    totals = step_totals(terms)
+    if phase_peaks is None:
+        excess = max(peak_bytes - max(totals, default=0), 0)
+        return {slot: (excess, 0) for slot in sequence}
+    eager: dict[str, list[int]] = {slot: [0, 0] for slot in sequence}
+    held = [t[0] for t in terms]
+    for k, slot in enumerate(sequence):
+        during = max(phase_peaks.get(f"fwd-enter:{slot}", 0), phase_peaks.get(f"bwd-enter:{slot}", 0)) - totals[k]
+        handed_on = terms[k + 1][1] if k + 1 < len(terms) else 0
+        after = phase_peaks.get(f"fwd-exit:{slot}", 0) - sum(held[:k + 1]) - handed_on
+        eager[slot][0], eager[slot][1] = max(eager[slot][0], during), max(eager[slot][1], after)
+        if k > 0:    # between its backward and the next: the graph before it is between its forward and backward
+            after_backward = (phase_peaks.get(f"bwd-exit:{slot}", 0) - sum(held[:k])
+                              - sum(t[2] for t in terms[k:]) - terms[k][1])    # (its inputs' gradient, handed back)
+            previous = sequence[k - 1]
+            eager[previous][1] = max(eager[previous][1], after_backward)
+    return {slot: (during, after) for slot, (during, after) in eager.items()}
+
+
+def eager_summary(eager: dict[str, tuple[int, int]]) -> str:
+    """``eager_by_graph``'s answer in words: "x during graph_000's run, y after graph_001's forward, ..."."""
+    parts = [f"{format_bytes(b)} {where} {slot}'s {what}" for slot, (during, after) in eager.items()
+             for b, where, what in ((during, "during", "run"), (after, "after", "forward")) if b > 0]
+    return ", ".join(parts) or "nothing"
 
 
 def step_name(sequence: tuple[str, ...]) -> str:

@@ -143,8 +143,10 @@ def _infeasible_reasons(facts: JointGraphFacts, best: _Evaluated) -> tuple[str, 
         owner = owners[sid]
         node = facts.nodes.get(owner)
         if sid == EAGER_LOSS + SCRATCH_SUFFIX:
-            kind = ("reserved for an eager loss on the outputs between the forward and the backward (remat/eager_loss.py: "
-                    f"{LOSS_OUTPUT_COPIES} times the outputs' bytes until a step measured what the loss holds)")
+            kind = ("reserved for eager code between the forward and the backward (an eager loss on the outputs: "
+                    f"{LOSS_OUTPUT_COPIES} times their bytes until a step measured what it holds, remat/eager_loss.py; in a "
+                    "step split at graph breaks, what the step's eager code was measured to hold there, "
+                    "remat/step_loop.py)")
         elif sid in grads:
             kind = "gradients produced so far"
         elif owner in best.partition.forced:
