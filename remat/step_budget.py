@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .distributed import PROVISIONAL_SHARE_KINDS, GraphShare, piece_target
@@ -116,6 +116,16 @@ def later_demand_bytes(later: tuple[StepGraph, ...], floor: bool = True) -> int:
         peak = graph.floor_peak_bytes if floor else max(graph.no_remat_peak_bytes, graph.floor_peak_bytes)
         demand = max(demand, between + graph.input_activation_bytes + max(peak - graph.param_grad_bytes, 0))
     return demand
+
+
+def with_eager(graph: StepGraph, eager_bytes: int) -> StepGraph:
+    """A later graph's numbers as an earlier graph's share reserves for it (``later_demand_bytes``): its smallest
+    and its no-recomputation peaks raised by what eager code was measured to hold next to it (its re-plans are made
+    next to that: ``step_loop.eager_by_graph``), so the earlier graphs do not take the room it needs."""
+    if not eager_bytes:
+        return graph
+    return replace(graph, floor_peak_bytes=graph.floor_peak_bytes + eager_bytes,
+                   no_remat_peak_bytes=graph.no_remat_peak_bytes + eager_bytes)
 
 
 def step_totals(terms: Sequence[tuple[int, int, int, int]]) -> tuple[int, ...]:
@@ -187,6 +197,7 @@ class StepAccount:
         self._plans: dict[str, StepGraph] = {}      # by graph id
         self._running: dict[str, str] = {}          # slot -> graph id of the plan it runs now
         self._floors: dict[str, tuple[int, int]] = {}   # slot -> (smallest peak, what that plan holds)
+        self._eager: dict[str, int] = {}                # slot -> what a measured step's eager code held next to it
         self._pending: list[str] = []               # slots whose forward ran this step, backward not yet
         self._order: list[str] = []                 # forward order of this step so far
         self._spoiled = False                       # this step is not a sequence (a graph ran twice)
@@ -228,7 +239,8 @@ class StepAccount:
             if slot in self.sequence and len(self.sequence) > 1:
                 first, last = self.sequence.index(slot), len(self.sequence) - 1 - self.sequence[::-1].index(slot)
                 earlier = tuple(g for s in self.sequence[:first] if (g := self._graph(s)) is not None)
-                later = tuple(g for s in self.sequence[last + 1:] if (g := self._graph(s)) is not None)
+                later = tuple(with_eager(g, self._eager.get(s, 0)) for s in self.sequence[last + 1:]
+                              if (g := self._graph(s)) is not None)
                 known, group_runs = True, last - first + 1
             else:
                 earlier = tuple(g for s in self._pending if s != slot and (g := self._graph(s)) is not None)
@@ -259,6 +271,12 @@ class StepAccount:
             target_for_budget(made_for.eager_step_bytes, headroom_fraction))
         return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows, graph_key, runs, accumulated,
                               eager)
+
+    def note_eager(self, slot: str, eager_bytes: int) -> None:
+        """What a measured step's eager code held next to graph ``slot`` (during its run and after its forward,
+        ``step_loop.eager_by_graph``): the earlier graphs' shares reserve it for that graph from now on."""
+        with self._lock:
+            self._eager[slot] = max(self._eager.get(slot, 0), eager_bytes)
 
     def io_bytes(self, slot: str, joint: "fx.GraphModule", num_fwd_outputs: int,
                  static_indices: Optional[Sequence[int]]) -> tuple[int, int]:

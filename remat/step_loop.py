@@ -235,6 +235,7 @@ class StepHooks:
         for slot, (during, after) in eager.items():
             before = self._eager.get(slot, (0, 0))
             self._eager[slot] = (max(before[0], during), max(before[1], after))
+            self.account.note_eager(slot, sum(self._eager[slot]))
         return eager
 
     def _request_next_to_eager(self, wrapper: Any, asked: Correction) -> None:
@@ -529,25 +530,28 @@ def eager_by_graph(sequence: tuple[str, ...], terms: Sequence[tuple[int, int, in
     eager code's: a loss, a function Dynamo does not compile, the model's own forward where Dynamo compiled only its
     blocks). ``phase_peaks``: the most live in each phase of the step (``measure.StepWindow.phase_peaks``):
     during graph k's forward or backward, beyond the step's prediction there (``step_totals``); after graph k's
-    forward returned, beyond what graphs 0..k hold and what the next graph takes from it; after graph k's backward,
-    beyond what the graphs before it hold, the gradients of k and the graphs after it and the gradient of k's inputs
-    it hands back, charged to the graph before it as after its forward (its forward ran, its backward not yet: the
-    eager code runs next to what it holds, as an eager loss does next to a graph alone in its step). Without phases (CUDA: the allocator keeps one peak), the step's peak
+    forward returned, beyond what graphs 0..k hold for their backwards (its outputs included: a graph's simulated
+    timeline frees them as its forward returns, so the eager-loss reserve the excess becomes must hold them); after
+    graph k's backward, beyond what the graphs before it hold and the gradients of k and the graphs after it (the
+    gradient k hands back included, which the graph before it counts only once its backward starts), charged to
+    the graph before it as after its forward (its forward ran, its backward not yet: the eager code runs next to
+    what it holds, as an eager loss does next to a graph alone in its step). Without phases (CUDA: the allocator keeps one peak), the step's peak
     beyond the composed one, during every graph's run. A slot run several times: the most over its runs. Pure."""
     totals = step_totals(terms)
     if phase_peaks is None:
         excess = max(peak_bytes - max(totals, default=0), 0)
         return {slot: (excess, 0) for slot in sequence}
     eager: dict[str, list[int]] = {slot: [0, 0] for slot in sequence}
-    held = [t[0] for t in terms]
+    # what each graph holds for its backward, as the window sees it: the first graph's inputs (counted in what it
+    # holds) are the step's batch, resident before the window opened (if eager code made them in the step, they are
+    # eager memory, and counted as such)
+    held = [max(t[0] - (t[1] if k == 0 else 0), 0) for k, t in enumerate(terms)]
     for k, slot in enumerate(sequence):
         during = max(phase_peaks.get(f"fwd-enter:{slot}", 0), phase_peaks.get(f"bwd-enter:{slot}", 0)) - totals[k]
-        handed_on = terms[k + 1][1] if k + 1 < len(terms) else 0
-        after = phase_peaks.get(f"fwd-exit:{slot}", 0) - sum(held[:k + 1]) - handed_on
+        after = phase_peaks.get(f"fwd-exit:{slot}", 0) - sum(held[:k + 1])
         eager[slot][0], eager[slot][1] = max(eager[slot][0], during), max(eager[slot][1], after)
         if k > 0:    # between its backward and the next: the graph before it is between its forward and backward
-            after_backward = (phase_peaks.get(f"bwd-exit:{slot}", 0) - sum(held[:k])
-                              - sum(t[2] for t in terms[k:]) - terms[k][1])    # (its inputs' gradient, handed back)
+            after_backward = phase_peaks.get(f"bwd-exit:{slot}", 0) - sum(held[:k]) - sum(t[2] for t in terms[k:])
             previous = sequence[k - 1]
             eager[previous][1] = max(eager[previous][1], after_backward)
     return {slot: (during, after) for slot, (during, after) in eager.items()}

@@ -42,15 +42,20 @@ TERMS = [(30, 0, 4, 60), (10, 5, 6, 50)]        # (held, inputs, gradients, peak
 
 def test_eager_memory_is_read_by_phase_against_what_the_plans_hold_there():
     sequence = ("g0", "g1")
-    quiet = {"": 0, "fwd-enter:g0": 66, "fwd-exit:g0": 35, "fwd-enter:g1": 85, "fwd-exit:g1": 40,
-             "bwd-enter:g1": 85, "bwd-exit:g1": 30 + 6 + 5, "bwd-enter:g0": 66, "bwd-exit:g0": 10}
+    quiet = {"": 0, "fwd-enter:g0": 66, "fwd-exit:g0": 30, "fwd-enter:g1": 85, "fwd-exit:g1": 40,
+             "bwd-enter:g1": 85, "bwd-exit:g1": 30 + 6, "bwd-enter:g0": 66, "bwd-exit:g0": 10}
     assert eager_by_graph(sequence, TERMS, 85, quiet) == {"g0": (0, 0), "g1": (0, 0)}
-    loud = dict(quiet, **{"fwd-exit:g0": 35 + 7, "fwd-enter:g1": 85 + 3, "fwd-exit:g1": 40 + 20,
-                          "bwd-exit:g1": 41 + 9})
-    # after g0's forward: beyond g0's held and what g1 takes (its inputs); during g1's run: beyond its total;
-    # after g1's forward: beyond both graphs' held; after g1's backward: g0's, between its forward and backward
-    assert eager_by_graph(sequence, TERMS, 105, loud) == {"g0": (0, 9), "g1": (3, 20)}
-    assert eager_by_graph(sequence, TERMS, 105, dict(loud, **{"bwd-exit:g1": 41 + 5})) == {"g0": (0, 7), "g1": (3, 20)}
+    loud = dict(quiet, **{"fwd-exit:g0": 30 + 5 + 7, "fwd-enter:g1": 85 + 3, "fwd-exit:g1": 40 + 20,
+                          "bwd-exit:g1": 36 + 5 + 9})
+    # after g0's forward: beyond what g0 holds for its backward (its outputs, g1's 5 bytes of inputs, are in the
+    # reserve: its timeline frees them as it returns); during g1's run: beyond its total; after g1's forward: beyond
+    # both graphs' held; after g1's backward (its 5 bytes of input gradient in it): g0's, between its forward and
+    # backward
+    assert eager_by_graph(sequence, TERMS, 105, loud) == {"g0": (0, 14), "g1": (3, 20)}
+    assert eager_by_graph(sequence, TERMS, 105, dict(loud, **{"bwd-exit:g1": 36})) == {"g0": (0, 12), "g1": (3, 20)}
+    # the first graph's inputs, counted in what it holds, are the batch, resident before the window: not in it
+    batch = [(30 + 8, 8, 4, 60), TERMS[1]]
+    assert eager_by_graph(sequence, batch, 85, dict(quiet, **{"fwd-exit:g0": 30 + 2})) == {"g0": (0, 2), "g1": (0, 0)}
 
 
 def test_without_phases_the_step_peak_beyond_the_composed_one_is_charged_to_every_graph():
