@@ -9,12 +9,12 @@ of a budget it refused) and writes the decision into the plan's dump (``annotate
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .cost_model.tensors import has_symbolic_shapes
-from .distributed import JUDGED_SHARE_KINDS, REFUSAL_CHECKED_SHARE_KINDS, SINGLE_GRAPH_SHARE_KINDS
+from .distributed import JUDGED_SHARE_KINDS, REFUSAL_CHECKED_SHARE_KINDS, SINGLE_GRAPH_SHARE_KINDS, STEP_SHARE_KINDS
 from .distributed_errors import ShareInfeasibleError
 
 if TYPE_CHECKING:
@@ -162,8 +162,14 @@ def check_rule(share: Optional["GraphShare"], correction: Any, options: Any, dev
     rebuilt at the check's target of the budget, the gradients ``correction`` measured at the check's headroom, so
     its own part gets the check's headroom as a graph alone does (until session 36 the planning headroom: 5% on CPU
     where a graph alone gets 1%, and the floor named next to rand-1442's gradients was 1.005x plain Inductor's
-    accumulating peak). Any other share (other graphs of the step, whose plans are simulated; DDP/FSDP2 pieces):
-    (the share, the planning target)."""
+    accumulating peak). A graph of a step split at graph breaks (``STEP_SHARE_KINDS``): its share with what is held
+    outside the graphs (accumulated gradients, the eager memory a step measured: ``correction``) at the check's
+    headroom, and the check's target of the budget: every graph of the step is checked against its own share, what
+    the earlier graphs hold and the later graphs' gradients are real bytes, and what eager code holds between the
+    graphs is measured from the first step (``step_loop.eager_by_graph``), so the planning headroom (5% on CPU)
+    has nothing left to cover that a graph alone's 1% does not (until session 44 the planning target: GPT-2 split
+    before its loss named floors 1.04-1.05x plain Inductor's and checkpointing's, hf-1535 and hf-1520 of the
+    corpus). DDP/FSDP2 pieces (other ranks' graphs, collectives' buffers): (the share, the planning target)."""
     from .options import target_for_budget
     from .runs_share import runs_share
 
@@ -172,12 +178,16 @@ def check_rule(share: Optional["GraphShare"], correction: Any, options: Any, dev
 
     if share is None:
         return None, checked
+    accumulated = getattr(correction, "accumulated_grad_bytes", 0) if correction is not None else 0
+    check_headroom = options.check_headroom_for(device_type, modeled)
+    if share.kind in STEP_SHARE_KINDS:
+        eager = getattr(correction, "eager_step_bytes", 0) if correction is not None else 0
+        return replace(share, outside_bytes=target_for_budget(accumulated + eager, check_headroom)), checked
     if share.kind not in SINGLE_GRAPH_SHARE_KINDS:
         return share, lambda budget_bytes: options.planning_target_for(budget_bytes, device_type, modeled)
-    accumulated = getattr(correction, "accumulated_grad_bytes", 0) if correction is not None else 0
     return runs_share(checked(options.budget_bytes), share.input_activation_bytes, share.total_grad_bytes,
                       share.needs[0], share.repeats,
-                      target_for_budget(accumulated, options.check_headroom_for(device_type, modeled))), checked
+                      target_for_budget(accumulated, check_headroom)), checked
 
 
 def share_check_target(share: Optional["GraphShare"], held_bytes: int, target_bytes: int) -> Optional[int]:

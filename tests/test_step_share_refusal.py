@@ -121,8 +121,8 @@ def test_a_graph_alone_next_to_accumulated_gradients_gets_the_checks_headroom() 
     """``check_rule``: a graph alone in its step next to the step's accumulated gradients (kind "accumulated") is
     judged as a graph alone is, at the check's headroom (1% on CPU), with the gradients counted to the byte: its own
     peak's limit (its own gradients in it) is ``(budget - accumulated gradients) * 0.99``, where the planning rule
-    gives 0.95 (session 35's rule for the check too, which named rand-1442's floor 1.005x plain Inductor's). Other
-    shares keep the planning rule."""
+    gives 0.95 (session 35's rule for the check too, which named rand-1442's floor 1.005x plain Inductor's). A step's
+    graphs at graph breaks get the check's rule too (session 44); DDP pieces keep the planning rule."""
     import remat
     from remat.feedback_store import Correction
     from remat.inductor_verdict import check_rule
@@ -139,8 +139,15 @@ def test_a_graph_alone_next_to_accumulated_gradients_gets_the_checks_headroom() 
     own_limit = peak_limit_bytes(judged, 0)
     assert abs(own_limit - (budget - accumulated) * 0.99) <= 2, own_limit
     assert own_limit > peak_limit_bytes(share, 0) + 0.03 * (budget - accumulated)
-    # a graph alone: the check's target; a share of a step at graph breaks: unchanged, the planning rule
+    # a graph alone: the check's target; a share of a step at graph breaks too (since session 44), with what is held
+    # outside the graphs at the check's headroom; a DDP piece's: unchanged, the planning rule
+    from dataclasses import replace
+
     assert check_rule(None, None, options, "cpu", True)[0] is None
     broken = _share(_headroom(4 * MB))
-    judged_break, planning_of = check_rule(broken, None, options, "cpu", True)
-    assert judged_break is broken and planning_of(budget) == planning
+    judged_break, target_of = check_rule(broken, correction, options, "cpu", True)
+    assert judged_break.kind == broken.kind and target_of(budget) == options.check_target_for(budget, "cpu")
+    assert judged_break.outside_bytes == int(accumulated * 0.99)
+    ddp = replace(broken, kind="ddp")
+    judged_ddp, planning_of = check_rule(ddp, None, options, "cpu", True)
+    assert judged_ddp is ddp and planning_of(budget) == planning
