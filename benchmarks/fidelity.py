@@ -438,11 +438,9 @@ class ModelRun:
             return
         self.plain_peak = plain["measured_later_bytes"]
         floor = self.probe_floor()
-        none = self.measure("none", make_backend(None), None, measure_first=measure_first)
-        if loop and none.get("loop_first_step_bytes") is None and not none.get("error"):
-            # the loop did not measure step 1 (a step split at graph breaks: its graphs are known only once
-            # step 1 ends): the budgeted points' step 1 is measured inside a profiler instead
-            measure_first = True
+        # (until session 44, a step split at graph breaks had its budgeted points' step 1 measured inside a profiler,
+        # which kept the loop from measuring it: since then the loop measures such a step whole, as a user's runs)
+        self.measure("none", make_backend(None), None, measure_first=True)
         for fraction in fractions:
             budget = int(fraction * self.plain_peak)
             if floor is not None and budget < floor:
