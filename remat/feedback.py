@@ -189,7 +189,7 @@ class VerifiedGraph:
         if self._accumulation.count_call() or self._verify_left > 0:    # (every call counted: the watch ends)
             self._note_grad_leaves(args)
         if self._step is not None:
-            self._step.entered(self)     # may ask for a re-plan of this graph, made now
+            self._step.entered(self, args)     # may ask for a re-plan of this graph, made now
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:

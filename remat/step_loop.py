@@ -56,6 +56,8 @@ import warnings
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
+import torch
+
 from ._torch_dynamo import passthrough_error_class
 from .accumulated_grads import AccumulationWatch, GradientLedger
 from .compile_cache import StepKey, step_key_of
@@ -113,6 +115,9 @@ class StepHooks:
         self._replans: dict[str, int] = {}
         self._corrections = 0
         self._over_bytes: list[int] = []            # the measured step peaks over the budget, in order
+        # what eager code made in the step before its first graph and handed to it (``prelude_bytes``): live before any
+        # window of the step opens, so no window sees it
+        self._prelude_bytes = 0
         # slot -> (during its run, after its forward): the most a measured step's eager code held there (eager_by_graph)
         self._eager: dict[str, tuple[int, int]] = {}
         self._refusal: Optional[BudgetInfeasibleError] = None   # raised at the next step's first forward entry
@@ -197,6 +202,7 @@ class StepHooks:
         wrappers = [self._wrapper(slot) for slot in dict.fromkeys(sequence)]
         if peak_bytes is None or len(sequence) < 2 or any(w is None for w in wrappers):
             return
+        peak_bytes += self._prelude_bytes      # made before the window opened, live through the step
         budgets = [w.record.plan.budget_bytes for w in wrappers if w.record.plan.budget_bytes is not None]
         budget, predicted = min(budgets, default=None), self.account.step_peak_bytes(sequence)
         if budget is None:     # no budget: measured (what the first step peaked at), nothing to re-plan
@@ -230,8 +236,10 @@ class StepHooks:
         if checked is None:
             return {}
         noise = EAGER_NOISE_FRACTION * budget_bytes
-        eager = {slot: tuple(b if b >= noise else 0 for b in held) for slot, held in
-                 eager_by_graph(sequence, self.account.step_terms(sequence, checked), peak_bytes, phase_peaks).items()}
+        measured = eager_by_graph(sequence, self.account.step_terms(sequence, checked), peak_bytes - self._prelude_bytes,
+                                  phase_peaks)
+        measured = {slot: (during + self._prelude_bytes, after) for slot, (during, after) in measured.items()}
+        eager = {slot: tuple(b if b >= noise else 0 for b in held) for slot, held in measured.items()}
         for slot, (during, after) in eager.items():
             before = self._eager.get(slot, (0, 0))
             self._eager[slot] = (max(before[0], during), max(before[1], after))
@@ -252,12 +260,14 @@ class StepHooks:
     def owns(self, window: Any) -> bool:
         return window is not None and window.owner is self
 
-    def entered(self, wrapper: Any) -> None:
+    def entered(self, wrapper: Any, args: Sequence[Any] = ()) -> None:
         slot = slot_of(wrapper.record.graph_id)
         if self._refusal is not None and slot == self.account.sequence[0]:
             raise passthrough_error_class(BudgetInfeasibleError)(self._refusal)
         spoiled = self.account.interleaved_runs
         self.account.forward_entered(slot)
+        if self.account.at_step_start():
+            self._prelude_bytes = prelude_bytes(args)
         if self.account.interleaved_runs > spoiled == 0:
             warnings.warn(INTERLEAVED_RUNS_WARNING.format(graph=wrapper.record.graph_id), stacklevel=3)
         why = self.account.check_entry(slot)
@@ -410,6 +420,7 @@ class StepHooks:
         self._verify_left = max(self._verify_left - 1, 0)
         if accumulated_grad_bytes:
             self._accumulation.stop()     # measured with them: the watch has done its job
+        peak_bytes += self._prelude_bytes      # made before the window opened, live through the step
         budget = min(w.record.plan.budget_bytes for w in wrappers)
         own_predicted, own_peak = self.account.step_peak_bytes(sequence), peak_bytes
         predicted, peak_bytes = own_predicted + accumulated_grad_bytes, peak_bytes + accumulated_grad_bytes
@@ -508,6 +519,16 @@ class StepHooks:
                                               "infeasible: the last round of re-plans changed no graph's plan"))
             self._refuse(sequence, number, budget, predicted, self._over_bytes[-1], ", the last changing no graph's plan")
             raise passthrough_error_class(BudgetInfeasibleError)(self._refusal)
+
+
+def prelude_bytes(args: Sequence[Any]) -> int:
+    """Bytes of the storages of a step's first graph's tensor inputs that autograd-tracked code made (a ``grad_fn``):
+    memory eager code allocated in the step before its first compiled graph (an eager embedding or stem, where
+    Dynamo compiled only a model's blocks), live when the step's window opens and so never in it, and live through
+    the step while eager code holds it for its backward. The batch and the parameters have none. Each storage once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in args if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    return sum(storages.values())
 
 
 def checked_peaks(wrappers: Sequence[Any]) -> Optional[dict[str, int]]:

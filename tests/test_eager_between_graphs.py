@@ -112,3 +112,15 @@ def test_a_step_with_eager_code_around_its_graphs_fits_from_its_second_step():
     first = [e for e in backend.feedback_events if e.step == 0 and str(e.action).startswith(FIRST_STEP_ACTION)]
     assert first and first[0].measured_peak_bytes is not None, backend.feedback_events
     assert "during" in first[0].action or "after" in first[0].action, first[0].action
+
+
+def test_prelude_bytes_count_what_eager_code_made_in_the_step_before_the_first_graph():
+    """The first graph's inputs that autograd-tracked code made (an eager embedding's output) are step memory the
+    step's window, opened at that graph's entry, never sees; the batch and the parameters are resident. A storage
+    counts once (an input and a view of it)."""
+    from remat.step_loop import prelude_bytes
+
+    batch, weight = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    made = batch @ weight                      # 4 x 8 float32 = 128 bytes, with a grad_fn
+    assert prelude_bytes((batch, weight, made, made[:2], 3)) == 128
+    assert prelude_bytes((batch, weight)) == 0
