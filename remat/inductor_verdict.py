@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .cost_model.tensors import has_symbolic_shapes
-from .distributed import JUDGED_SHARE_KINDS, REFUSAL_CHECKED_SHARE_KINDS, SINGLE_GRAPH_SHARE_KINDS, STEP_SHARE_KINDS
+from .distributed import (JUDGED_SHARE_KINDS, PROVISIONAL_SHARE_KINDS, REFUSAL_CHECKED_SHARE_KINDS,
+                           SINGLE_GRAPH_SHARE_KINDS, STEP_SHARE_KINDS)
 from .distributed_errors import ShareInfeasibleError
 
 if TYPE_CHECKING:
@@ -195,8 +196,13 @@ def share_check_target(share: Optional["GraphShare"], held_bytes: int, target_by
     "accumulated"):
     the largest peak the share, at the real planning target ``target_bytes`` (no feedback correction:
     the checked peak is in real bytes), admits next to the ``held_bytes`` the plan holds; without the
-    later graphs' reserve when the plan was taken without it (``reserve_met`` False). None for a graph
-    alone in its step or planned before its step was known (judged against ``target_bytes``)."""
+    later graphs' reserve when the plan was taken without it (``reserve_met`` False). A graph planned before its
+    step was known (``PROVISIONAL_SHARE_KINDS``): ``target_bytes`` itself, the whole step's target at the check's
+    headroom (its own run next to what is live before it is held to the budget at its compile,
+    ``step_fit.runs_over_next_to_live``; until session 44 the planning target, and a refusal named from it carried
+    the 5% planning headroom). None for a graph alone in its step (judged against its check target)."""
+    if share is not None and share.kind in PROVISIONAL_SHARE_KINDS:
+        return target_bytes
     if share is None or share.kind not in JUDGED_SHARE_KINDS:
         return None
     from dataclasses import replace
