@@ -26,6 +26,7 @@ from typing import Any, Optional
 GRAD_TOL = 1e-4
 ACCURACY_RATIO_TOL = 2.0
 BUDGET_POINTS = ("0.9", "0.7", "0.5", "floor", "floor-named")   # floor-named: the budget a refused floor named
+FRACTION_POINTS = ("0.9", "0.7", "0.5")
 
 
 def _mb(value: Optional[float]) -> str:
@@ -144,13 +145,22 @@ LOOSE_FLOOR_FRACTION = 0.05   # a floor whose own point measures more than this 
 
 
 def _accepted_floor(points: dict[str, dict[str, Any]]) -> tuple[Optional[int], Optional[int], str]:
-    """(the floor, its point's step-3 peak, a note): the budget the probe named, or, where that budget was refused and
-    the budget its refusal named was accepted (``floor-named``), that one: the smallest budget remat accepted."""
+    """(the floor, its point's step-3 peak, a note): the smallest budget remat accepted among the probe's (``floor``),
+    the one its refusal named (``floor-named``) and the fractions of plain Inductor's peak. A step at graph breaks can
+    refuse the budget its own refusal named (its first step knows only the graphs compiled so far): where both floor
+    points were refused, a fraction's accepted budget is the floor found (the note says so), and where none was
+    accepted, (None, None, the last budget named)."""
     named = (points.get("probe") or {}).get("floor_bytes")
-    retried = points.get("floor-named") or {}
-    if named and retried.get("budget_bytes") and not retried.get("error"):
-        return retried["budget_bytes"], retried.get("measured_later_bytes"), f" (retry; probe {_mb(named)})"
-    return named, (points.get("floor") or {}).get("measured_later_bytes"), ""
+    accepted = [(row["budget_bytes"], row.get("measured_later_bytes"), point) for point, row in points.items()
+                if point in ("floor", "floor-named") + FRACTION_POINTS and row.get("budget_bytes") and not row.get("error")]
+    if not accepted:
+        last = (points.get("floor-named") or {}).get("min_budget_bytes") or (points.get("floor") or {}).get("min_budget_bytes")
+        return None, None, f"none accepted: the retry at {_mb((points.get('floor-named') or {}).get('budget_bytes'))} " \
+                           f"named {_mb(last)}" if last else ""
+    budget, at_floor, point = min(accepted, key=lambda a: a[0])
+    note = {"floor": "", "floor-named": f" (retry; probe {_mb(named)})"}.get(
+        point, f" (the {point} point; the probe's {_mb(named)} and its retry were refused)")
+    return budget, at_floor, note
 
 
 def _floor_rows(models: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], dict[str, int]]:
@@ -162,6 +172,8 @@ def _floor_rows(models: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str]
         plain = (points.get("plain") or {}).get("measured_later_bytes")
         floor, at_floor, note = _accepted_floor(points)
         ckpt = (points.get("checkpoint") or {}).get("measured_later_bytes")
+        if plain and not floor and note:
+            lines.append(f"| {name} | {_mb(plain)} | ({note}) | | {_mb(ckpt)} | | |")
         if not plain or not floor:
             continue
         counts["models"] += 1
@@ -396,7 +408,8 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
            if accuracy_ratios(models) else ""),
         f"- floor points refused at the budget the probe named (it must be accepted): {len(s['floor_refused'])} of "
         f"{s['floor_points']}" + "".join(f"; {m} then named {_mb(b)} MB" for m, b in s["floor_refused"].items()),
-        f"- floor (the smallest budget accepted: the probe's, or the retry's where the probe's was refused) above plain "
+        f"- floor (the smallest budget accepted: the probe's, the retry's where the probe's was refused, or a fraction's "
+        f"where both were: then only an upper bound of the floor) above plain "
         f"Inductor's measured peak: {floors['floor_above_plain']} of {floors['models']} models; "
         f"above full per-block checkpointing's: {floors['floor_above_checkpoint']} of {floors['with_checkpoint']}; "
         f"floors whose own point measures more than {LOOSE_FLOOR_FRACTION:.0%} under them (loose: the probe's plans check "
