@@ -86,16 +86,18 @@ INTERLEAVED_RUNS_WARNING = (
 
 
 def judge_step(budget_bytes: int, peak_bytes: int, over_before: Sequence[int], corrections: int,
-               refuses: bool = True) -> str:
+               refuses: bool = True, stuck: bool = False) -> str:
     """The step loop's decision on one measured step (pure: numbers in, a verdict out): "within budget";
     "re-plan"; "refuse" when re-planning does not bring the step lower (the last round lowered the measured
-    peak by less than ``MIN_CORRECTION_GAIN``, or ``MAX_STEP_CORRECTIONS`` rounds were made); "run over" in
-    that case when the backend does not refuse (``best_effort=True``). ``over_before``: the step peaks measured
-    over the budget before this one, in order; ``corrections``: the re-plan rounds made so far."""
+    peak by less than ``MIN_CORRECTION_GAIN``, or ``MAX_STEP_CORRECTIONS`` rounds were made, or, where a graph of
+    the step cannot be re-planned in place (``stuck``: dynamic shapes), one round was made: the graphs that can were
+    re-planned and the step is still over); "run over" in that case when the backend does not refuse
+    (``best_effort=True``). ``over_before``: the step peaks measured over the budget before this one, in order;
+    ``corrections``: the re-plan rounds made so far."""
     if peak_bytes <= budget_bytes:
         return "within budget"
     no_gain = bool(over_before) and peak_bytes > over_before[-1] * (1 - MIN_CORRECTION_GAIN)
-    if corrections >= MAX_STEP_CORRECTIONS or no_gain:
+    if corrections >= MAX_STEP_CORRECTIONS or no_gain or (stuck and corrections >= 1):
         return "refuse" if refuses else "run over"
     return "re-plan"
 
@@ -431,7 +433,8 @@ class StepHooks:
             return
         factor = peak_bytes / max(predicted, 1)
         last = self._over_bytes[-1] if self._over_bytes else None
-        verdict = judge_step(budget, peak_bytes, self._over_bytes, self._corrections, self._refuses)
+        stuck = any(not w.can_replan for w in wrappers)     # (dynamic shapes: its plan is kept)
+        verdict = judge_step(budget, peak_bytes, self._over_bytes, self._corrections, self._refuses, stuck)
         self._over_bytes.append(peak_bytes)
         if verdict == "run over":
             self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor,
@@ -445,7 +448,7 @@ class StepHooks:
                       f"measured peak from {last} to {peak_bytes} bytes")
             self._events.append(FeedbackEvent(name, number, budget, predicted, peak_bytes, factor, action))
             self._refuse(sequence, number, budget, predicted, peak_bytes,
-                         f", the last taking it from {format_bytes(last)}" if last is not None else "")
+                         f", the last taking it from {format_bytes(last)}" if last is not None else "", stuck)
             return
         self._corrections += 1
         self._round = (number, predicted, {slot_of(w.record.graph_id): w.record.plan.saved for w in wrappers})
@@ -488,15 +491,18 @@ class StepHooks:
         self._accumulation.restart()
 
     def _refuse(self, sequence: tuple[str, ...], number: int, budget: int, predicted: int, peak_bytes: int,
-                last: str) -> None:
+                last: str, stuck: bool = False) -> None:
         """Refuse the budget at the step's next first entry, naming the largest step peak measured over it
-        (``peak_bytes``: step ``number``'s, the last measured)."""
+        (``peak_bytes``: step ``number``'s, the last measured); ``stuck``: a graph of the step cannot be re-planned
+        in place (the message says so)."""
         named = max(self._over_bytes)
+        why = ("a graph of the step cannot be re-planned in place (dynamic shapes: a block compiled on its own and "
+               "called on inputs of different shapes), and the others' re-plans did not bring the step under it"
+               if stuck else "the rest is memory the plans do not hold (eager code between or inside the graphs)")
         self._refusal = BudgetInfeasibleError(
             f"budget {format_bytes(budget)} is below what this step of {len(sequence)} graphs measures: "
             f"{format_bytes(peak_bytes)} (step {number} measured, its plans composing a predicted {format_bytes(predicted)}) after "
-            f"{self._corrections} round(s) of re-planning every graph{last}: the rest is memory the plans do not hold "
-            f"(eager code between or inside the graphs). The budget named is the largest step peak measured here "
+            f"{self._corrections} round(s) of re-planning every graph{last}: {why}. The budget named is the largest step peak measured here "
             f"({len(self._over_bytes)} step(s)): plans made for it have at least the room every plan tried had. "
             + raise_budget_hint(named), budget_bytes=budget, min_feasible_bytes=min(self._over_bytes),
             min_budget_bytes=named, reasons=(f"{format_bytes(peak_bytes - predicted)} of the measured step is not in "

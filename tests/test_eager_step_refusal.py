@@ -90,6 +90,10 @@ def test_the_step_verdict_refuses_a_round_that_does_not_lower_the_step_unless_be
     assert judge_step(budget, 1100, [1500], MAX_STEP_CORRECTIONS) == "refuse"   # out of rounds
     assert judge_step(budget, 1495, [1500], 1, refuses=False) == "run over"     # best_effort=True
     assert judge_step(budget, 1500, [], 0, refuses=False) == "re-plan"     # best effort still re-plans first
+    # a graph of the step cannot be re-planned in place (dynamic shapes): one round for the others, then refused
+    assert judge_step(budget, 1500, [], 0, stuck=True) == "re-plan"
+    assert judge_step(budget, 1300, [1500], 1, stuck=True) == "refuse"
+    assert judge_step(budget, 1300, [1500], 1, stuck=False) == "re-plan"
 
 
 def test_a_round_of_replans_that_changes_no_plan_is_refused_before_the_step_runs_again():
