@@ -48,8 +48,8 @@ from .pipeline import (LEAN_CODE_GENERATION_CANDIDATE, NAMED_BUDGET_CANDIDATE, R
                        SEARCHED_CANDIDATE_KINDS, as_candidate, candidate_plan, estimated_plan_for, plan_graph, prepare_graph,
                        replan_estimate, request_for, with_eager_loss_reserve)
 from .simulator.library_scratch import scratch_key
-from .step_budget import StepAccount, need_of, note_step_plan, slot_of
-from .step_fit import fit_in_step
+from .step_budget import StepAccount, slot_of
+from .step_fit import fit_in_step, need_of, note_step_plan
 from .step_loop import StepHooks
 
 log = logging.getLogger("remat")

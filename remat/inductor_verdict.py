@@ -167,7 +167,7 @@ def check_rule(share: Optional["GraphShare"], correction: Any, options: Any, dev
     outside the graphs (accumulated gradients, the eager memory a step measured: ``correction``) at the check's
     headroom, and the check's target of the budget: every graph of the step is checked against its own share, what
     the earlier graphs hold and the later graphs' gradients are real bytes, and what eager code holds between the
-    graphs is measured from the first step (``step_loop.eager_by_graph``), so the planning headroom (5% on CPU)
+    graphs is measured from the first step (``step_eager.eager_by_graph``), so the planning headroom (5% on CPU)
     has nothing left to cover that a graph alone's 1% does not (until session 44 the planning target: GPT-2 split
     before its loss named floors 1.04-1.05x plain Inductor's and checkpointing's, hf-1535 and hf-1520 of the
     corpus). DDP/FSDP2 pieces (other ranks' graphs, collectives' buffers): (the share, the planning target)."""

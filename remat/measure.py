@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import atexit
 import gc
-import sys
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
+
+from .engine_return import when_the_engine_returns
+from .profile_events import live_after_each, profiled_events
+from .step_phases import COMPILE_ENDED, COMPILE_STARTED, STEP_PHASE_PREFIX, peaks_by_phase, phase_markers
 
 
 @dataclass(frozen=True)
@@ -64,36 +67,9 @@ def window_peak(events: Iterable[tuple[int, int, int]]) -> WindowPeak:
     not allocated inside the window (or was already freed) lowers nothing and is counted in
     ``foreign_freed_bytes``. Pure: numbers in, numbers out (the events may come unsorted)."""
     live = peak = foreign = 0
-    for _, live, freed_foreign in _live_after_each(events):
+    for _, live, freed_foreign in live_after_each(events):
         peak, foreign = max(peak, live), foreign + freed_foreign
     return WindowPeak(peak, foreign, live)
-
-
-def _live_after_each(events: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, int, int]]:
-    """(time_ns, live bytes after it, bytes of memory from before the window it freed) for each event in time
-    order, by ``window_peak``'s rule: only allocations made inside the window count."""
-    live = 0
-    mine: dict[int, int] = {}
-    for time_ns, size, address in sorted(events, key=lambda e: e[0]):
-        foreign = 0
-        if size > 0:
-            live -= mine.pop(address, 0)   # an address reused without a seen free: the old block is gone
-            mine[address] = size
-            live += size
-        elif address in mine:
-            live -= mine.pop(address)
-        else:
-            foreign = -size
-        yield time_ns, live, foreign
-
-
-def _profiled_events(prof: Any) -> Iterator[Any]:
-    """Every event of a finished ``torch.profiler.profile``, nested ones included (no order)."""
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        yield event
 
 
 def cpu_allocation_events(prof: Any, end_marker: Optional[str] = None) -> list[tuple[int, int, int]]:
@@ -121,7 +97,7 @@ def allocations_and_markers(prof: Any, markers: Sequence[str]) -> tuple[list[tup
     from torch._C._profiler import _EventType
 
     events, times = [], {}
-    for event in _profiled_events(prof):
+    for event in profiled_events(prof):
         if event.name in markers:
             times[event.name] = min(times.get(event.name, event.start_time_ns), event.start_time_ns)
         if event.tag != _EventType.Allocation:
@@ -133,62 +109,11 @@ def allocations_and_markers(prof: Any, markers: Sequence[str]) -> tuple[list[tup
     return events, times
 
 
-def phase_markers(prof: Any, prefix: str) -> list[tuple[int, str]]:
-    """``(time_ns, name without prefix)`` of every ``record_function`` event of a finished profile whose name starts
-    with ``prefix``, in time order."""
-    return sorted((e.start_time_ns, e.name[len(prefix):]) for e in _profiled_events(prof) if e.name.startswith(prefix))
-
-
-def peaks_by_phase(events: Iterable[tuple[int, int, int]], phases: Sequence[tuple[int, str]]) -> dict[str, int]:
-    """The most live (``window_peak``'s rule) in each phase: from each of ``phases`` (``(time_ns, name)``, time order)
-    to the next, by name (a name marked several times: the most over its intervals), the level it began at
-    included; "" for before the first. A compile inside the window (from a ``COMPILE_STARTED`` phase to the next
-    ``COMPILE_ENDED``) is no phase of its own and its allocations and frees are left out (memory it keeps is then
-    never counted, memory from before it that it frees lowers nothing): what the step's own code held. Pure."""
-    compiling, kept, boundaries = None, [], []
-    for time_ns, name in phases:
-        if name == COMPILE_STARTED:
-            compiling = time_ns if compiling is None else compiling
-        elif name == COMPILE_ENDED:
-            if compiling is not None:
-                boundaries.append((compiling, time_ns))
-            compiling = None
-        else:
-            kept.append((time_ns, name))
-    if compiling is not None:
-        boundaries.append((compiling, float("inf")))
-    events = [e for e in events if not any(start <= e[0] <= end for start, end in boundaries)]
-    times, names = [t for t, _ in kept], [""] + [name for _, name in kept]
-    peaks: dict[str, int] = {"": 0}
-    index, live = 0, 0
-
-    def enter_phases_until(time_ns: float) -> None:
-        nonlocal index
-        while index < len(times) and times[index] <= time_ns:
-            index += 1
-            peaks[names[index]] = max(peaks.get(names[index], 0), live)
-
-    for time_ns, after, _ in _live_after_each(events):
-        enter_phases_until(time_ns)
-        peaks[names[index]] = max(peaks[names[index]], after)
-        live = after
-    enter_phases_until(float("inf"))
-    return peaks
-
-
-def mark_compile(started: bool) -> None:
-    """Mark a compile's start or end on the window open on this thread, if it marks a step's phases (``StepWindow``):
-    Dynamo compiles a step's later graphs inside its first run, and the compile's allocations are not the step's."""
-    window = open_window()
-    if window is not None:
-        window.mark_phase(STEP_PHASE_PREFIX + (COMPILE_STARTED if started else COMPILE_ENDED), phases_only=True)
-
-
 def live_between(events: Iterable[tuple[int, int, int]], start_ns: int, end_ns: int) -> tuple[int, int]:
     """(live bytes at ``start_ns``, the most live from then to ``end_ns``) of the allocations made inside a
     window, by ``window_peak``'s rule (a free of memory allocated before the window lowers nothing). Pure."""
     live, at_start, most = 0, None, 0
-    for time_ns, after, _ in _live_after_each(events):
+    for time_ns, after, _ in live_after_each(events):
         if time_ns > start_ns and at_start is None:
             at_start = most = live
         if time_ns > end_ns:
@@ -288,7 +213,7 @@ PROBE_MARKER = "remat::probe_"
 def _marker_spans(prof: Any, prefix: str) -> dict[int, tuple[int, int]]:
     """``{index: (start_ns, end_ns)}`` of the ``record_function(prefix + str(index))`` events of a finished profile."""
     spans: dict[int, tuple[int, int]] = {}
-    for event in _profiled_events(prof):
+    for event in profiled_events(prof):
         if event.name.startswith(prefix) and event.name[len(prefix):].isdigit():
             spans[int(event.name[len(prefix):])] = (event.start_time_ns, event.end_time_ns)
     return spans
@@ -310,13 +235,6 @@ _OPEN = threading.local()     # the StepWindow open on this thread, if any (one 
 def profiler_running() -> bool:
     """Whether a torch profiler is recording on this thread (then no window can open here)."""
     return bool(torch._C._autograd._profiler_enabled())
-
-
-# the phases of a step of several graphs a window marks (``StepWindow.mark_phase``): each graph's forward entry and
-# return, its backward's start and end ("fwd-enter:<graph>", "fwd-exit:", "bwd-enter:", "bwd-exit:"), which say
-# how much was live in each (``StepWindow.phase_peaks``)
-STEP_PHASE_PREFIX = "remat::step::"
-COMPILE_STARTED, COMPILE_ENDED = "compile-start", "compile-end"     # (``mark_compile``)
 
 
 class StepWindow:
@@ -460,38 +378,6 @@ class StepWindow:
         self._on_close(None if why_not else self._peak, why_not)
 
 
-def _engine_entry_code() -> Any:
-    """The code object of the Python function every ``backward()`` / ``autograd.grad()`` runs the
-    C++ engine from (``torch.autograd.graph._engine_run_backward``, torch 2.11-2.13), or None."""
-    entry = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
-    return getattr(entry, "__code__", None)
-
-
-def when_the_engine_returns(callback: Callable[[], None]) -> None:
-    """Call ``callback`` as soon as the backward pass running now (or the next one) returns to Python.
-
-    Why (a window's ``close``): a CPU window's profiler cannot stop inside the engine, and one left running
-    across the user's code (the optimizer, logging, the next compile, interpreter exit) crashed the process
-    (heap corruption at exit after a single compiled step). A profile function on this thread
-    (the engine runs CPU backward work on the calling thread) sees the engine's Python entry
-    return and calls ``callback`` there; any profile function already installed keeps running.
-    Without that entry point nothing is called (a window then stays open until the next close point:
-    the class docstring)."""
-    code = _engine_entry_code()
-    if code is None:
-        return
-    previous = sys.getprofile()
-
-    def watch(frame: Any, event: str, arg: Any) -> None:
-        if previous is not None:
-            previous(frame, event, arg)
-        if event == "return" and frame.f_code is code:
-            sys.setprofile(previous)
-            callback()
-
-    sys.setprofile(watch)
-
-
 def _distributed_cpu() -> bool:
     """True under an initialised torch.distributed process group: a CPU window is not opened there.
     A profiler session spanning a DDP step's backward (gloo's all-reduce threads running inside it)
@@ -518,3 +404,11 @@ def close_open_window() -> None:
 # step's backward, where the engine hook did not close it) is closed first: a profiler running
 # into interpreter teardown crashes the process.
 atexit.register(close_open_window)
+
+
+def mark_compile(started: bool) -> None:
+    """Mark a compile's start or end on the window open on this thread, if it marks a step's phases (``StepWindow``):
+    Dynamo compiles a step's later graphs inside its first run, and the compile's allocations are not the step's."""
+    window = open_window()
+    if window is not None:
+        window.mark_phase(STEP_PHASE_PREFIX + (COMPILE_STARTED if started else COMPILE_ENDED), phases_only=True)

@@ -114,7 +114,7 @@ def with_eager_loss_reserve(facts: JointGraphFacts, share: Any,
     share says so; a GPT-2 split before its loss predicted 202 MB for a 136 MB step, its logits taken twice
     for an eager loss the loss graph computes), and a DDP step's loss is in its last piece's share; a graph of a
     step split at graph breaks gets what a measured step's eager code held after its forward returned, once
-    ``correction`` says so (``step_loop.eager_by_graph``)."""
+    ``correction`` says so (``step_eager.eager_by_graph``)."""
     from .distributed import SINGLE_GRAPH_SHARE_KINDS, STEP_SHARE_KINDS
 
     measured = correction.eager_loss_bytes if correction is not None else None

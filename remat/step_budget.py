@@ -56,7 +56,7 @@ corrects; measured figures in docs/budget.md):
 The run-time side (the wrappers' hooks, the re-plans, the step window) is ``remat/step_loop.py``.
 Memory eager code between and around the graphs holds (beyond the graphs' inputs) is not known before a
 step ran; the step's window measures it by phase, from the first step on, and the re-plans are made next to it
-(``step_loop.eager_by_graph``: a share's ``outside_bytes``, a graph's eager-loss reserve).
+(``step_eager.eager_by_graph``: a share's ``outside_bytes``, a graph's eager-loss reserve).
 """
 
 from __future__ import annotations
@@ -66,8 +66,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from .distributed import PROVISIONAL_SHARE_KINDS, GraphShare, piece_target
-from .errors import BudgetInfeasibleError
+from .distributed import GraphShare, piece_target
 from .options import target_for_budget
 from .runs_share import runs_share
 from .step_memory import recall_share
@@ -121,7 +120,7 @@ def later_demand_bytes(later: tuple[StepGraph, ...], floor: bool = True) -> int:
 def with_eager(graph: StepGraph, eager_bytes: int) -> StepGraph:
     """A later graph's numbers as an earlier graph's share reserves for it (``later_demand_bytes``): its smallest
     and its no-recomputation peaks raised by what eager code was measured to hold next to it (its re-plans are made
-    next to that: ``step_loop.eager_by_graph``), so the earlier graphs do not take the room it needs."""
+    next to that: ``step_eager.eager_by_graph``), so the earlier graphs do not take the room it needs."""
     if not eager_bytes:
         return graph
     return replace(graph, floor_peak_bytes=graph.floor_peak_bytes + eager_bytes,
@@ -274,7 +273,7 @@ class StepAccount:
 
     def note_eager(self, slot: str, eager_bytes: int) -> None:
         """What a measured step's eager code held next to graph ``slot`` (during its run and after its forward,
-        ``step_loop.eager_by_graph``): the earlier graphs' shares reserve it for that graph from now on."""
+        ``step_eager.eager_by_graph``): the earlier graphs' shares reserve it for that graph from now on."""
         with self._lock:
             self._eager[slot] = max(self._eager.get(slot, 0), eager_bytes)
 
@@ -417,19 +416,6 @@ class StepAccount:
         return out
 
 
-def smallest_plan(plan_at: "Callable[[int], Any]", fallback: Any) -> Any:
-    """The plan at the smallest simulated peak the planner reaches (asked for a 1-byte target, it
-    names that peak), or ``fallback`` if that peak does not plan."""
-    try:
-        return plan_at(1)
-    except BudgetInfeasibleError as error:
-        refused = error
-    try:
-        return plan_at(max(refused.min_feasible_bytes, 1))
-    except BudgetInfeasibleError:
-        return fallback
-
-
 def slot_of(graph_id: str) -> str:
     """The graph a plan id belongs to across its re-plans (``graph_001_r2`` -> ``graph_001``)."""
     return graph_id.split("_r")[0]
@@ -442,37 +428,3 @@ def graph_io_bytes(joint: "fx.GraphModule", num_fwd_outputs: int,
 
     sizes, activations = _primal_bytes(joint, static_indices)
     return sum(sizes[name] for name in activations), _param_grad_bytes(joint, num_fwd_outputs, static_indices)
-
-
-def need_of(facts: Any) -> int:
-    """A graph's need, the proxy by which later graphs' shares are split: the bytes its forward
-    allocates (``JointGraphFacts``), as the DDP ledger uses forward tensor bytes."""
-    return sum(node.alloc_bytes for node in facts.nodes.values() if node.role == "forward")
-
-
-def note_step_plan(account: StepAccount, graph_id: str, share: Optional[GraphShare], plan: Any,
-                   plan_at: "Callable[[int], Any]", joint: "fx.GraphModule", facts: Any, num_fwd_outputs: int,
-                   static_indices: Optional[Sequence[int]], step_target_bytes: int, dump_path: Optional[str],
-                   graph_key: str = "", asked_share: Optional[GraphShare] = None) -> None:
-    """After planning a graph under a budget: its numbers go on the account (it now runs this plan),
-    with its key and the share it was asked to fit (``asked_share``; ``share`` is the one it got), and
-    its share of the step, if it had one, into its dump (report.md's "Step budget split").
-    A graph planned under a share also records its floor (``smallest_plan``: two more plans, once per
-    graph; a graph alone in its step, one without graph breaks, skips them)."""
-    from .distributed import write_share_to_dump
-
-    slot = slot_of(graph_id)
-    inputs, grads = account.io_bytes(slot, joint, num_fwd_outputs, static_indices)
-    held_of = account.held_of(slot, joint, num_fwd_outputs, static_indices)
-    floor = account.floor_of(slot)
-    provisional = share is not None and share.kind in PROVISIONAL_SHARE_KINDS
-    if floor is None and share is not None:
-        smallest = smallest_plan(plan_at, plan)
-        floor = account.set_floor(slot, smallest.predicted_peak_bytes, held_of(smallest))
-    floor_peak, floor_held = floor or (0, 0)
-    room = step_target_bytes - (share.outside_bytes if share is not None else 0)    # the graphs' (accumulation)
-    account.note_plan(StepGraph(graph_id, slot, held_of(plan), inputs, grads, need_of(facts), plan.predicted_peak_bytes,
-                                room, floor_peak, floor_held, plan.no_remat_peak_bytes, provisional,
-                                graph_key, asked_share if share is not None else None))
-    if share is not None and dump_path is not None:
-        write_share_to_dump(dump_path, share)

@@ -2,17 +2,22 @@
 the plans taken while the step's later graphs are unknown (step 1): a graph a graph break follows
 takes its leanest plan, the one under which the step admits the most later graphs like it
 (``copies_admitted``); the frame's last graph, when no plan fits next to what the earlier graphs
-hold, its smallest-peak plan. Either is re-planned once the step completes.
+hold, its smallest-peak plan. Either is re-planned once the step completes. After planning, a graph's numbers go on
+the step's account (``note_step_plan``).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from .distributed import GraphShare
+from .distributed import PROVISIONAL_SHARE_KINDS, GraphShare
 from .errors import BudgetInfeasibleError
+from .step_budget import StepAccount, StepGraph, slot_of
+
+if TYPE_CHECKING:
+    from torch import fx
 
 log = logging.getLogger("remat")
 
@@ -131,3 +136,50 @@ def leanest_plan(plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
     quick = lambda target, cap: plan_at(target, cap, saved_cap_search="one-pass-first")  # noqa: E731
     candidates = near + holding_least(ends, quick)[len(ends):]
     return min(candidates, key=lambda tc: (-copies(tc[1]), held_of(tc[1]) + tc[1].predicted_peak_bytes, tc[0]))[1]
+
+
+def smallest_plan(plan_at: "Callable[[int], Any]", fallback: Any) -> Any:
+    """The plan at the smallest simulated peak the planner reaches (asked for a 1-byte target, it
+    names that peak), or ``fallback`` if that peak does not plan."""
+    try:
+        return plan_at(1)
+    except BudgetInfeasibleError as error:
+        refused = error
+    try:
+        return plan_at(max(refused.min_feasible_bytes, 1))
+    except BudgetInfeasibleError:
+        return fallback
+
+
+def need_of(facts: Any) -> int:
+    """A graph's need, the proxy by which later graphs' shares are split: the bytes its forward
+    allocates (``JointGraphFacts``), as the DDP ledger uses forward tensor bytes."""
+    return sum(node.alloc_bytes for node in facts.nodes.values() if node.role == "forward")
+
+
+def note_step_plan(account: StepAccount, graph_id: str, share: Optional[GraphShare], plan: Any,
+                   plan_at: "Callable[[int], Any]", joint: "fx.GraphModule", facts: Any, num_fwd_outputs: int,
+                   static_indices: Optional[Sequence[int]], step_target_bytes: int, dump_path: Optional[str],
+                   graph_key: str = "", asked_share: Optional[GraphShare] = None) -> None:
+    """After planning a graph under a budget: its numbers go on the account (it now runs this plan),
+    with its key and the share it was asked to fit (``asked_share``; ``share`` is the one it got), and
+    its share of the step, if it had one, into its dump (report.md's "Step budget split").
+    A graph planned under a share also records its floor (``smallest_plan``: two more plans, once per
+    graph; a graph alone in its step, one without graph breaks, skips them)."""
+    from .distributed import write_share_to_dump
+
+    slot = slot_of(graph_id)
+    inputs, grads = account.io_bytes(slot, joint, num_fwd_outputs, static_indices)
+    held_of = account.held_of(slot, joint, num_fwd_outputs, static_indices)
+    floor = account.floor_of(slot)
+    provisional = share is not None and share.kind in PROVISIONAL_SHARE_KINDS
+    if floor is None and share is not None:
+        smallest = smallest_plan(plan_at, plan)
+        floor = account.set_floor(slot, smallest.predicted_peak_bytes, held_of(smallest))
+    floor_peak, floor_held = floor or (0, 0)
+    room = step_target_bytes - (share.outside_bytes if share is not None else 0)    # the graphs' (accumulation)
+    account.note_plan(StepGraph(graph_id, slot, held_of(plan), inputs, grads, need_of(facts), plan.predicted_peak_bytes,
+                                room, floor_peak, floor_held, plan.no_remat_peak_bytes, provisional,
+                                graph_key, asked_share if share is not None else None))
+    if share is not None and dump_path is not None:
+        write_share_to_dump(dump_path, share)

@@ -28,14 +28,8 @@ for the re-plans the account's condition needs, and measures whole steps:
   ``accumulated_grads.py``) is measured too, on a plan's first step, with them added to both peaks; over the
   budget every graph is re-planned next to them (each share holds them outside the graphs), and the settled
   step a later process recalls carries them.
-- **Eager code between and around the graphs.** The window marks each graph's phases (``phase``: forward entry
-  and return, backward start and end), and the first step is measured whole too (``adopt``: the window the first
-  graph opened, which the second graph's entry spoiled before). Where every plan was accepted on its
-  Inductor-checked peak, what was live in each phase beyond what the plans hold there (``eager_by_graph``) is
-  what each graph's re-plans are made next to: from the first step, in the re-plans its provisional plans get;
-  from a later step over the budget, in a round of its own (additive: ``Correction.eager_step_bytes`` and
-  ``eager_loss_bytes``, not a factor). A graph that no plan fits next to it refuses the budget before the next
-  step runs, naming one (``ShareInfeasibleError``).
+- **Eager code between and around the graphs** (``step_eager.py``): measured by phase from the first step (measured
+  whole), and what each graph's re-plans are made next to.
 - **A step no plan fits** (``judge_step``). A step measured over its budget after a round of re-plans that
   lowered its measured peak by less than ``MIN_CORRECTION_GAIN`` (or after ``MAX_STEP_CORRECTIONS`` rounds)
   is over by memory remat's plans do not hold: eager code between or inside the graphs (a Hugging
@@ -56,15 +50,14 @@ import warnings
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
-import torch
-
 from ._torch_dynamo import passthrough_error_class
 from .accumulated_grads import AccumulationWatch, GradientLedger
 from .compile_cache import StepKey, step_key_of
 from .errors import BudgetInfeasibleError, raise_budget_hint
 from .feedback_store import Correction
-from .measure import STEP_PHASE_PREFIX, StepWindow, open_window
-from .step_budget import StepAccount, slot_of, step_totals
+from .measure import StepWindow, open_window
+from .step_budget import StepAccount, slot_of
+from .step_eager import StepEagerHooks, eager_summary, prelude_bytes, step_correction, step_name
 from .step_memory import RememberedStep, expected_share, remember_step, settled
 from .units import format_bytes
 
@@ -73,11 +66,6 @@ log = logging.getLogger("remat")
 MAX_STEP_REPLANS = 2       # re-plans of one graph the step's condition asks for; then it warns and stops
 MAX_STEP_CORRECTIONS = 3   # rounds of re-plans a measured step over its budget asks for
 MIN_CORRECTION_GAIN = 0.01  # a round lowering the measured step peak by less than this fraction: the step is refused
-FIRST_STEP_ACTION = "the first step, measured whole: "
-# eager memory a step measured under this fraction of its budget is left to the headroom (Inductor's check keeps 1% on
-# CPU): an eager loss's scalar, the 8 bytes of a sum, are no reason to re-plan, and a re-plan next to eager memory
-# is not keyed in AOTAutograd's cache (``key_at_replan``)
-EAGER_NOISE_FRACTION = 0.005
 INTERLEAVED_RUNS_WARNING = (
     "remat: {graph} ran again after another graph, before its backward (a model with graph breaks called several "
     "times per step, or a forward whose loss was not backpropagated): remat cannot account such a step across its "
@@ -102,7 +90,7 @@ def judge_step(budget_bytes: int, peak_bytes: int, over_before: Sequence[int], c
     return "re-plan"
 
 
-class StepHooks:
+class StepHooks(StepEagerHooks):
     """The run-time side of the step's account (see the module docstring). One per backend."""
 
     def __init__(self, account: StepAccount, verify_peak: int = 1, events: Optional[list] = None,
@@ -171,89 +159,6 @@ class StepHooks:
         share = self.account.share_for(slot, running.step_target_bytes, first.input_activation_bytes,
                                        first.param_grad_bytes, running.need_bytes, False, running.graph_key)
         return step_key_of(share, earlier)
-
-    def phase(self, wrapper: Any, what: str) -> None:
-        """Mark ``what`` ("fwd-enter", "fwd-exit", "bwd-enter", "bwd-exit") of ``wrapper``'s graph on the window
-        measuring the step, if one is open (``measure.StepWindow.phase_peaks``: how much was live in each)."""
-        window = open_window()
-        if window is not None and (window.owner is self or getattr(window.owner, "step_hooks", None) is self):
-            window.mark_phase(f"{STEP_PHASE_PREFIX}{what}:{slot_of(wrapper.record.graph_id)}")
-
-    def adopt(self, window: Any) -> bool:
-        """Whether the step takes over ``window``, which a graph of its own opened at its forward entry and which
-        another graph of the step now entered: in the step's first run (no sequence known yet), the window then
-        measures the whole step (the first graph's backward ends it, after every later graph's) for
-        ``_first_step_measured``, where it was spoiled before (the first step was measured by nothing)."""
-        owner = window.owner
-        if self.account.sequence or window.spoiled_by or getattr(owner, "step_hooks", None) is not self:
-            return False
-        window.hand_over(self, lambda peak, why_not: self._first_step_measured(peak, why_not, window.phase_peaks))
-        return True
-
-    def _first_step_measured(self, peak_bytes: Optional[int], why_not: str,
-                             phase_peaks: Optional[dict[str, int]]) -> None:
-        """The first step, measured whole (``adopt``): what its eager code held during each graph's run and after
-        each graph's forward (``eager_by_graph``), where every graph's plan was accepted on its Inductor-checked peak,
-        is what each re-plan of the step is made next to (the provisional plans' re-plans at the next step's entry,
-        and any graph the step then runs over with), so that the next step, whose plans are looser than the first
-        step's leanest ones, fits. Nothing else is corrected: the first step's plans are provisional, and their
-        composed prediction is not the next step's."""
-        from .feedback import FeedbackEvent
-
-        sequence = self.account.sequence
-        wrappers = [self._wrapper(slot) for slot in dict.fromkeys(sequence)]
-        if peak_bytes is None or len(sequence) < 2 or any(w is None for w in wrappers):
-            return
-        peak_bytes += self._prelude_bytes      # made before the window opened, live through the step
-        budgets = [w.record.plan.budget_bytes for w in wrappers if w.record.plan.budget_bytes is not None]
-        budget, predicted = min(budgets, default=None), self.account.step_peak_bytes(sequence)
-        if budget is None:     # no budget: measured (what the first step peaked at), nothing to re-plan
-            self._events.append(FeedbackEvent(step_name(sequence), 0, None, predicted, peak_bytes, None,
-                                              FIRST_STEP_ACTION + "no budget"))
-            return
-        eager = self._note_eager(wrappers, sequence, peak_bytes, phase_peaks, budget)
-        name, held = step_name(sequence), sum(max(e) for e in eager.values())
-        self._events.append(FeedbackEvent(name, 0, budget, predicted, peak_bytes, None, FIRST_STEP_ACTION + (
-            eager_summary(eager) + ": every re-plan of the step is made next to it" if held else
-            "within budget" if peak_bytes <= budget else "over budget, nothing held outside the graphs")))
-        if not held:
-            return
-        why = f"the first step's eager code held {eager_summary(eager)}"
-        for wrapper in wrappers:
-            asked = wrapper.pending_correction
-            if asked is None and peak_bytes <= budget or not wrapper.can_replan:
-                continue     # no re-plan asked for, and the step fitted with what eager code held: kept
-            self._request_next_to_eager(wrapper, asked or step_correction(wrapper.record, why))
-        if peak_bytes > budget:
-            warnings.warn(f"remat: the first step of {len(sequence)} graphs measured {format_bytes(peak_bytes)}, over "
-                          f"the budget {format_bytes(budget)}, with eager code holding {eager_summary(eager)}; every "
-                          "re-plan of the step is made next to it.", stacklevel=2)
-
-    def _note_eager(self, wrappers: Sequence[Any], sequence: tuple[str, ...], peak_bytes: int,
-                    phase_peaks: Optional[dict[str, int]], budget_bytes: int) -> dict[str, tuple[int, int]]:
-        """What a measured step's eager code held by graph (``eager_by_graph``; nothing unless every plan was accepted
-        on its Inductor-checked peak; under ``EAGER_NOISE_FRACTION`` of the budget, nothing), kept as the most
-        measured so far per graph; returns this step's."""
-        checked = checked_peaks(wrappers)
-        if checked is None:
-            return {}
-        noise = EAGER_NOISE_FRACTION * budget_bytes
-        measured = eager_by_graph(sequence, self.account.step_terms(sequence, checked), peak_bytes - self._prelude_bytes,
-                                  phase_peaks)
-        measured = {slot: (during + self._prelude_bytes, after) for slot, (during, after) in measured.items()}
-        eager = {slot: tuple(b if b >= noise else 0 for b in held) for slot, held in measured.items()}
-        for slot, (during, after) in eager.items():
-            before = self._eager.get(slot, (0, 0))
-            self._eager[slot] = (max(before[0], during), max(before[1], after))
-            self.account.note_eager(slot, sum(self._eager[slot]))
-        return eager
-
-    def _request_next_to_eager(self, wrapper: Any, asked: Correction) -> None:
-        """Re-plan ``wrapper``'s graph with ``asked``, next to what the step's eager code was measured to hold during its
-        run (its share's outside bytes) and after its forward (its eager-loss reserve)."""
-        during, after = self._eager.get(slot_of(wrapper.record.graph_id), (0, 0))
-        wrapper.request_replan(replace(asked, eager_step_bytes=max(asked.eager_step_bytes, during),
-                                       eager_loss_bytes=max(asked.eager_loss_bytes or 0, after) or asked.eager_loss_bytes))
 
     def measures(self, wrapper: Any) -> bool:
         """Whether the step window, not ``wrapper``'s own, measures it (its sequence has several graphs)."""
@@ -525,83 +430,3 @@ class StepHooks:
                                               "infeasible: the last round of re-plans changed no graph's plan"))
             self._refuse(sequence, number, budget, predicted, self._over_bytes[-1], ", the last changing no graph's plan")
             raise passthrough_error_class(BudgetInfeasibleError)(self._refusal)
-
-
-def prelude_bytes(args: Sequence[Any]) -> int:
-    """Bytes of the storages of a step's first graph's tensor inputs that autograd-tracked code made (a ``grad_fn``):
-    memory eager code allocated in the step before its first compiled graph (an eager embedding or stem, where
-    Dynamo compiled only a model's blocks), live when the step's window opens and so never in it, and live through
-    the step while eager code holds it for its backward. The batch and the parameters have none. Each storage once."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in args if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-    return sum(storages.values())
-
-
-def checked_peaks(wrappers: Sequence[Any]) -> Optional[dict[str, int]]:
-    """Slot -> the Inductor-checked peak each of ``wrappers``' plans was accepted on; None where one was not
-    (its simulated peak stood: then what a step measured above the plans may be the simulator's error)."""
-    checked = {}
-    for wrapper in wrappers:
-        judgement = wrapper.record.judgement
-        if judgement is None or judgement.checked_peak_bytes is None:
-            return None
-        checked[slot_of(wrapper.record.graph_id)] = judgement.checked_peak_bytes
-    return checked
-
-
-def eager_by_graph(sequence: tuple[str, ...], terms: Sequence[tuple[int, int, int, int]], peak_bytes: int,
-                   phase_peaks: Optional[dict[str, int]]) -> dict[str, tuple[int, int]]:
-    """What a measured step's eager code held, by graph: slot -> (during its run, after its forward returned), bytes.
-    ``terms``: each graph's (held, inputs, gradients, accepted peak) in ``sequence`` order (``StepAccount.step_terms``,
-    with the Inductor-checked peaks: the code a graph runs states what it allocates, so what was live beyond it is
-    eager code's: a loss, a function Dynamo does not compile, the model's own forward where Dynamo compiled only its
-    blocks). ``phase_peaks``: the most live in each phase of the step (``measure.StepWindow.phase_peaks``):
-    during graph k's forward or backward, beyond the step's prediction there (``step_totals``); after graph k's
-    forward returned, beyond what graphs 0..k hold for their backwards (its outputs included: a graph's simulated
-    timeline frees them as its forward returns, so the eager-loss reserve the excess becomes must hold them); after
-    graph k's backward, beyond what the graphs before it hold and the gradients of k and the graphs after it (the
-    gradient k hands back included, which the graph before it counts only once its backward starts), charged to
-    the graph before it as after its forward (its forward ran, its backward not yet: the eager code runs next to
-    what it holds, as an eager loss does next to a graph alone in its step). Without phases (CUDA: the allocator keeps one peak), the step's peak
-    beyond the composed one, during every graph's run. A slot run several times: the most over its runs. Pure."""
-    totals = step_totals(terms)
-    if phase_peaks is None:
-        excess = max(peak_bytes - max(totals, default=0), 0)
-        return {slot: (excess, 0) for slot in sequence}
-    eager: dict[str, list[int]] = {slot: [0, 0] for slot in sequence}
-    # what each graph holds for its backward, as the window sees it: the first graph's inputs (counted in what it
-    # holds) are the step's batch, resident before the window opened (if eager code made them in the step, they are
-    # eager memory, and counted as such)
-    held = [max(t[0] - (t[1] if k == 0 else 0), 0) for k, t in enumerate(terms)]
-    for k, slot in enumerate(sequence):
-        during = max(phase_peaks.get(f"fwd-enter:{slot}", 0), phase_peaks.get(f"bwd-enter:{slot}", 0)) - totals[k]
-        after = phase_peaks.get(f"fwd-exit:{slot}", 0) - sum(held[:k + 1])
-        eager[slot][0], eager[slot][1] = max(eager[slot][0], during), max(eager[slot][1], after)
-        if k > 0:    # between its backward and the next: the graph before it is between its forward and backward
-            after_backward = phase_peaks.get(f"bwd-exit:{slot}", 0) - sum(held[:k]) - sum(t[2] for t in terms[k:])
-            previous = sequence[k - 1]
-            eager[previous][1] = max(eager[previous][1], after_backward)
-    return {slot: (during, after) for slot, (during, after) in eager.items()}
-
-
-def eager_summary(eager: dict[str, tuple[int, int]]) -> str:
-    """``eager_by_graph``'s answer in words: "x during graph_000's run, y after graph_001's forward, ..."."""
-    parts = [f"{format_bytes(b)} {where} {slot}'s {what}" for slot, (during, after) in eager.items()
-             for b, where, what in ((during, "during", "run"), (after, "after", "forward")) if b > 0]
-    return ", ".join(parts) or "nothing"
-
-
-def step_name(sequence: tuple[str, ...]) -> str:
-    """The name a step's feedback events carry: ``step:<first graph>..<last graph>``."""
-    return f"step:{sequence[0]}..{sequence[-1]}"
-
-
-def step_correction(record: Any, why: str) -> Correction:
-    """The correction a step re-plan of the plan ``record`` (a ``CompiledGraph``) is made with: its
-    own feedback correction if it has one (the simulator's known error on it stays), else factor 1."""
-    old = record.correction
-    if old is not None:
-        return replace(old, graph_id=record.graph_id)
-    plan = record.plan
-    return Correction(1.0, plan.budget_bytes, plan.predicted_peak_bytes, plan.predicted_peak_bytes, record.graph_id,
-                      f"step budget: {why}", foreseen=True)

@@ -14,14 +14,15 @@ import threading
 import weakref
 from typing import Any, Callable, Optional
 
-from .measure import StepWindow, when_the_engine_returns
+from .engine_return import when_the_engine_returns
+from .measure import StepWindow
 
 
 class WindowRuns:
     """The runs of one graph one window holds (``VerifiedGraph._settle_open_window``): each run's backward
     node, weakly (``track``), whether its backward began and whether it finished. The window's end is marked
     when every run's backward finished, or, failing that, where the first backward pass that finished any
-    of them returns (``measure.when_the_engine_returns``): a run whose backward did not run in it (a forward
+    of them returns (``engine_return.when_the_engine_returns``): a run whose backward did not run in it (a forward
     whose loss was never backpropagated) does not hold the window open. A run's end counts only after its
     backward began: the end is seen when the engine reaches the node after it (``_after``), and a forward
     that never ran backward shares those nodes (its parameters' gradient accumulation) with the one that

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import remat
-from remat.measure import close_open_window, peaks_by_phase
-from remat.step_loop import FIRST_STEP_ACTION, eager_by_graph
+from remat.measure import close_open_window
+from remat.step_phases import peaks_by_phase
+from remat.step_eager import FIRST_STEP_ACTION, eager_by_graph
 from remat.testing import corpus
 
 # (time_ns, size, address) allocation events and (time_ns, name) phases -> the most live in each phase
@@ -118,7 +119,7 @@ def test_prelude_bytes_count_what_eager_code_made_in_the_step_before_the_first_g
     """The first graph's inputs that autograd-tracked code made (an eager embedding's output) are step memory the
     step's window, opened at that graph's entry, never sees; the batch and the parameters are resident. A storage
     counts once (an input and a view of it)."""
-    from remat.step_loop import prelude_bytes
+    from remat.step_eager import prelude_bytes
 
     batch, weight = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
     made = batch @ weight                      # 4 x 8 float32 = 128 bytes, with a grad_fn

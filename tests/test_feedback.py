@@ -476,7 +476,7 @@ def test_a_graph_break_is_measured_as_one_step(store):
     graph's forward to the end of its backward (remat/step_loop.py), and its event is the step's."""
     from remat.feedback import MAX_UNMEASURED
 
-    from remat.step_loop import FIRST_STEP_ACTION
+    from remat.step_eager import FIRST_STEP_ACTION
 
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ from torch import nn
 import remat
 from remat.errors import BudgetInfeasibleError
 from remat.measure import close_open_window
-from remat.step_loop import FIRST_STEP_ACTION
+from remat.step_eager import FIRST_STEP_ACTION
 from remat.passes.joint_graph import eager_loss_reserve_bytes
 from remat.step_budget import (StepAccount, StepGraph, composed_peak_bytes, later_demand_bytes, share_in_step, slot_of,
                                 step_overruns, step_totals)
