@@ -196,7 +196,8 @@ class StepAccount:
         self._plans: dict[str, StepGraph] = {}      # by graph id
         self._running: dict[str, str] = {}          # slot -> graph id of the plan it runs now
         self._floors: dict[str, tuple[int, int]] = {}   # slot -> (smallest peak, what that plan holds)
-        self._eager: dict[str, int] = {}                # slot -> what a measured step's eager code held next to it
+        # slot -> the most a measured step's eager code held (during its run, after its forward; step_eager.py)
+        self._eager: dict[str, tuple[int, int]] = {}
         self._pending: list[str] = []               # slots whose forward ran this step, backward not yet
         self._order: list[str] = []                 # forward order of this step so far
         self._spoiled = False                       # this step is not a sequence (a graph ran twice)
@@ -238,7 +239,7 @@ class StepAccount:
             if slot in self.sequence and len(self.sequence) > 1:
                 first, last = self.sequence.index(slot), len(self.sequence) - 1 - self.sequence[::-1].index(slot)
                 earlier = tuple(g for s in self.sequence[:first] if (g := self._graph(s)) is not None)
-                later = tuple(with_eager(g, self._eager.get(s, 0)) for s in self.sequence[last + 1:]
+                later = tuple(with_eager(g, sum(self._eager.get(s, (0, 0)))) for s in self.sequence[last + 1:]
                               if (g := self._graph(s)) is not None)
                 known, group_runs = True, last - first + 1
             else:
@@ -271,11 +272,18 @@ class StepAccount:
         return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows, graph_key, runs, accumulated,
                               eager)
 
-    def note_eager(self, slot: str, eager_bytes: int) -> None:
-        """What a measured step's eager code held next to graph ``slot`` (during its run and after its forward,
-        ``step_eager.eager_by_graph``): the earlier graphs' shares reserve it for that graph from now on."""
+    def note_eager(self, slot: str, during_bytes: int, after_bytes: int) -> None:
+        """What a measured step's eager code held next to graph ``slot``, during its run and after its forward
+        (``step_eager.eager_by_graph``), kept as the most measured so far (``eager_of``): the graph's re-plans are made
+        next to it, and the earlier graphs' shares reserve it for that graph from now on."""
         with self._lock:
-            self._eager[slot] = max(self._eager.get(slot, 0), eager_bytes)
+            before = self._eager.get(slot, (0, 0))
+            self._eager[slot] = (max(before[0], during_bytes), max(before[1], after_bytes))
+
+    def eager_of(self, slot: str) -> tuple[int, int]:
+        """``note_eager``'s most for graph ``slot`` (during its run, after its forward), (0, 0) if none."""
+        with self._lock:
+            return self._eager.get(slot, (0, 0))
 
     def io_bytes(self, slot: str, joint: "fx.GraphModule", num_fwd_outputs: int,
                  static_indices: Optional[Sequence[int]]) -> tuple[int, int]:

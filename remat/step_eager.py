@@ -34,7 +34,7 @@ EAGER_NOISE_FRACTION = 0.005
 
 class StepEagerHooks:
     """What ``step_loop.StepHooks`` does about eager code (see the module docstring); its state lives on the hooks
-    (``_eager``, ``_prelude_bytes``), set in ``StepHooks.__init__``."""
+    (``_prelude_bytes``, set in ``StepHooks.__init__``) and on its account (``StepAccount.note_eager``)."""
 
     def phase(self, wrapper: Any, what: str) -> None:
         """Mark ``what`` ("fwd-enter", "fwd-exit", "bwd-enter", "bwd-exit") of ``wrapper``'s graph on the window
@@ -96,8 +96,8 @@ class StepEagerHooks:
     def _note_eager(self, wrappers: Sequence[Any], sequence: tuple[str, ...], peak_bytes: int,
                     phase_peaks: Optional[dict[str, int]], budget_bytes: int) -> dict[str, tuple[int, int]]:
         """What a measured step's eager code held by graph (``eager_by_graph``; nothing unless every plan was accepted
-        on its Inductor-checked peak; under ``EAGER_NOISE_FRACTION`` of the budget, nothing), kept as the most
-        measured so far per graph; returns this step's."""
+        on its Inductor-checked peak; under ``EAGER_NOISE_FRACTION`` of the budget, nothing), kept on the account as the
+        most measured so far per graph (``StepAccount.note_eager``); returns this step's."""
         checked = checked_peaks(wrappers)
         if checked is None:
             return {}
@@ -107,15 +107,13 @@ class StepEagerHooks:
         measured = {slot: (during + self._prelude_bytes, after) for slot, (during, after) in measured.items()}
         eager = {slot: tuple(b if b >= noise else 0 for b in held) for slot, held in measured.items()}
         for slot, (during, after) in eager.items():
-            before = self._eager.get(slot, (0, 0))
-            self._eager[slot] = (max(before[0], during), max(before[1], after))
-            self.account.note_eager(slot, sum(self._eager[slot]))
+            self.account.note_eager(slot, during, after)
         return eager
 
     def _request_next_to_eager(self, wrapper: Any, asked: "Correction") -> None:
         """Re-plan ``wrapper``'s graph with ``asked``, next to what the step's eager code was measured to hold during its
         run (its share's outside bytes) and after its forward (its eager-loss reserve)."""
-        during, after = self._eager.get(slot_of(wrapper.record.graph_id), (0, 0))
+        during, after = self.account.eager_of(slot_of(wrapper.record.graph_id))
         wrapper.request_replan(replace(asked, eager_step_bytes=max(asked.eager_step_bytes, during),
                                        eager_loss_bytes=max(asked.eager_loss_bytes or 0, after) or asked.eager_loss_bytes))
 

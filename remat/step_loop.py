@@ -108,8 +108,6 @@ class StepHooks(StepEagerHooks):
         # what eager code made in the step before its first graph and handed to it (``prelude_bytes``): live before any
         # window of the step opens, so no window sees it
         self._prelude_bytes = 0
-        # slot -> (during its run, after its forward): the most a measured step's eager code held there (eager_by_graph)
-        self._eager: dict[str, tuple[int, int]] = {}
         self._refusal: Optional[BudgetInfeasibleError] = None   # raised at the next step's first forward entry
         # the last re-plan round asked for: (the step measured, its composed prediction, each graph's saved set then);
         # its measured peak is the last of _over_bytes
