@@ -48,6 +48,7 @@ from .pipeline import (LEAN_CODE_GENERATION_CANDIDATE, NAMED_BUDGET_CANDIDATE, R
                        SEARCHED_CANDIDATE_KINDS, as_candidate, candidate_plan, estimated_plan_for, plan_graph, prepare_graph,
                        replan_estimate, request_for, with_eager_loss_reserve)
 from .simulator.library_scratch import scratch_key
+from .size_dispatch import at_call_sizes
 from .step_budget import StepAccount, slot_of
 from .step_fit import fit_in_step, need_of, note_step_plan
 from .step_loop import StepHooks
@@ -132,25 +133,29 @@ class RematBackend:
             capture.load()
             return fn       # an inference graph (no plan)
         first = fn
-        in_place = pristine is not None and not has_symbolic_shapes(example_inputs) and records[0].distributed is None
+        in_step = budget and records[0].distributed is None   # DDP / FSDP2 pieces: their own ledger
+        # a dynamic-shape graph is checked and re-planned only at one call's sizes (size_dispatch.py), in a budgeted step
+        dynamic = has_symbolic_shapes(example_inputs)
+        checked = pristine is not None and not dynamic and records[0].distributed is None
+        in_place = checked or (pristine is not None and dynamic and in_step)
         if not restored:    # a restored record is final: judged (and any refusal overruled) when it was made
-            if records[0].refusal is not None and not (judge and in_place):
+            if records[0].refusal is not None and not (judge and checked):
                 self.compiled_graphs.pop()      # no check to overrule the simulator's refusal: it stands
                 raise passthrough_error_class(BudgetInfeasibleError)(records[0].refusal.error)
-            if judge and in_place:
+            if judge and checked:
                 fn = self._judged(fn, capture, pristine, list(example_inputs))
             if call_cache is not None:
                 store_call(call_cache, self.compiled_graphs[-1], records[0].graph_id, self.step_account)
         if fn is first:     # its kernels built now: the check kept it (a refusal that stands builds none)
             capture.load()
-        in_step = budget and records[0].distributed is None   # DDP / FSDP2 pieces: their own ledger
         if not verify and not in_step:
             return fn
 
         def recompile(args: list, correction: Correction) -> tuple[Callable[..., Any], CompiledGraph]:
             replanned = CodeCapture()
             # a re-plan under its share of the known step: cached under the key a later process computes
-            step_key = self._step_hooks.key_at_replan(wrapper, correction) if in_step and cache_possible(args) else None
+            step_key = (self._step_hooks.key_at_replan(wrapper, correction)
+                        if in_step and not dynamic and cache_possible(args) else None)
             fn, record, cache = self._recompile(pristine, args, correction, wrapper.record.graph_key, replanned,
                                                 identity=identity, step_key=step_key,
                                                 code_generation=wrapper.record.code_generation)
@@ -160,13 +165,14 @@ class RematBackend:
                 fn = self._judged(fn, replanned, pristine, args)
             if cache is not None:
                 store_call(cache, self.compiled_graphs[-1], record.graph_id, self.step_account)
-            return fn, self.compiled_graphs[-1]
+            # a dynamic graph's re-plan is static code for this call's sizes; other sizes keep the dynamic code
+            return (at_call_sizes(first, args, fn) if dynamic else fn), self.compiled_graphs[-1]
 
         wrapper = VerifiedGraph(fn, self.compiled_graphs[-1], device=device_of(example_inputs),
                                 verify_peak=self.options.verify_peak, events=self.feedback_events, runs_stack=in_step,
                                 recompile=recompile if in_place else None, watch_backward=watch_compiled_backward,
                                 store=self._remember, step=self._step_hooks if in_step else None,
-                                outputs_held=self.options.outputs_held)
+                                outputs_held=self.options.outputs_held, dynamic=dynamic)
         if in_step:
             self._step_hooks.register(wrapper, identity)
         if verify:

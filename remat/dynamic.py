@@ -16,6 +16,10 @@ Planning reads sizes only at these values (``cost_model.tensors.sizes_evaluated_
 the ShapeEnv's guards suppressed, so no comparison made while planning specialises the graph
 (Inductor's own guards, added when it generates code, are not touched).
 
+In a step of several graphs (graph breaks), a dynamic-shape graph the step's measurement asks to change is
+re-planned at the sizes of the call that asks, as static code run for calls of exactly those sizes
+(``size_dispatch.py``); its dynamic plan stays for every other size.
+
 When Dynamo compiles a frame for the last time its recompile limit allows, remat warns: a later
 guard failure would run that frame in eager, without remat's plan or budget, and Dynamo only logs it.
 """

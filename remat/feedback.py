@@ -120,8 +120,8 @@ class VerifiedGraph:
     def __init__(self, fn: Callable[..., Any], record: Any, *, device: torch.device, verify_peak: int,
                  events: list[FeedbackEvent], recompile: Optional[Recompile], watch_backward: Callable[..., bool],
                  store: Callable[[str, Correction], Optional[str]] = write_correction, step: Any = None,
-                 runs_stack: bool = False, outputs_held: bool = False) -> None:
-        self._fn = fn
+                 runs_stack: bool = False, outputs_held: bool = False, dynamic: bool = False) -> None:
+        self._fn, self._dynamic = fn, dynamic     # dynamic shapes: re-planned in place at one call's sizes, in a step
         self.record = record
         self.device = device
         self._verify_peak = self._verify_left = verify_peak
@@ -146,8 +146,9 @@ class VerifiedGraph:
 
     @property
     def can_replan(self) -> bool:
-        """Whether ``request_replan`` can re-plan this graph in place."""
-        return self._recompile is not None
+        """Whether ``request_replan`` can re-plan this graph in place: a dynamic-shape graph only in a step of
+        several graphs, at the sizes of the call that re-plans it (``size_dispatch.py``)."""
+        return self._recompile is not None and (not self._dynamic or self._step is not None and self._step.measures(self))
 
     @property
     def step_hooks(self) -> Any:
@@ -344,7 +345,7 @@ class VerifiedGraph:
         ``BudgetInfeasibleError`` (before the call runs)."""
         record = self.record
         budget, made_for = record.plan.budget_bytes, getattr(record, "correction", None)
-        if (budget is None or self._recompile is None or not accepted_as_fitting(record)
+        if (budget is None or not self.can_replan or not accepted_as_fitting(record)
                 or (made_for is not None and made_for.accumulated_grad_bytes >= accumulated_grad_bytes)):
             return
         predicted = stacked_prediction(record, planned_runs(record), accepted=True) + accumulated_grad_bytes
@@ -398,9 +399,9 @@ class VerifiedGraph:
         own_predicted, own_peak = stacked_prediction(record, runs), peak_bytes
         predicted, peak_bytes = own_predicted + accumulated_grad_bytes, peak_bytes + accumulated_grad_bytes
         verdict = judge(plan.budget_bytes, record.base_target_bytes, predicted, peak_bytes,
-                        accepted_as_fitting(record), self._replans, self._recompile is not None)
+                        accepted_as_fitting(record), self._replans, self.can_replan)
         eager = eager_loss_correction(record, eager_loss_bytes, peak_bytes, step) \
-            if self._recompile is not None and verdict.action in ("within budget", "re-planned") else None
+            if self.can_replan and verdict.action in ("within budget", "re-planned") else None
         self._events.append(FeedbackEvent(record.graph_id, step, plan.budget_bytes, predicted, peak_bytes,
                                           verdict.factor, eager[0] if eager else verdict.action,
                                           None if eager else verdict.new_target_bytes, runs, accumulated_grad_bytes))

@@ -45,7 +45,7 @@ import torch
 
 from .cost_model.inductor_rules import EXACT_LIBRARY_CALLS
 from .graph_code import GraphCode
-from .wrapper_text import (ALLOC, ASSERT_SIZE, ASSIGN, DEL, ELEMENT, VIEW, call_body, ints_or_none, library_calls_in,
+from .wrapper_text import (ALLOC, ASSERT_SIZE, ASSIGN, DEL, ELEMENT, RENAME, VIEW, call_body, ints_or_none, library_calls_in,
                            library_outputs_before_frees, returned_values)
 
 CUDA_BLOCK_BYTES = 512       # the CUDA caching allocator rounds every block up to this
@@ -257,6 +257,8 @@ def replay_wrapper(source_code: str, inputs: Mapping[str, InputStorage], device_
             if match.group(2) in element_index:
                 element_index[match.group(1)] = element_index.pop(match.group(2))
             call_of[match.group(1)] = call_of.pop(match.group(2), match.group(2))
+        elif RENAME.match(statement):
+            pass    # another name for an input or a size (``s72 = primals_2``, a static re-plan's int input): no storage
         elif (match := ASSIGN.match(statement)) and not match.group(2).startswith(("reinterpret_tensor(", "empty_strided")):
             # a library call's result: sized by the assert_size_stride that follows it, if any
             state.unbind(match.group(1))

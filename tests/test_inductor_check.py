@@ -607,6 +607,25 @@ class Runner:
     assert replay.unsized == () and replay.peak_bytes == replay.end_bytes == 4 * 64 * 8
 
 
+def test_another_name_for_an_int_input_allocates_nothing():
+    """A graph of dynamic shapes compiled again for one call's sizes keeps its size input, bound to its symbol's name
+    (``s72 = primals_2``) and never read: no storage, nothing unsized (it was counted as a library call's result
+    whose size the code never states, and the whole check read as unknown)."""
+    code = '''
+class Runner:
+    def call(self, args):
+        primals_1, primals_2 = args
+        args.clear()
+        s72 = primals_2
+        assert_size_stride(primals_1, (16, 8), (8, 1), 'input')
+        buf0 = empty_strided_cpu((16, 8), (8, 1), torch.float32)
+        cpp_fused_0(primals_1, buf0)
+        return (buf0, )
+'''
+    replay = replay_wrapper(code, {}, "cpu")
+    assert replay is not None and replay.unsized == () and replay.peak_bytes == replay.end_bytes == 16 * 8 * 4
+
+
 
 def test_the_check_lowers_a_plans_number_only_where_it_sees_every_allocation():
     """The library calls of a wrapper are read from its code. A checked peak under the simulated one is
