@@ -27,7 +27,7 @@ graph or next to accumulated gradients.
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -42,13 +42,16 @@ TIGHTENED_ACTION = "re-planned: its eager loss held more than reserved"
 STORED_ACTION = "within budget: its eager loss held less than reserved, stored for the next compile"
 
 
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each storage once (a tensor and its views count once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def output_bytes(out: Any) -> int:
     """Bytes of the storages of the tensors requiring gradients among a compiled forward's outputs (a tensor, or
     a tuple or list of values), each storage once: what the forward handed its caller for the loss."""
     values = out if isinstance(out, (tuple, list)) else (out,)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in values if isinstance(t, torch.Tensor) and t.requires_grad}
-    return sum(storages.values())
+    return storage_bytes(t for t in values if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
 def measured_eager_loss_bytes(between_bytes: Optional[tuple[int, int]], returned_bytes: int) -> Optional[int]:

@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .eager_loss import storage_bytes
 from .feedback_store import Correction
 from .measure import open_window
 from .step_budget import slot_of, step_totals
@@ -123,9 +124,7 @@ def prelude_bytes(args: Sequence[Any]) -> int:
     memory eager code allocated in the step before its first compiled graph (an eager embedding or stem, where
     Dynamo compiled only a model's blocks), live when the step's window opens and so never in it, and live through
     the step while eager code holds it for its backward. The batch and the parameters have none. Each storage once."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in args if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-    return sum(storages.values())
+    return storage_bytes(t for t in args if isinstance(t, torch.Tensor) and t.grad_fn is not None)
 
 
 def checked_peaks(wrappers: Sequence[Any]) -> Optional[dict[str, int]]:
