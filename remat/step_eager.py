@@ -105,7 +105,9 @@ class StepEagerHooks:
         noise = EAGER_NOISE_FRACTION * budget_bytes
         measured = eager_by_graph(sequence, self.account.step_terms(sequence, checked), peak_bytes - self._prelude_bytes,
                                   phase_peaks)
-        measured = {slot: (during + self._prelude_bytes, after) for slot, (during, after) in measured.items()}
+        # what eager code made before the first graph is live in every phase (the window never saw it)
+        measured = {slot: (during + self._prelude_bytes, after + self._prelude_bytes)
+                    for slot, (during, after) in measured.items()}
         eager = {slot: tuple(b if b >= noise else 0 for b in held) for slot, held in measured.items()}
         for slot, (during, after) in eager.items():
             self.account.note_eager(slot, during, after)
@@ -113,10 +115,15 @@ class StepEagerHooks:
 
     def _request_next_to_eager(self, wrapper: Any, asked: "Correction") -> None:
         """Re-plan ``wrapper``'s graph with ``asked``, next to what the step's eager code was measured to hold during its
-        run (its share's outside bytes) and after its forward (its eager-loss reserve)."""
-        during, after = self.account.eager_of(slot_of(wrapper.record.graph_id))
+        run (its share's outside bytes) and after its forward (its eager-loss reserve: what that phase held beyond
+        what the share already counts there, ``after_forward_reserve``)."""
+        slot = slot_of(wrapper.record.graph_id)
+        during, after = self.account.eager_of(slot)
+        graph, sequence = self.account.plan_of(wrapper.record.graph_id), self.account.sequence
+        inputs = graph.input_activation_bytes if graph is not None and sequence[:1] != (slot,) else 0   # (step_totals)
+        reserve = after_forward_reserve(during, after, inputs)
         wrapper.request_replan(replace(asked, eager_step_bytes=max(asked.eager_step_bytes, during),
-                                       eager_loss_bytes=max(asked.eager_loss_bytes or 0, after) or asked.eager_loss_bytes))
+                                       eager_loss_bytes=max(asked.eager_loss_bytes or 0, reserve) or asked.eager_loss_bytes))
 
 
 def prelude_bytes(args: Sequence[Any]) -> int:
@@ -172,6 +179,18 @@ def eager_by_graph(sequence: tuple[str, ...], terms: Sequence[tuple[int, int, in
             previous = sequence[k - 1]
             eager[previous][1] = max(eager[previous][1], after_backward)
     return {slot: (during, after) for slot, (during, after) in eager.items()}
+
+
+def after_forward_reserve(during_bytes: int, after_bytes: int, input_bytes: int) -> int:
+    """The eager-loss reserve of a graph of a step whose eager code held ``after_bytes`` after its forward (beyond what
+    the graphs up to it hold for their backwards) and ``during_bytes`` during its run: a share counts the graph's
+    outside bytes (``during_bytes``) and its activation inputs (``input_bytes``, as ``step_totals`` counts them: 0 for
+    the step's first graph) through its whole run, the phase after its forward included, and its plan counts the
+    reserve next to what it holds there; so the reserve is what that phase held beyond those two (both measured with
+    what eager code made before the first graph, ``prelude_bytes``, which is live in every phase). The eager code's
+    tensors that live through several phases (an eager function's saved input and output, an eager stem's output)
+    were counted in both before session 45. Pure."""
+    return max(after_bytes - during_bytes - input_bytes, 0)
 
 
 def eager_summary(eager: dict[str, tuple[int, int]]) -> str:

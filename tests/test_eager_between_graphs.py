@@ -19,7 +19,8 @@ import torch
 import remat
 from remat.measure import close_open_window
 from remat.step_phases import peaks_by_phase
-from remat.step_eager import FIRST_STEP_ACTION, eager_by_graph
+from remat.step_budget import StepGraph, with_eager
+from remat.step_eager import FIRST_STEP_ACTION, after_forward_reserve, eager_by_graph
 from remat.testing import corpus
 
 # (time_ns, size, address) allocation events and (time_ns, name) phases -> the most live in each phase
@@ -62,6 +63,30 @@ def test_eager_memory_is_read_by_phase_against_what_the_plans_hold_there():
 def test_without_phases_the_step_peak_beyond_the_composed_one_is_charged_to_every_graph():
     assert eager_by_graph(("g0", "g1"), TERMS, 100, None) == {"g0": (15, 0), "g1": (15, 0)}
     assert eager_by_graph(("g0", "g1"), TERMS, 80, None) == {"g0": (0, 0), "g1": (0, 0)}
+
+
+@pytest.mark.parametrize(("during", "after", "inputs", "reserve"), [
+    (0, 100, 0, 100),       # nothing counted through the run: the whole phase is the reserve's
+    (60, 100, 0, 40),       # 60 held through the run (an eager function's saved tensors) is the share's already
+    (60, 100, 30, 10),      # and the graph's inputs, which the share counts through the run
+    (120, 100, 0, 0),       # the run held more than the phase after the forward: no reserve
+])
+def test_the_reserve_after_a_forward_is_what_that_phase_held_beyond_what_the_share_counts_there(
+        during, after, inputs, reserve):
+    assert after_forward_reserve(during, after, inputs) == reserve
+
+
+def test_a_later_graph_is_reserved_its_eager_memory_at_the_time_it_is_held():
+    """An earlier graph's share reserves a later graph's smallest peak plus what eager code held during its run, or
+    what its smallest plan holds plus what eager code held after its forward, whichever is more; not both added."""
+    graph = StepGraph("g1", "g1", held_bytes=40, input_activation_bytes=5, param_grad_bytes=2, need_bytes=10,
+                      predicted_peak_bytes=90, step_target_bytes=500, floor_peak_bytes=60, floor_held_bytes=20,
+                      no_remat_peak_bytes=120)
+    assert with_eager(graph, 0, 0) is graph
+    raised = with_eager(graph, 30, 100)
+    assert (raised.floor_peak_bytes, raised.no_remat_peak_bytes) == (max(60 + 30, 20 + 100), 120 + 100)
+    raised = with_eager(graph, 30, 10)
+    assert (raised.floor_peak_bytes, raised.no_remat_peak_bytes) == (60 + 30, 120 + 30)
 
 
 # From TEST_SEEDS: 51 = a language model whose first block's forward ends in an eager function (its autograd saves
