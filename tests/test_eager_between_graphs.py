@@ -96,12 +96,6 @@ EAGER_BLOCK_SEED = 51
 FRACTION = 0.7
 
 
-def _step(built, compiled):
-    built.model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)
-    built.loss(compiled).backward()
-
-
 def _steps_within(entry, budget_bytes: int, measured_steps: int = 2) -> tuple[list[int], remat.RematBackend]:
     """Step 1 unmeasured by the test (the closed loop measures it), then ``measured_steps`` steps measured; the
     measured peaks and the backend."""
@@ -109,9 +103,9 @@ def _steps_within(entry, budget_bytes: int, measured_steps: int = 2) -> tuple[li
     built = entry.build()
     backend = remat.backend(budget_bytes / 1e9)
     compiled = torch.compile(built.model, backend=backend)
-    _step(built, compiled)
+    corpus.loss_step(built, compiled)
     close_open_window()
-    peaks = [remat.measure_peak_bytes(lambda: _step(built, compiled)).peak_bytes for _ in range(measured_steps)]
+    peaks = [remat.measure_peak_bytes(lambda: corpus.loss_step(built, compiled)).peak_bytes for _ in range(measured_steps)]
     return peaks, backend
 
 
@@ -122,11 +116,7 @@ def test_a_step_with_eager_code_around_its_graphs_fits_from_its_second_step():
     1.10-1.28x the budget on the corpus's rand-brk-1516, and the measured-step loop refused it after up to
     three more steps over)."""
     entry = corpus.random_entry(EAGER_BLOCK_SEED, graph_breaks=True)
-    torch._dynamo.reset()
-    built = entry.build()
-    plain = torch.compile(built.model, backend="inductor")
-    _step(built, plain)
-    plain_peak = remat.measure_peak_bytes(lambda: _step(built, plain)).peak_bytes
+    plain_peak, _ = corpus.plain_inductor_peak(entry)
     budget = int(FRACTION * plain_peak)
     try:
         peaks, backend = _steps_within(entry, budget)

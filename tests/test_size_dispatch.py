@@ -42,12 +42,6 @@ def test_a_call_runs_the_code_compiled_for_exactly_its_sizes():
     assert again(torch.zeros(4, 8), 3) == "dynamic" and again(torch.zeros(4, 9), 3) == "static again"
 
 
-def _step(built, compiled):
-    built.model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)
-    built.loss(compiled).backward()
-
-
 def _steps_within(entry, budget_bytes: int) -> tuple[list[int], remat.RematBackend, dict]:
     """Four steps the closed loop measures (the re-plans are made in them), then two the test measures: their peaks,
     the backend and the gradients."""
@@ -56,9 +50,9 @@ def _steps_within(entry, budget_bytes: int) -> tuple[list[int], remat.RematBacke
     backend = remat.backend(budget_bytes / 1e9)
     compiled = torch.compile(built.model, backend=backend)
     for _ in range(4):
-        _step(built, compiled)
+        corpus.loss_step(built, compiled)
     close_open_window()
-    peaks = [remat.measure_peak_bytes(lambda: _step(built, compiled)).peak_bytes for _ in range(2)]
+    peaks = [remat.measure_peak_bytes(lambda: corpus.loss_step(built, compiled)).peak_bytes for _ in range(2)]
     return peaks, backend, grads_of(built.model)
 
 
@@ -66,12 +60,7 @@ def test_a_steps_dynamic_graphs_are_re_planned_checked_and_the_step_fits():
     """Plain Inductor's peak, then remat at 80% of it (or, refused, at the budget the refusal names): the dynamic
     graphs' final plans are Inductor-checked re-plans, the measured steps fit, the gradients are plain Inductor's."""
     entry = corpus.random_entry(DYNAMIC_BLOCKS_SEED, graph_breaks=True)
-    torch._dynamo.reset()
-    built = entry.build()
-    plain = torch.compile(built.model, backend="inductor")
-    _step(built, plain)
-    plain_peak = remat.measure_peak_bytes(lambda: _step(built, plain)).peak_bytes
-    expected = grads_of(built.model)
+    plain_peak, expected = corpus.plain_inductor_peak(entry)
     budget = int(FRACTION * plain_peak)
     try:
         peaks, backend, grads = _steps_within(entry, budget)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from . import cnns, finetune, hf_models, random_nets
+from .steps import grads_of
 
 BENCHMARK_SEEDS = tuple(range(1000, 1028))
 TEST_SEEDS = tuple(range(0, 100))
@@ -50,6 +51,27 @@ class Built:
 
     def loss(self, module: Callable[..., Any]) -> torch.Tensor:
         return self.loss_fn(module(*self.inputs, **self.kwargs))
+
+
+def loss_step(built: Built, module: Callable[..., Any], seed: int = 0) -> None:
+    """One training step of ``built`` through ``module`` (its model, or a compiled wrapper): gradients set to None,
+    ``torch.manual_seed(seed)`` (dropout draws the same masks every step), the loss's backward."""
+    built.model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    built.loss(module).backward()
+
+
+def plain_inductor_peak(entry: "CorpusEntry") -> tuple[int, dict[str, torch.Tensor]]:
+    """``entry`` built anew (Dynamo reset first) and compiled with plain Inductor: the measured peak of its second
+    ``loss_step`` (the first compiles) and the gradients that step left, by parameter name."""
+    from ..measure import measure_peak_bytes
+
+    torch._dynamo.reset()
+    built = entry.build()
+    plain = torch.compile(built.model, backend="inductor")
+    loss_step(built, plain)
+    peak = measure_peak_bytes(lambda: loss_step(built, plain)).peak_bytes
+    return peak, grads_of(built.model)
 
 
 @dataclass(frozen=True)
