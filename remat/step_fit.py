@@ -57,12 +57,14 @@ def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, Graph
     except BudgetInfeasibleError as error:
         if share.kind != "break-partial":
             raise
-        refused = error
+        refused = asked = error
     for _ in range(3):   # the smallest peak an error names plans; a rounding can ask once more
         try:
-            plan = plan_at(max(refused.min_feasible_bytes, 1))
+            plan = plan_at(max(asked.min_feasible_bytes, 1))
         except BudgetInfeasibleError as again:
-            refused = again
+            # raised only as ``refused``, the share's error: this search's own names a budget by a lone graph's rule
+            # (rand-brk-1535's dynamic third graph: "budget 274.96 kB is below the smallest feasible budget 159.7 kB")
+            asked = again
             continue
         if runs_over_next_to_live(share, held_of(plan), plan.predicted_peak_bytes, budget_bytes):
             raise refused

@@ -212,6 +212,30 @@ def test_a_first_step_graph_whose_own_run_is_over_the_budget_is_refused_before_i
     assert plan.predicted_peak_bytes == 80 and kept.kind == "break-smallest" and len(asked) == 1
 
 
+def test_a_first_step_graph_no_plan_fits_is_refused_with_the_shares_name():
+    """A graph of the first step with no break after it (kind "break-partial") that no plan fits next to the earlier
+    graph: ``fit_in_step`` looks for its smallest-peak plan at the smallest peak the share's error names; when that
+    search is refused too, the error raised is the share's, naming a budget for the step, not the search's own,
+    which names one by a lone graph's rule (rand-brk-1535's dynamic third graph, before session 45: "budget
+    274.96 kB is below the smallest feasible budget 0.0001597 GB"; the share's 371,976 B then fitted at 0.944x)."""
+    from remat.step_fit import fit_in_step
+
+    share = share_in_step((graph("g0", held=10, peak=60),), (), 90, 5, 8, 10, False)
+    assert share.kind == "break-partial"
+
+    def fit(share):
+        raise BudgetInfeasibleError("the step needs 120 B", budget_bytes=100, min_feasible_bytes=70,
+                                    min_budget_bytes=120, reasons=())
+
+    def plan_at(target, saved_cap_bytes=None, best_effort=None, saved_cap_search="greedy"):
+        raise BudgetInfeasibleError("a lone graph needs 74 B", budget_bytes=100, min_feasible_bytes=target + 1,
+                                    min_budget_bytes=74, reasons=())
+
+    with pytest.raises(BudgetInfeasibleError, match="needs 120") as refused:
+        fit_in_step(share, fit, plan_at, lambda p: 0, budget_bytes=100)
+    assert refused.value.min_budget_bytes == 120
+
+
 def test_the_leanest_plan_admits_the_most_graphs_like_it_before_the_least_held_plus_peak():
     """Of (held 60, peak 100) and (held 40, peak 135) the first has the least held + peak, but in a step
     target of 300 only 4 graphs like it fit (100 + 3 * 60 <= 300 < 100 + 4 * 60) against 5 like the
