@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("remat")
 
 
+# said by a refusal in a step's first run (``_said_provisional``)
+PROVISIONAL_NOTE = (" This step's later graphs are not compiled yet (its first run has not reached them), so the budget "
+                    "named is what the graphs compiled so far need: a retry at it can be refused again, naming more.")
+
+
 def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, GraphShare]]",
                 plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
                 budget_bytes: Optional[int] = None) -> tuple[Any, GraphShare]:
@@ -48,7 +53,10 @@ def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, Graph
     if share.kind == "break-smallest":
         plan = leanest_plan(plan_at, held_of, lambda p: copies_admitted(share, held_of(p), p.predicted_peak_bytes))
         if runs_over_next_to_live(share, held_of(plan), plan.predicted_peak_bytes, budget_bytes):
-            return fit(share)    # raises naming the budget the step needs; a plan it admits is taken
+            try:
+                return fit(share)    # raises naming the budget the step needs; a plan it admits is taken
+            except BudgetInfeasibleError as error:
+                raise _said_provisional(error) from None
         log.info("remat: graph %d of the first step takes its leanest plan until the step's graphs are known "
                  "(a graph break follows it)", share.index + 1)
         return plan, replace(share, target_bytes=plan.target_bytes or 0, reserve_met=False)
@@ -67,11 +75,20 @@ def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, Graph
             asked = again
             continue
         if runs_over_next_to_live(share, held_of(plan), plan.predicted_peak_bytes, budget_bytes):
-            raise refused
+            raise _said_provisional(refused)
         log.info("remat: graph %d of the first step fits no plan next to the earlier graphs; smallest-peak plan "
                  "taken until the step's graphs are re-planned", share.index + 1)
         return plan, replace(share, target_bytes=plan.target_bytes or 0, reserve_met=False)
-    raise refused
+    raise _said_provisional(refused)
+
+
+def _said_provisional(error: BudgetInfeasibleError) -> BudgetInfeasibleError:
+    """``error`` (its class and numbers kept) saying that the budget it names is for the graphs compiled so far: a
+    refusal in a step's first run, whose later graphs Dynamo has not reached yet (a retry at it can be refused again,
+    naming more: docs/limitations.md, "Graph breaks", gap (c))."""
+    if error.args and PROVISIONAL_NOTE not in str(error.args[0]):
+        error.args = (f"{error.args[0]}{PROVISIONAL_NOTE}",) + error.args[1:]
+    return error
 
 
 def runs_over_next_to_live(share: GraphShare, held_bytes: int, peak_bytes: int, budget_bytes: Optional[int]) -> bool:

@@ -218,7 +218,7 @@ def test_a_first_step_graph_no_plan_fits_is_refused_with_the_shares_name():
     search is refused too, the error raised is the share's, naming a budget for the step, not the search's own,
     which names one by a lone graph's rule (rand-brk-1535's dynamic third graph, before session 45: "budget
     274.96 kB is below the smallest feasible budget 0.0001597 GB"; the share's 371,976 B then fitted at 0.944x)."""
-    from remat.step_fit import fit_in_step
+    from remat.step_fit import PROVISIONAL_NOTE, fit_in_step
 
     share = share_in_step((graph("g0", held=10, peak=60),), (), 90, 5, 8, 10, False)
     assert share.kind == "break-partial"
@@ -234,6 +234,7 @@ def test_a_first_step_graph_no_plan_fits_is_refused_with_the_shares_name():
     with pytest.raises(BudgetInfeasibleError, match="needs 120") as refused:
         fit_in_step(share, fit, plan_at, lambda p: 0, budget_bytes=100)
     assert refused.value.min_budget_bytes == 120
+    assert str(refused.value).endswith(PROVISIONAL_NOTE)    # the later graphs are unknown: it may not be the last name
 
 
 def test_the_leanest_plan_admits_the_most_graphs_like_it_before_the_least_held_plus_peak():
