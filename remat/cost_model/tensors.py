@@ -85,7 +85,8 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
 def has_symbolic_shapes(values: Any) -> bool:
     """Whether any of ``values`` (a compile's example inputs, or nodes' ``meta["val"]``) is a ``SymInt``
     or a tensor with a symbolic size: dynamic shapes, which remat plans at their planned sizes and does
-    not cache or recompile in place."""
+    not cache; recompiled in place only in a step of several graphs, as static code for one call's sizes
+    (``size_dispatch.py``)."""
     return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
                                                                                   for d in v.shape))
                for v in values)
