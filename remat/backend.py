@@ -212,6 +212,9 @@ class RematBackend:
 
         kept = judge_compiled(fn, capture, device, self.options.outputs_held, self.compiled_graphs, recompile,
                               compile_candidate, estimate)
+        judged = self.compiled_graphs[-1].judgement
+        if judged is not None and judged.checked_peak_bytes is not None:     # (a graph of a step: step_budget.py)
+            self.step_account.note_checked(self.compiled_graphs[-1].graph_id, judged.checked_peak_bytes)
         for made, replanned in compiled:
             if made is kept:
                 replanned.load()      # the kept plan's kernels are built now, before its first call

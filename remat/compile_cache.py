@@ -60,7 +60,8 @@ if TYPE_CHECKING:
     from .options import RematOptions
     from .passes.plan import Plan
     from .pipeline import PlanningRequest
-    from .step_budget import StepAccount, StepGraph
+    from .step_budget import StepAccount
+    from .step_graph import StepGraph
 
 _TEXT_SUFFIXES = (".py", ".json", ".md", ".txt", ".csv")
 

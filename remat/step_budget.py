@@ -63,12 +63,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .distributed import GraphShare, piece_target
 from .options import target_for_budget
 from .runs_share import runs_share
+from .step_graph import StepGraph, later_demand_bytes, with_check_error, with_eager
 from .step_memory import recall_share
 from .units import format_bytes
 
@@ -80,56 +81,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("remat")
 
 MAX_STEP_RUNS = 1024   # graph runs one step's account holds before it stops taking the step as a sequence
-
-
-@dataclass(frozen=True)
-class StepGraph:
-    """What one plan of a graph brings to the step (bytes), recorded when it is planned."""
-
-    graph_id: str                  # this plan's id (graph_001_r1 after a re-plan)
-    slot: str                      # the graph across its re-plans: its first plan's id
-    held_bytes: int                # kept by its forward for its backward (distributed_fit.held_bytes_of)
-    input_activation_bytes: int    # its activation inputs (not parameters)
-    param_grad_bytes: int          # its parameters' gradients, produced by its backward
-    need_bytes: int                # its peak without recomputation: the proxy for what it needs
-    predicted_peak_bytes: int      # its plan's simulated peak (own gradients included)
-    step_target_bytes: int         # T: the budget less headroom (and any feedback correction), less what the step
-                                   # holds outside the graphs (accumulated gradients)
-    floor_peak_bytes: int = 0      # the graph's smallest simulated peak (any plan)
-    floor_held_bytes: int = 0      # what its smallest-peak plan holds for its backward
-    no_remat_peak_bytes: int = 0   # its simulated peak saving everything
-    provisional: bool = False      # planned before its step's graphs were known: re-planned when a step completes
-    graph_key: str = ""            # the graph's store key (feedback_store.graph_key): the same graph in another process
-    asked_share: Optional[GraphShare] = None   # the share the plan was asked to fit (None: planned alone in its step)
-
-
-def later_demand_bytes(later: tuple[StepGraph, ...], floor: bool = True) -> int:
-    """What the later graphs of a step need next to what a graph holds (``piece_target``'s
-    ``later_estimate_bytes``, here from their own plans, not scaled from this graph's): the largest,
-    over later graph m, of what the graphs between hold, its inputs and its peak less its own
-    gradients (``GraphShare.admits`` charges every later gradient already). ``floor``: at their
-    smallest-peak plans (the estimate); else saving everything (the ceiling, holding their peak)."""
-    demand = 0
-    for m, graph in enumerate(later):
-        between = sum((g.floor_held_bytes if floor else g.no_remat_peak_bytes) for g in later[:m])
-        peak = graph.floor_peak_bytes if floor else max(graph.no_remat_peak_bytes, graph.floor_peak_bytes)
-        demand = max(demand, between + graph.input_activation_bytes + max(peak - graph.param_grad_bytes, 0))
-    return demand
-
-
-def with_eager(graph: StepGraph, during_bytes: int, after_bytes: int) -> StepGraph:
-    """A later graph's numbers as an earlier graph's share reserves for it (``later_demand_bytes``), next to what eager
-    code was measured to hold during its run and after its forward (its re-plans are made next to both:
-    ``step_eager.eager_by_graph``), so the earlier graphs do not take the room it needs. The two are held at different
-    times: during its run, next to its peak; after its forward, next to what it holds for its backward. So its smallest
-    peak becomes the larger of (smallest peak + during) and (what that plan holds + after), and its no-recomputation
-    peak (every value held) is raised by the larger of the two. (Before session 45 both were added to both peaks:
-    a CNN whose blocks end in an eager function, rand-brk-1522, reserved its eager function's saved tensors two and
-    three times, and a budget its steps had fitted at 0.88x was refused.)"""
-    if not during_bytes and not after_bytes:
-        return graph
-    return replace(graph, floor_peak_bytes=max(graph.floor_peak_bytes + during_bytes, graph.floor_held_bytes + after_bytes),
-                   no_remat_peak_bytes=graph.no_remat_peak_bytes + max(during_bytes, after_bytes))
 
 
 def step_totals(terms: Sequence[tuple[int, int, int, int]]) -> tuple[int, ...]:
@@ -216,6 +167,13 @@ class StepAccount:
             self._plans[graph.graph_id] = graph
             self._running[graph.slot] = graph.graph_id
 
+    def note_checked(self, graph_id: str, checked_peak_bytes: int) -> None:
+        """Inductor's check read plan ``graph_id``'s (noted) peak as ``checked_peak_bytes`` (``with_check_error``)."""
+        with self._lock:
+            graph = self._plans.get(graph_id)
+            if graph is not None:
+                self._plans[graph_id] = replace(graph, checked_peak_bytes=checked_peak_bytes)
+
     def plan_of(self, graph_id: str) -> Optional[StepGraph]:
         """The numbers noted for plan ``graph_id`` (``note_plan``), or None."""
         with self._lock:
@@ -244,8 +202,8 @@ class StepAccount:
             if slot in self.sequence and len(self.sequence) > 1:
                 first, last = self.sequence.index(slot), len(self.sequence) - 1 - self.sequence[::-1].index(slot)
                 earlier = tuple(g for s in self.sequence[:first] if (g := self._graph(s)) is not None)
-                later = tuple(with_eager(g, *self._eager.get(s, (0, 0))) for s in self.sequence[last + 1:]
-                              if (g := self._graph(s)) is not None)
+                later = tuple(with_eager(with_check_error(g), *self._eager.get(s, (0, 0)))
+                              for s in self.sequence[last + 1:] if (g := self._graph(s)) is not None)
                 known, group_runs = True, last - first + 1
             else:
                 earlier = tuple(g for s in self._pending if s != slot and (g := self._graph(s)) is not None)

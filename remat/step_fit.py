@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .distributed import PROVISIONAL_SHARE_KINDS, GraphShare
 from .errors import BudgetInfeasibleError
-from .step_budget import StepAccount, StepGraph, slot_of
+from .step_budget import StepAccount, slot_of
+from .step_graph import StepGraph
 
 if TYPE_CHECKING:
     from torch import fx

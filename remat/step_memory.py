@@ -46,7 +46,7 @@ ENTRY_KIND = "steps"
 
 
 class StepGraph(Protocol):
-    """What this module reads of a plan's numbers on the step's account (``step_budget.StepGraph``)."""
+    """What this module reads of a plan's numbers on the step's account (``step_graph.StepGraph``)."""
 
     graph_key: str
     held_bytes: int

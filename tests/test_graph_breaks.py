@@ -13,6 +13,7 @@ fits.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import pytest
@@ -26,6 +27,7 @@ from remat.step_eager import FIRST_STEP_ACTION
 from remat.passes.joint_graph import eager_loss_reserve_bytes
 from remat.step_budget import (StepAccount, StepGraph, composed_peak_bytes, later_demand_bytes, share_in_step, slot_of,
                                 step_overruns, step_totals)
+from remat.step_graph import with_check_error
 from conftest import assert_grads_close, grads_of, prime_loss_weights, run_step, scale_simulated_peaks
 
 # The steps that may run over at a budget the step's leanest plans meet (remat/step_budget.py): none.
@@ -105,6 +107,28 @@ def test_account_tracks_pending_graphs_and_the_sequence():
     assert account.provisional(account.sequence) == ()
     account.note_plan(graph("g0_r1", held=5, peak=40, provisional=True))   # planned before the step was known
     assert account.provisional(account.sequence) == ("g0",)
+
+
+def test_an_earlier_graph_reserves_a_later_one_at_its_floor_times_the_check_error():
+    """A later graph whose running plan Inductor's check read 20% over its simulated peak is reserved its floors 20% up
+    by the graphs before it (``with_check_error``): its plans are judged on the check. Read under: unchanged."""
+    later = graph("g1", held=4, peak=50, grads=2, inputs=3, floor_peak_bytes=40, floor_held_bytes=4,
+                  no_remat_peak_bytes=70)
+    under = replace(later, checked_peak_bytes=45)
+    assert with_check_error(later) is later and with_check_error(under) is under
+    raised = with_check_error(replace(later, checked_peak_bytes=60))
+    assert (raised.floor_peak_bytes, raised.no_remat_peak_bytes) == (48, 84)
+    account = StepAccount()
+    for g in (graph("g0", held=30, peak=60), later):
+        account.note_plan(g)
+        account.forward_entered(g.slot)
+    assert account.backward_done("g1") is None and account.backward_done("g0") == ("g0", "g1")
+    before = account.share_for("g0", 200, 0, 0, 10)
+    account.note_checked("g1", 60)
+    after = account.share_for("g0", 200, 0, 0, 10)
+    assert (before.later_estimate_bytes, before.later_ceiling_bytes) == (3 + 40 - 2, 3 + 70 - 2)
+    assert (after.later_estimate_bytes, after.later_ceiling_bytes) == (3 + 48 - 2, 3 + 84 - 2)
+    assert after.reserved_later_bytes > before.reserved_later_bytes and after.target_bytes < before.target_bytes
 
 
 def test_a_first_graph_a_break_follows_gets_a_share_alone_in_its_step():
