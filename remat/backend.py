@@ -83,6 +83,13 @@ class RematBackend:
 
     step_account = property(lambda self: self._step_hooks.account)   # the step's graphs' (remat/step_budget.py)
 
+    def predicted_step_peak_bytes(self) -> Optional[int]:
+        """The predicted peak of the last complete training step, where it ran several of this backend's graphs
+        (graph breaks): their running plans at the peaks they were accepted on, composed, next to what the step's
+        eager code was measured to hold (``step_eager.StepEagerHooks.predicted_step_peak_bytes``). None for a step of
+        one graph: its record's plan (``compiled_graphs``) is the prediction."""
+        return self._step_hooks.predicted_step_peak_bytes()
+
     def new_graph_id(self) -> str:     # graph_000, graph_001, ...
         with self._lock:
             return f"graph_{next(self._counter):03d}"

@@ -18,7 +18,10 @@ memory allocated above what was resident when the step began (docs/design.md's m
 step down; opt-in for that reason, and the times of such a step are not used for checks).
 
 Next to the measured numbers each record carries what the plan of the same graph
-predicted: its budget, predicted peak and predicted extra (recompute) time. Two checks
+predicted: its budget, predicted peak (the peak the plan was accepted on: Inductor's checked
+peak where the check accepted it) and predicted extra (recompute) time; for a step of several
+graphs (graph breaks), the step's predicted peak (``RematBackend.predicted_step_peak_bytes``:
+the running plans composed, next to what the step's eager code was measured to hold). Two checks
 log a warning on the ``remat.metrics`` logger, naming the graph and the numbers:
 
 - the measured peak is over the budget;
@@ -257,11 +260,13 @@ class StepMonitor:
             self._seen = len(graphs)
         graph_ids = self._pinned if self._pinned is not None else self._active
         plans = self._plans(graph_ids)
+        step_peak = self._step_prediction()
         record = StepMetrics(
             step=index, forward_s=forward_s, backward_s=backward_s, step_s=step_s, peak_bytes=peak,
             compiled=compiled, profiled=profiled, graph_ids=tuple(graph_ids),
             budget_bytes=plans[0].budget_bytes if plans else None,
-            predicted_peak_bytes=max(p.predicted_peak_bytes for p in plans) if plans else None,
+            predicted_peak_bytes=(step_peak if step_peak is not None else
+                                  max(self._accepted_peaks(graph_ids)) if plans else None),
             predicted_extra_s=sum(p.est_extra_time_s for p in plans) if plans else None,
             baseline_backward_s=self.options.baseline_backward_s,
         )
@@ -270,6 +275,19 @@ class StepMonitor:
             log.warning(message)
         self.history.append(replace(record, warnings=messages, feedback=tuple(self._events()[events_before:])))
         return out
+
+    def _accepted_peaks(self, graph_ids: Sequence[str]) -> list[int]:
+        """The peak each of ``graph_ids``' plans was accepted on (``feedback_verdict.accepted_peak_bytes``)."""
+        from .feedback_verdict import accepted_peak_bytes
+
+        by_id = {g.graph_id: g for g in self._graphs()}
+        return [accepted_peak_bytes(by_id[g]) for g in graph_ids]
+
+    def _step_prediction(self) -> Optional[int]:
+        """The backend's predicted peak of a step of several graphs (``predicted_step_peak_bytes``), unless the
+        monitor was pinned to graphs (``graph_ids``) or the last complete step had one graph."""
+        predict = getattr(self.backend, "predicted_step_peak_bytes", None)
+        return predict() if self._pinned is None and callable(predict) else None
 
     def _events(self) -> list[Any]:
         return list(getattr(self.backend, "feedback_events", ())) if self.backend is not None else []

@@ -21,6 +21,7 @@ import torch
 
 from .eager_loss import storage_bytes
 from .feedback_store import Correction
+from .feedback_verdict import accepted_peak_bytes
 from .measure import open_window
 from .step_budget import slot_of, step_totals
 from .step_phases import STEP_PHASE_PREFIX
@@ -94,6 +95,22 @@ class StepEagerHooks:
                           f"the budget {format_bytes(budget)}, with eager code holding {eager_summary(eager)}; every "
                           "re-plan of the step is made next to it.", stacklevel=2)
 
+    def predicted_step_peak_bytes(self) -> Optional[int]:
+        """The predicted peak of the last complete step of several graphs (``account.sequence``), from the plans its
+        graphs run now, each at the peak it was accepted on (``accepted_peak_bytes``: Inductor's checked peak where the
+        check accepted it), composed (``step_totals``) next to the most its eager code was measured to hold by graph
+        (``predicted_with_eager``). Gradients an earlier pass left in the parameters (gradient accumulation) are not
+        in it. None for a step of one graph (its plan's own peak is the prediction) or a graph with no plan yet."""
+        sequence = self.account.sequence
+        wrappers = [self._wrapper(slot) for slot in dict.fromkeys(sequence)]
+        if len(sequence) < 2 or any(w is None for w in wrappers):
+            return None
+        accepted = {slot_of(w.record.graph_id): accepted_peak_bytes(w.record) for w in wrappers}
+        terms = self.account.step_terms(sequence, accepted)
+        if len(terms) != len(sequence):
+            return None
+        return predicted_with_eager(terms, [self.account.eager_of(slot) for slot in sequence])
+
     def _note_eager(self, wrappers: Sequence[Any], sequence: tuple[str, ...], peak_bytes: int,
                     phase_peaks: Optional[dict[str, int]], budget_bytes: int) -> dict[str, tuple[int, int]]:
         """What a measured step's eager code held by graph (``eager_by_graph``; nothing unless every plan was accepted
@@ -166,10 +183,7 @@ def eager_by_graph(sequence: tuple[str, ...], terms: Sequence[tuple[int, int, in
         excess = max(peak_bytes - max(totals, default=0), 0)
         return {slot: (excess, 0) for slot in sequence}
     eager: dict[str, list[int]] = {slot: [0, 0] for slot in sequence}
-    # what each graph holds for its backward, as the window sees it: the first graph's inputs (counted in what it
-    # holds) are the step's batch, resident before the window opened (if eager code made them in the step, they are
-    # eager memory, and counted as such)
-    held = [max(t[0] - (t[1] if k == 0 else 0), 0) for k, t in enumerate(terms)]
+    held = held_for_backward(terms)
     for k, slot in enumerate(sequence):
         during = max(phase_peaks.get(f"fwd-enter:{slot}", 0), phase_peaks.get(f"bwd-enter:{slot}", 0)) - totals[k]
         after = phase_peaks.get(f"fwd-exit:{slot}", 0) - sum(held[:k + 1])
@@ -179,6 +193,29 @@ def eager_by_graph(sequence: tuple[str, ...], terms: Sequence[tuple[int, int, in
             previous = sequence[k - 1]
             eager[previous][1] = max(eager[previous][1], after_backward)
     return {slot: (during, after) for slot, (during, after) in eager.items()}
+
+
+def held_for_backward(terms: Sequence[tuple[int, int, int, int]]) -> list[int]:
+    """What each graph of a step (``terms``: ``step_totals``') holds for its backward as a step's window sees it:
+    its held bytes, less the first graph's inputs (the step's batch, resident before the window opens; made by eager
+    code in the step, they are eager memory and counted as such). Pure."""
+    return [max(t[0] - (t[1] if k == 0 else 0), 0) for k, t in enumerate(terms)]
+
+
+def predicted_with_eager(terms: Sequence[tuple[int, int, int, int]], eager: Sequence[tuple[int, int]]) -> int:
+    """The predicted peak of a step whose graphs bring ``terms`` (forward order: held, inputs, gradients and the peak
+    each plan was accepted on, ``StepAccount.step_terms``) next to what its eager code was measured to hold by graph,
+    ``eager[k]`` = (during graph k's run, after its forward; ``StepAccount.eager_of``, what eager code made before
+    the first graph included): the largest, over graph k, of ``step_totals``' k-th total plus what eager code held
+    during k's run, and of what graphs 0..k hold for their backwards (``held_for_backward``) plus what it held after
+    k's forward. These are the phases ``eager_by_graph`` reads a measured step by, so each phase it measured is
+    predicted at what it measured, except what it rounds off (``EAGER_NOISE_FRACTION``) and, for the phase between
+    a graph's backward and the next one's (charged to the earlier graph's "after its forward"), the gradients the
+    later backwards made. A graph's plan made next to its eager-loss reserve has that reserve in its peak, so the
+    second form is then within the first. With no eager memory noted, ``composed_peak_bytes``. Pure."""
+    totals, held = step_totals(terms), held_for_backward(terms)
+    return max((max(total + during, sum(held[:k + 1]) + after)
+                for k, (total, (during, after)) in enumerate(zip(totals, eager))), default=0)
 
 
 def after_forward_reserve(during_bytes: int, after_bytes: int, input_bytes: int) -> int:

@@ -20,7 +20,7 @@ import remat
 from remat.measure import close_open_window
 from remat.step_phases import peaks_by_phase
 from remat.step_budget import StepGraph, with_eager
-from remat.step_eager import FIRST_STEP_ACTION, after_forward_reserve, eager_by_graph
+from remat.step_eager import FIRST_STEP_ACTION, after_forward_reserve, eager_by_graph, predicted_with_eager
 from remat.testing import corpus
 
 # (time_ns, size, address) allocation events and (time_ns, name) phases -> the most live in each phase
@@ -63,6 +63,30 @@ def test_eager_memory_is_read_by_phase_against_what_the_plans_hold_there():
 def test_without_phases_the_step_peak_beyond_the_composed_one_is_charged_to_every_graph():
     assert eager_by_graph(("g0", "g1"), TERMS, 100, None) == {"g0": (15, 0), "g1": (15, 0)}
     assert eager_by_graph(("g0", "g1"), TERMS, 80, None) == {"g0": (0, 0), "g1": (0, 0)}
+
+
+def test_the_step_prediction_counts_eager_memory_in_the_phase_it_was_held():
+    """``predicted_with_eager``: each graph's total (TERMS: 66 and 85) plus what eager code held during its run, or what
+    the graphs up to it hold for their backwards (g0: 30, g1: 10) plus what it held after its forward, the largest."""
+    assert predicted_with_eager(TERMS, [(0, 0), (0, 0)]) == 85                     # the plans composed
+    assert predicted_with_eager(TERMS, [(20, 0), (0, 0)]) == 66 + 20               # during g0's run
+    assert predicted_with_eager(TERMS, [(0, 0), (3, 0)]) == 85 + 3                 # during g1's run
+    assert predicted_with_eager(TERMS, [(0, 90), (0, 0)]) == 30 + 90               # after g0's forward: g0 holds 30
+    assert predicted_with_eager(TERMS, [(0, 0), (0, 70)]) == 30 + 10 + 70          # after g1's: both hold theirs
+    assert predicted_with_eager(TERMS, [(0, 40), (0, 40)]) == 85                   # under the plans' own peaks
+
+
+def test_the_step_prediction_gives_back_the_phases_eager_memory_was_read_from():
+    """A measured step read by phase (``eager_by_graph``) and predicted from what it read (``predicted_with_eager``)
+    gives back the step's largest phase before the backwards: the two read the phases alike (the phases after a
+    backward, whose later gradients the prediction does not count, are left at what the plans hold there)."""
+    sequence = ("g0", "g1")
+    for phases in ({"fwd-enter:g0": 66, "fwd-exit:g0": 42, "fwd-enter:g1": 88, "fwd-exit:g1": 60},
+                   {"fwd-enter:g0": 80, "fwd-exit:g0": 30, "fwd-enter:g1": 85, "fwd-exit:g1": 140},
+                   {"fwd-enter:g0": 66, "fwd-exit:g0": 200, "fwd-enter:g1": 85, "fwd-exit:g1": 40}):
+        quiet_backwards = {"bwd-enter:g1": 85, "bwd-exit:g1": 36, "bwd-enter:g0": 66, "bwd-exit:g0": 10}
+        eager = eager_by_graph(sequence, TERMS, max(phases.values()), dict(phases, **quiet_backwards))
+        assert predicted_with_eager(TERMS, [eager[s] for s in sequence]) == max(phases.values()), (phases, eager)
 
 
 @pytest.mark.parametrize(("during", "after", "inputs", "reserve"), [
@@ -125,6 +149,11 @@ def test_a_step_with_eager_code_around_its_graphs_fits_from_its_second_step():
         budget = refused.min_budget_bytes
         peaks, backend = _steps_within(entry, budget)
     assert max(peaks) <= budget, (peaks, budget)
+    # the step's prediction, with what its eager code was measured to hold, is what the step then measures (within
+    # the check's 1%: the plans' composition alone is 10-20% under it on such nets, fidelity-breaks-d-cpu.md)
+    predicted = backend.predicted_step_peak_bytes()
+    print(f"budget {budget} B: steps measured {peaks}, predicted {predicted}")
+    assert predicted is not None and abs(predicted - peaks[-1]) <= 0.01 * peaks[-1], (predicted, peaks)
     first = [e for e in backend.feedback_events if e.step == 0 and str(e.action).startswith(FIRST_STEP_ACTION)]
     assert first and first[0].measured_peak_bytes is not None, backend.feedback_events
     assert "during" in first[0].action or "after" in first[0].action, first[0].action

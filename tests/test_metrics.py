@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import remat
+from remat.feedback_verdict import accepted_peak_bytes
 from remat.metrics import MonitorOptions, StepMetrics, StepMonitor, check_step
 from remat.testing.zoo import MLP
 
@@ -156,7 +157,7 @@ def test_times_are_separate_and_predictions_come_from_the_plan(tiny):
     assert m.forward_s > 0 and m.backward_s > 0
     assert m.step_s == pytest.approx(m.forward_s + m.backward_s, abs=1e-9)
     assert m.budget_bytes == plan.budget_bytes == 50_000_000
-    assert m.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert m.predicted_peak_bytes == accepted_peak_bytes(tiny["backend"].compiled_graphs[0])   # the number it stands on
     assert m.predicted_extra_s == plan.est_extra_time_s
     assert m.peak_bytes is None and not m.profiled
 
