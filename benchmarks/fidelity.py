@@ -24,7 +24,8 @@ built fresh from the entry's seed (same parameters and inputs) and run for three
   the probe, without compiling; ``--fractions`` names others, ``--fractions none`` none), and with
   ``--floor-point``, ``floor``: at the floor itself, and
   ``floor-named``, where the floor was refused once its steps ran (the closed loop's refusal, naming a
-  budget): at the budget that refusal named, as a user retrying would.
+  budget): at the budget that refusal named, as a user retrying would; with ``--floor-retries N``, up to N
+  such retries (``floor-named-2`` at what ``floor-named``'s refusal named, ...), until one is accepted.
 - ``checkpoint``: full per-block checkpointing (``entry.build(checkpoint_blocks=True)``, non-
   reentrant ``torch.utils.checkpoint``) under plain Inductor, for models with repeated blocks.
 
@@ -92,7 +93,9 @@ by its loss graph.
 Per remat point: the plans' predicted step peak (one graph: its ``predicted_peak_bytes``; several,
 in compile (= forward) order, composed as remat composes a step split at graph breaks:
 ``max_k(held by graphs before k + k's activation inputs + later graphs' gradients + peak of k)``,
-``predicted_step_peak``),
+``predicted_step_peak``; and remat's own prediction of such a step, ``step_predicted_bytes``: the
+same composition next to what the step's eager code was measured to hold, which the report takes as
+the accepted prediction where a row has it),
 the measured peak of step 1 (the compiling step, measured around the call) and of step 3
 (``remat.measure_peak_bytes``), measured / budget, and the largest relative gradient error of
 steps 1 and 3 against plain's (``benchmarks/common.max_relative_grad_error``). When
@@ -207,8 +210,12 @@ def _plans_summary(backend: Any) -> dict[str, Any]:
     saved = [p.saved_bytes for p in plans]
     inputs = [getattr(g, "input_activation_bytes", 0) for g in records]
     grads = [getattr(g, "param_grad_bytes", 0) for g in records]
+    step_predicted = getattr(backend, "predicted_step_peak_bytes", None)
     return {
         "graphs": [g.graph_id for g in records],
+        # remat's own prediction of a step of several graphs: the running plans composed next to the eager memory
+        # its steps measured (RematBackend.predicted_step_peak_bytes); None for one graph, or a remat without it
+        "step_predicted_bytes": step_predicted() if callable(step_predicted) else None,
         "records": len(getattr(backend, "compiled_graphs", [])),
         "predicted_peak_bytes": predicted_step_peak([p.predicted_peak_bytes for p in plans], saved, inputs, grads),
         "accepted_peak_bytes": predicted_step_peak(accepted, saved, inputs, grads),
@@ -424,7 +431,7 @@ class ModelRun:
         self.write("probe", error="a 1 kB budget was accepted")
         return None
 
-    def run(self, fractions: tuple[float, ...], floor_point: bool) -> None:
+    def run(self, fractions: tuple[float, ...], floor_point: bool, retries: int = 1) -> None:
         loop = loop_supported()
         measure_first = not loop or self.profile_first_step
         if self.autocast_dtype is not None or self.model_dtype is not None:
@@ -448,12 +455,16 @@ class ModelRun:
                 continue
             self.measure(f"{fraction:g}", make_backend(budget / 1e9), budget, measure_first=measure_first)
         if floor_point and floor is not None:
-            at_floor = self.measure("floor", make_backend(floor / 1e9), floor, measure_first=measure_first)
-            named = at_floor.get("min_budget_bytes")
-            if str(at_floor.get("error", "")).startswith("infeasible") and named and named > floor:
-                # refused once its steps ran (the probe cannot see what only a run shows, e.g. runs that stack):
-                # the budget that refusal named, as a user retrying would
-                self.measure("floor-named", make_backend(named / 1e9), named, measure_first=measure_first)
+            from fidelity_report import RETRY_POINTS
+
+            row, budget = self.measure("floor", make_backend(floor / 1e9), floor, measure_first=measure_first), floor
+            for point in RETRY_POINTS[:retries]:
+                named = row.get("min_budget_bytes")
+                if not (str(row.get("error", "")).startswith("infeasible") and named and named > budget):
+                    break
+                # refused once its steps ran (the probe cannot see what only a run shows, e.g. runs that stack, or a
+                # step's later graphs): the budget that refusal named, as a user retrying would
+                row, budget = self.measure(point, make_backend(named / 1e9), named, measure_first=measure_first), named
         if self.entry.has_repeated_blocks and not self.user_checkpointing:   # (plain is checkpointed already)
             self.measure("checkpoint", "inductor", None, checkpoint_blocks=True)
         self.write("done", plain_peak_bytes=self.plain_peak, floor_bytes=floor, loop_supported=loop,
@@ -515,6 +526,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--md", type=Path, default=None, help="the table (default: the .jsonl's name with .md)")
     parser.add_argument("--floor-point", action="store_true", help="also compile and measure at the floor itself")
+    parser.add_argument("--floor-retries", type=int, default=1, choices=range(1, 6),
+                        help="with --floor-point: retries at the budget each refusal names, until one is accepted")
     parser.add_argument("--fractions", type=parse_fractions, default=FRACTIONS,
                         help="budgets as fractions of plain's peak, e.g. 0.9,0.7 (default 0.9,0.7,0.5); 'none': "
                              "no fraction (with --floor-point: plain, no budget, the floor and checkpointing)")
@@ -552,7 +565,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ModelRun(entry, args.out, DTYPES.get(args.autocast), args.freeze, args.user_checkpointing,
                  args.profile_first_step, args.runs_per_step, args.micro_batches, args.channels_last,
                  DTYPES.get(args.model_dtype), args.eager_cross_entropy).run(
-                     args.fractions, args.floor_point)
+                     args.fractions, args.floor_point, args.floor_retries)
         return 0
     if not args.report_only:
         run_all(args, entries)
@@ -617,7 +630,7 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
                "--seeds", ",".join(map(str, args.seeds)), "--cnn-seeds", ",".join(map(str, args.cnn_seeds)),
                "--hf-seeds", ",".join(map(str, args.hf_seeds)), "--hf-vocab", str(args.hf_vocab),
                "--break-seeds", ",".join(map(str, args.break_seeds))] \
-        + (["--floor-point"] if args.floor_point else []) \
+        + (["--floor-point", "--floor-retries", str(args.floor_retries)] if args.floor_point else []) \
         + ["--fractions", ",".join(map(str, args.fractions)) or "none"] \
         + (["--autocast", args.autocast] if args.autocast else []) + (["--freeze", args.freeze] if args.freeze else []) \
         + (["--user-checkpointing"] if args.user_checkpointing else []) + (["--profile-first-step"] if args.profile_first_step else []) \

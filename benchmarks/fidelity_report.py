@@ -25,7 +25,10 @@ from typing import Any, Optional
 
 GRAD_TOL = 1e-4
 ACCURACY_RATIO_TOL = 2.0
-BUDGET_POINTS = ("0.9", "0.7", "0.5", "floor", "floor-named")   # floor-named: the budget a refused floor named
+# floor-named: the budget a refused floor named; floor-named-<n>: the n-th retry's, at what the one before named
+# (fidelity.py --floor-retries)
+RETRY_POINTS = ("floor-named",) + tuple(f"floor-named-{n}" for n in range(2, 6))
+BUDGET_POINTS = ("0.9", "0.7", "0.5", "floor") + RETRY_POINTS
 FRACTION_POINTS = ("0.9", "0.7", "0.5")
 
 
@@ -92,7 +95,11 @@ def final_plans(row: dict[str, Any]) -> dict[str, Any]:
     grads = [(plans.get("graph_param_grad_bytes") or zeros)[i] for i in keep]
     accepted = [checked[i] if checked[i] is not None else simulated[i] for i in keep]
     plans["predicted_peak_bytes"] = predicted_step_peak([simulated[i] for i in keep], saved, inputs, grads)
-    plans["accepted_peak_bytes"] = predicted_step_peak(accepted, saved, inputs, grads)
+    plans["accepted_peak_bytes"] = plans["graphs_accepted_peak_bytes"] = predicted_step_peak(accepted, saved, inputs, grads)
+    if plans.get("step_predicted_bytes") is not None:
+        # a step of several graphs: remat's own prediction, next to the eager memory its steps measured, is the
+        # number it accepted the step on (rows written before session 46 have none: the graphs alone)
+        plans["accepted_peak_bytes"] = plans["step_predicted_bytes"]
     plans["peak_step"] = [plans["peak_step"][i] for i in keep] if plans.get("peak_step") else []
     plans["judgement"] = [(plans.get("judgement") or [None] * len(ids))[i] for i in keep]
     return plans
@@ -152,15 +159,44 @@ def _accepted_floor(points: dict[str, dict[str, Any]]) -> tuple[Optional[int], O
     accepted, (None, None, the last budget named)."""
     named = (points.get("probe") or {}).get("floor_bytes")
     accepted = [(row["budget_bytes"], row.get("measured_later_bytes"), point) for point, row in points.items()
-                if point in ("floor", "floor-named") + FRACTION_POINTS and row.get("budget_bytes") and not row.get("error")]
+                if point in ("floor",) + RETRY_POINTS + FRACTION_POINTS and row.get("budget_bytes") and not row.get("error")]
+    tried = [p for p in ("floor",) + RETRY_POINTS if p in points]
     if not accepted:
-        last = (points.get("floor-named") or {}).get("min_budget_bytes") or (points.get("floor") or {}).get("min_budget_bytes")
-        return None, None, f"none accepted: the retry at {_mb((points.get('floor-named') or {}).get('budget_bytes'))} " \
-                           f"named {_mb(last)}" if last else ""
+        last = (points.get(tried[-1]) or {}) if tried else {}
+        return None, None, (f"none accepted: the retry at {_mb(last.get('budget_bytes'))} named "
+                            f"{_mb(last.get('min_budget_bytes'))}" if last.get("min_budget_bytes") else "")
     budget, at_floor, point = min(accepted, key=lambda a: a[0])
-    note = {"floor": "", "floor-named": f" (retry; probe {_mb(named)})"}.get(
-        point, f" (the {point} point; the probe's {_mb(named)} and its retry were refused)")
+    retries = {p: f" (retry {k}; probe {_mb(named)})" if k > 1 else f" (retry; probe {_mb(named)})"
+               for k, p in enumerate(RETRY_POINTS, 1)}
+    note = {"floor": "", **retries}.get(
+        point, f" (the {point} point; the probe's {_mb(named)} and its "
+               f"{'retry' if len(tried) == 2 else f'{len(tried) - 1} retries'} were refused)")
     return budget, at_floor, note
+
+
+def floor_retries(points: dict[str, dict[str, Any]]) -> Optional[int]:
+    """How many budgets named by refusals a model's floor chain tried before one was accepted: 0 for the probe's
+    own (``floor``), 1 for ``floor-named``, n for ``floor-named-<n>``; None where none was (or the chain was not
+    run)."""
+    for k, point in enumerate(("floor",) + RETRY_POINTS):
+        row = points.get(point)
+        if row is None:
+            return None
+        if row.get("budget_bytes") and not row.get("error"):
+            return k
+    return None
+
+
+def _chains_line(chains: dict[str, Optional[int]]) -> str:
+    """The floor chains (``floor_retries``) in words: how many models were accepted after how many retries."""
+    counts: dict[Optional[int], list[str]] = {}
+    for model, retries in chains.items():
+        counts.setdefault(retries, []).append(model)
+    parts = [f"after {k} retr{'y' if k == 1 else 'ies'}: {len(ms)}" for k, ms in sorted(
+        (k, ms) for k, ms in counts.items() if k is not None)]
+    if None in counts:
+        parts.append(f"none accepted in the retries run: {len(counts[None])} ({', '.join(counts[None])})")
+    return "- floor chains (each retry at the budget the last refusal named, as a user retrying would): " + "; ".join(parts)
 
 
 def _floor_rows(models: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], dict[str, int]]:
@@ -202,6 +238,8 @@ def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
             if p in ("none",) + BUDGET_POINTS and not row.get("error")]
     errors = [e for e in map(error_of, rows) if e is not None]
     simulated = [e for e in (error_of(r, "predicted_peak_bytes") for r in rows) if e is not None]
+    stepped = [r for r in rows if final_plans(r).get("step_predicted_bytes") is not None]
+    graphs_alone = [e for e in (error_of(r, "graphs_accepted_peak_bytes") for r in stepped) if e is not None]
     budgeted = [r for r in rows if r.get("budget_bytes") and r.get("measured_later_bytes")]
     over = [r for r in budgeted if r["measured_later_bytes"] > r["budget_bytes"]]
     # a point refused after its first step ran (the loop measured it over and found no plan) counts there too
@@ -217,8 +255,10 @@ def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     failed = [row for points in models.values() for p, row in points.items()
               if p in ("plain", "none", "checkpoint") + BUDGET_POINTS and (row.get("error") or "").startswith("failed")]
     floor_points = {m: points["floor"] for m, points in models.items() if "floor" in points}
+    chains = {m: floor_retries(points) for m, points in models.items() if "floor" in points}
     return {
         "floor_points": len(floor_points),
+        "floor_chains": chains,
         "floor_refused": {m: row.get("min_budget_bytes") for m, row in floor_points.items()
                           if (row.get("error") or "").startswith("infeasible")},
         "points": len(rows), "budgeted": len(budgeted), "over_budget_step3": len(over), "over_budget_step1": len(over_first),
@@ -232,6 +272,10 @@ def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         "sim_abs_error_median": statistics.median(map(abs, simulated)) if simulated else None,
         "sim_abs_error_p95": quantile([abs(e) for e in simulated], 0.95) if simulated else None,
         "sim_abs_error_max": max(map(abs, simulated)) if simulated else None,
+        "stepped_points": len(stepped),
+        "graphs_abs_error_median": statistics.median(map(abs, graphs_alone)) if graphs_alone else None,
+        "graphs_abs_error_p95": quantile([abs(e) for e in graphs_alone], 0.95) if graphs_alone else None,
+        "graphs_abs_error_max": max(map(abs, graphs_alone)) if graphs_alone else None,
         "under_predicted": sum(1 for e in errors if e < 0),
         "grad_mismatch": sum(1 for g in grads if g is None or not g <= GRAD_TOL),
         "failed_points": len(failed),
@@ -395,7 +439,11 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"- remat points compiled: {s['points']} ({s['budgeted']} with a budget); failed points (plain, remat or checkpoint): {s['failed_points']}",
         f"- predicted vs measured (step 3), |error|: median {_pct(s['abs_error_median'])}, p95 {_pct(s['abs_error_p95'])}, "
         f"max {_pct(s['abs_error_max'])}; signed median {_pct(s['error_median'])}; under-predicted on {s['under_predicted']} points "
-        "(the peak the plan was accepted on: Inductor-checked where remat checked it, else simulated)",
+        "(the peak the plan was accepted on: Inductor-checked where remat checked it, else simulated; for a step of "
+        "several graphs, remat's step prediction next to the eager memory its steps measured, where the row has one)",
+        *([f"- of those, the {s['stepped_points']} points whose step has several graphs, their plans composed without "
+           f"the eager memory, |error|: median {_pct(s['graphs_abs_error_median'])}, p95 {_pct(s['graphs_abs_error_p95'])}, "
+           f"max {_pct(s['graphs_abs_error_max'])}"] if s.get("stepped_points") else []),
         f"- the simulator alone, |error|: median {_pct(s['sim_abs_error_median'])}, p95 {_pct(s['sim_abs_error_p95'])}, "
         f"max {_pct(s['sim_abs_error_max'])}",
         f"- over budget at step 3: {s['over_budget_step3']} of {s['budgeted']} (worst measured / budget "
@@ -408,6 +456,8 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
            if accuracy_ratios(models) else ""),
         f"- floor points refused at the budget the probe named (it must be accepted): {len(s['floor_refused'])} of "
         f"{s['floor_points']}" + "".join(f"; {m} then named {_mb(b)} MB" for m, b in s["floor_refused"].items()),
+        *([_chains_line(s["floor_chains"])] if any(p.startswith("floor-named-") for ps in models.values() for p in ps)
+          else []),
         f"- floor (the smallest budget accepted: the probe's, the retry's where the probe's was refused, or a fraction's "
         f"where both were: then only an upper bound of the floor) above plain "
         f"Inductor's measured peak: {floors['floor_above_plain']} of {floors['models']} models; "
