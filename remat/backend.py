@@ -37,6 +37,7 @@ from .distributed_fit import fit_plan, held_bytes_of, record_graph, share_for_gr
 from .distributed_errors import ShareInfeasibleError
 from .errors import BudgetInfeasibleError
 from .measure import mark_compile
+from .window_runs import abandon_step
 from .feedback import FeedbackEvent, VerifiedGraph
 from .feedback_store import Correction, graph_key, read_correction, write_correction
 from .inductor_verdict import check_may_overrule, check_rule, refusal_for, share_check_target
@@ -106,6 +107,9 @@ class RematBackend:
         mark_compile(started=True)     # inside a measured step (its first run): not the step's memory
         try:
             return self._compile(gm, example_inputs)
+        except BaseException:
+            abandon_step("its step was abandoned: an exception (a refusal?) left a graph's compile")
+            raise
         finally:
             self._replan.follows = False
             mark_compile(started=False)

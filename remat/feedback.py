@@ -16,10 +16,9 @@ remat graph ran inside the window (a graph break: the window's peak is then not 
 once the step's graphs are known, one window measures the whole step instead: remat/step_loop.py),
 or when another run's backward is pending at its entry (no CPU window opens mid-step: ``_mid_step``; a forward
 kept without its backward, a validation pass outside ``torch.no_grad()``, holds every later call so),
-or when a DDP/FSDP2 graph is called again before its backward ran (FSDP2's units, whose ledger
-counts their runs: then the window of its last call in the step is the one measured); after
-``MAX_UNMEASURED`` such steps in a row the graph stops trying ("not measured: <why>"), so such
-graphs cost the profiler on a few steps only.
+or when a DDP/FSDP2 graph is called again before its backward ran (FSDP2's units, whose ledger counts their runs:
+then the window of its last call in the step is the one measured); after ``MAX_UNMEASURED`` such steps in a row the
+graph stops trying ("not measured: <why>"), so such graphs cost the profiler on a few steps only.
 
 A graph planned for one run per step that runs again before its backward (the same model called
 twice in a step: contrastive views, R-Drop; one compiled block run once per layer: "regional
@@ -30,41 +29,34 @@ runs), and is judged against the plan's stacked prediction (``stacked_prediction
 the correction carries the runs, and the re-plan (and a later process, from the store) plans the graph
 for them (``runs_share.runs_share``). A run whose backward never ran in the window (a forward whose
 loss was not backpropagated) makes the window unmeasured; one whose autograd graph was freed is not
-joined. Until session 34 the second run spoiled the window and the next one measured only the last run
-(the earlier runs' memory counted as its baseline): a zoo GPT with its four blocks compiled apart
-measured 1.43x a budget of 70% of plain Inductor's peak on every step, with no word but a "not
-measured" event.
+joined. An exception that leaves a call or a compile (a refusal) closes the window open on the thread,
+unmeasured (``window_runs.abandon_step``): the next step, a retry's, is measured.
 
-A step that accumulates gradients over several forward and backward passes (micro-batches) holds, from its
-second pass on, the gradients the earlier passes left: the step's memory, below the window's baseline. A plan's
-first step is watched for a call whose parameters hold such gradients (``accumulated_grads.AccumulationWatch``);
-that call is measured too, the gradients added to its measured and predicted peaks, and over the budget the
-correction carries them: the graph is re-planned next to them (``runs_share.runs_share``'s outside bytes).
+A step that accumulates gradients over several forward and backward passes (micro-batches) holds, from its second
+pass on, the gradients the earlier passes left: the step's memory, below the window's baseline. A plan's first step
+is watched for a call whose parameters hold such gradients (``accumulated_grads.AccumulationWatch``); that call is
+measured too, the gradients added to its measured and predicted peaks, and over the budget the correction carries
+them: the graph is re-planned next to them (``runs_share.runs_share``'s outside bytes).
 
-Then ``feedback_verdict.judge`` compares the measured peak with the plan's budget (within it, re-planned,
-stored for the next compile, or best effort: that module says when each). A graph whose outputs feed a loss outside
-it is also told what that loss held between its forward and backward, measured in the same window, and re-planned for
-it where its plan reserved much more, or ran over by what the loss held above the reserve (``eager_loss.py``).
+Then ``feedback_verdict.judge`` compares the measured peak with the plan's budget (within it, re-planned, stored for
+the next compile, or best effort: that module says when each). A graph whose outputs feed a loss outside it is also
+told what that loss held between its forward and backward, measured in the same window, and re-planned for it where
+its plan reserved much more, or ran over by what the loss held above the reserve (``eager_loss.py``).
 
-Every factor is stored on disk (``feedback_store``): the next process, and any later compile of
-the same graph under the same plan options in this one, plans at the corrected target first.
+Every factor is stored on disk (``feedback_store``): the next process, and any later compile of the same graph
+under the same plan options in this one, plans at the corrected target first. What it guarantees, and when a step may still run over the budget: with the loop on, a graph
+whose plan measures over budget runs over on exactly one step, the measured one (the first after its compile: it
+is how the error is found), plus one step per further re-plan whose new plan still measures over (at most
+``MAX_REPLANS``); in a later process a stored correction makes the first step plan right. With CPU measurement
+skipped (another profiler running, no backward) the discovery moves to the next step measured. Dynamic-shape and
+DDP/FSDP2 graphs keep running over until they are next compiled. With ``verify_peak=0`` nothing is measured and
+only corrections already stored apply. Gradients a step's earlier backwards left (gradient accumulation) do not make
+a step run over where the plan's accepted peak next to them says it would: the call that finds them is re-planned
+next to them before it runs (``_replan_next_to``; a step at graph breaks at its first entry, ``step_loop``), or
+refused there.
 
-What it guarantees, and when a step may still run over the budget: with the loop on, a graph
-whose plan measures over budget runs over on exactly one step, the measured one (the first
-after its compile: it is how the error is found), plus one step per further re-plan whose new
-plan still measures over (at most ``MAX_REPLANS``); in a later process a stored correction makes
-the first step plan right. With CPU measurement skipped (another profiler running, no
-backward) the discovery moves to the next step measured. Dynamic-shape and DDP/FSDP2 graphs
-keep running over until they are next compiled. With ``verify_peak=0`` nothing is measured
-and only corrections already stored apply. Gradients a step's earlier backwards left (gradient
-accumulation) do not make a step run over where the plan's accepted peak next to them says it would:
-the call that finds them is re-planned next to them before it runs (``_replan_next_to``; a step at
-graph breaks at its first entry, ``step_loop``), or refused there.
-
-Reusing it: ``VerifiedGraph.request_replan(correction)`` re-plans that graph at its next call
-at ``correction.corrected_target(base target)``, or earlier through ``replan_ahead`` (on fake
-inputs); a step-wide budget across graph breaks can judge a whole step and call them on the
-graphs it chooses.
+Reusing it: ``VerifiedGraph.request_replan(correction)`` re-plans that graph at its next call at
+``correction.corrected_target(base target)``, or earlier through ``replan_ahead`` (on fake inputs).
 """
 
 from __future__ import annotations
@@ -87,7 +79,7 @@ from .feedback_verdict import (FORESEEN_ACTION, FeedbackEvent, accepted_as_fitti
 from .eager_loss import STORED_ACTION, eager_loss_correction, measured_eager_loss_bytes, output_bytes
 from .measure import BACKWARD_STARTED_MARKER, FORWARD_RETURNED_MARKER, StepWindow, open_window
 from .accumulated_grads import AccumulationWatch
-from .window_runs import RunInFlight, WindowRuns, runs_in_flight
+from .window_runs import RunInFlight, WindowRuns, abandon_step, runs_in_flight
 
 log = logging.getLogger("remat")
 
@@ -183,6 +175,13 @@ class VerifiedGraph:
         return True
 
     def __call__(self, *args: Any) -> Any:
+        try:
+            return self._call(*args)
+        except BaseException:
+            abandon_step(f"its step was abandoned: an exception left a call of {self.record.graph_id}")
+            raise
+
+    def _call(self, *args: Any) -> Any:
         joined, mid_step, own_spoiled = self._settle_open_window()
         step = next(self._calls)
         if self._specs is None and self._recompile is not None:

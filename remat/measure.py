@@ -400,6 +400,15 @@ def close_open_window() -> None:
         window.close()
 
 
+def discard_open_window(why: str) -> None:
+    """Close the ``StepWindow`` open on this thread, if any, its measurement discarded (``spoil``: its owner hears
+    None and ``why``): the step it measured was abandoned (call outside the autograd engine)."""
+    window = open_window()
+    if window is not None:
+        window.spoil(why)
+        window.close()
+
+
 # A window still open when the interpreter exits (a script that ends right after a measured
 # step's backward, where the engine hook did not close it) is closed first: a profiler running
 # into interpreter teardown crashes the process.

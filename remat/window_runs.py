@@ -15,7 +15,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 from .engine_return import when_the_engine_returns
-from .measure import StepWindow
+from .measure import StepWindow, discard_open_window
 
 
 class WindowRuns:
@@ -121,4 +121,16 @@ def runs_in_flight() -> int:
     return len(alive)
 
 
-__all__ = ["RunInFlight", "WindowRuns", "runs_in_flight"]
+def abandon_step(why: str) -> None:
+    """An exception left a step on this thread in its forward (a refusal raised at a graph's compile or re-plan, an
+    error in compiled code): the window open on this thread is closed with its measurement discarded (``why``), and
+    the runs in flight are forgotten, so that the next step, a retry's in the same process, is measured. Before
+    session 46 the window stayed open and every later window on the thread was refused: in the corpus's floor retries,
+    run in one process after a refusal in the first step, two budgets measured 1.062x and 1.079x at step 3 with
+    nothing noticing. An exception raised in eager code between a step's graphs leaves the window open until the
+    next ``optimizer.step()`` or ``measure_peak_bytes``, as before."""
+    discard_open_window(why)
+    _THREAD.runs = []
+
+
+__all__ = ["RunInFlight", "WindowRuns", "abandon_step", "runs_in_flight"]

@@ -513,3 +513,41 @@ def test_a_measured_step_over_the_budget_re_plans_every_graph(scaled_simulator):
     assert all(g.correction is not None and g.correction.factor == steps[0].factor for g in running.values())
     assert steps[-1].action == "within budget" and steps[-1].measured_peak_bytes <= backend.options.budget_bytes
     assert_grads_close(grads_of(model), plain_grads)
+
+
+@pytest.mark.e2e
+def test_a_step_a_refusal_abandons_leaves_the_next_backend_measuring(monkeypatch):
+    """A refusal raised at the compile of a step's second graph (here forced: the first graph's forward ran, its window
+    open) abandons the step: the window is closed unmeasured and the runs in flight forgotten
+    (``window_runs.abandon_step``), so a retry in the same process, a new backend, measures its first step. Before
+    session 46 the window stayed open: the retry's steps went unmeasured (in the corpus's floor retries, two budgets
+    measured 1.062x and 1.079x at step 3 with nothing noticing)."""
+    from remat._torch_dynamo import passthrough_error_class
+    from remat.backend import RematBackend
+    from remat.measure import open_window
+    from remat.window_runs import runs_in_flight
+
+    torch.manual_seed(0)
+    model, x = BrokenBlocks(1), torch.randn(512, 128)
+    compile_graph, compiles = RematBackend._compile, []
+
+    def refuse_the_second(self, gm, example_inputs):
+        compiles.append(gm)
+        if len(compiles) == 2:
+            raise passthrough_error_class(BudgetInfeasibleError)(BudgetInfeasibleError(
+                "refused (forced by the test)", budget_bytes=1, min_feasible_bytes=2, min_budget_bytes=2, reasons=()))
+        return compile_graph(self, gm, example_inputs)
+
+    monkeypatch.setattr(RematBackend, "_compile", refuse_the_second)
+    torch._dynamo.reset()
+    refused = remat.backend(budget_gb=0.05)
+    with pytest.raises(BudgetInfeasibleError, match="forced by the test"):
+        run_step(torch.compile(model, backend=refused), model, (x,))
+    assert len(compiles) == 2 and open_window() is None and runs_in_flight() == 0
+    monkeypatch.setattr(RematBackend, "_compile", compile_graph)
+    torch._dynamo.reset()
+    retry = remat.backend(budget_gb=0.05)
+    run_step(torch.compile(model, backend=retry), model, (x,))
+    close_open_window()
+    first = [e for e in retry.feedback_events if e.step == 0]
+    assert first and first[0].action.startswith(FIRST_STEP_ACTION) and first[0].measured_peak_bytes, retry.feedback_events
