@@ -237,6 +237,7 @@ def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     rows = [row for points in models.values() for p, row in points.items()
             if p in ("none",) + BUDGET_POINTS and not row.get("error")]
     errors = [e for e in map(error_of, rows) if e is not None]
+    budgeted_errors = [e for e in (error_of(r) for r in rows if r.get("budget_bytes")) if e is not None]
     simulated = [e for e in (error_of(r, "predicted_peak_bytes") for r in rows) if e is not None]
     stepped = [r for r in rows if final_plans(r).get("step_predicted_bytes") is not None]
     graphs_alone = [e for e in (error_of(r, "graphs_accepted_peak_bytes") for r in stepped) if e is not None]
@@ -268,6 +269,10 @@ def summary(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         "abs_error_median": statistics.median(map(abs, errors)) if errors else None,
         "abs_error_p95": quantile([abs(e) for e in errors], 0.95) if errors else None,
         "abs_error_max": max(map(abs, errors)) if errors else None,
+        "budgeted_errors": len(budgeted_errors),
+        "budgeted_abs_error_median": statistics.median(map(abs, budgeted_errors)) if budgeted_errors else None,
+        "budgeted_abs_error_p95": quantile([abs(e) for e in budgeted_errors], 0.95) if budgeted_errors else None,
+        "budgeted_abs_error_max": max(map(abs, budgeted_errors)) if budgeted_errors else None,
         "error_median": statistics.median(errors) if errors else None,
         "sim_abs_error_median": statistics.median(map(abs, simulated)) if simulated else None,
         "sim_abs_error_p95": quantile([abs(e) for e in simulated], 0.95) if simulated else None,
@@ -441,6 +446,8 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
         f"max {_pct(s['abs_error_max'])}; signed median {_pct(s['error_median'])}; under-predicted on {s['under_predicted']} points "
         "(the peak the plan was accepted on: Inductor-checked where remat checked it, else simulated; for a step of "
         "several graphs, remat's step prediction next to the eager memory its steps measured, where the row has one)",
+        f"- of those, the {s['budgeted_errors']} points with a budget (a plan accepted under it), |error|: median "
+        f"{_pct(s['budgeted_abs_error_median'])}, p95 {_pct(s['budgeted_abs_error_p95'])}, max {_pct(s['budgeted_abs_error_max'])}",
         *([f"- of those, the {s['stepped_points']} points whose step has several graphs, their plans composed without "
            f"the eager memory, |error|: median {_pct(s['graphs_abs_error_median'])}, p95 {_pct(s['graphs_abs_error_p95'])}, "
            f"max {_pct(s['graphs_abs_error_max'])}"] if s.get("stepped_points") else []),
