@@ -31,6 +31,7 @@ from .cost_model.hardware import cache_dir, write_atomically
 from .options import RematOptions
 
 FEEDBACK_DIR_ENV_VAR = "REMAT_FEEDBACK_DIR"
+CHECK_SOURCE = "Inductor-checked: "   # a correction's source where Inductor's check made it (judge_loop), not a measurement
 STORE_SCHEMA = 1
 
 

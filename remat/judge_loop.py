@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from ._torch_dynamo import passthrough_error_class
 from .errors import BudgetInfeasibleError, raise_budget_hint
-from .feedback_store import Correction
+from .feedback_store import CHECK_SOURCE, Correction
 from .pipeline import (FREE_MINCUT_CANDIDATE, LEAN_CODE_GENERATION_CANDIDATE, NAMED_BUDGET_CANDIDATE,
                        SMALLEST_PEAK_CANDIDATE, refusal_candidates)
 from .inductor_check import CheckedPeak, checked_peak_of, trusted_peak_bytes
@@ -123,7 +123,7 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
                            record.base_target_bytes - (verdict.target_bytes - verdict.new_target_bytes))
         correction = Correction(record.base_target_bytes / max(corrected_bytes, 1), record.plan.budget_bytes,
                                 record.plan.predicted_peak_bytes, verdict.checked_peak_bytes, record.graph_id,
-                                f"Inductor-checked: {record.graph_id}'s generated code peaks at "
+                                f"{CHECK_SOURCE}{record.graph_id}'s generated code peaks at "
                                 f"{verdict.checked_peak_bytes} bytes where its plan simulated "
                                 f"{record.plan.predicted_peak_bytes} (target {verdict.target_bytes})")
         rejected += (verdict,)

@@ -104,9 +104,11 @@ def _terms(graphs: Sequence[StepGraph]) -> list[tuple[int, int, int, int]]:
 
 def step_overruns(graphs: tuple[StepGraph, ...]) -> tuple[int, ...]:
     """The positions k in a step's sequence (forward order) whose graph breaks
-    ``sum_{j<k} held_j + a_k + G_>k + p_k <= T_k`` (``step_totals``).
-    Pure: records in, positions out."""
-    return tuple(k for k, total in enumerate(step_totals(_terms(graphs))) if total > graphs[k].step_target_bytes)
+    ``sum_{j<k} held_j + a_k + G_>k + p_k <= T_k`` (``step_totals``; ``p_k`` the peak its plan stands on,
+    ``StepGraph.accepted_peak_bytes``: a plan Inductor's check read under its simulated peak is not re-planned for the
+    simulated one). Pure: records in, positions out."""
+    terms = [(held, inputs, grads, g.accepted_peak_bytes) for g, (held, inputs, grads, _) in zip(graphs, _terms(graphs))]
+    return tuple(k for k, total in enumerate(step_totals(terms)) if total > graphs[k].step_target_bytes)
 
 
 def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], step_target_bytes: int,
@@ -154,6 +156,7 @@ class StepAccount:
         self._floors: dict[str, tuple[int, int]] = {}   # slot -> (smallest peak, what that plan holds)
         # slot -> the most a measured step's eager code held (during its run, after its forward; step_eager.py)
         self._eager: dict[str, tuple[int, int]] = {}
+        self._prelude_bytes = 0      # the most of it that eager code made before the step's first graph (in every phase)
         self._pending: list[str] = []               # slots whose forward ran this step, backward not yet
         self._order: list[str] = []                 # forward order of this step so far
         self._spoiled = False                       # this step is not a sequence (a graph ran twice)
@@ -202,7 +205,10 @@ class StepAccount:
             if slot in self.sequence and len(self.sequence) > 1:
                 first, last = self.sequence.index(slot), len(self.sequence) - 1 - self.sequence[::-1].index(slot)
                 earlier = tuple(g for s in self.sequence[:first] if (g := self._graph(s)) is not None)
-                later = tuple(with_eager(with_check_error(g), *self._eager.get(s, (0, 0)))
+                # the prelude is in every graph's eager bytes: held outside this graph's plan (its outside bytes,
+                # through the whole step), it is not reserved again in the later graphs' (rand-brk-1522: 524 kB twice)
+                prelude = min(self._prelude_bytes, eager_step_bytes)
+                later = tuple(with_eager(with_check_error(g), *(max(b - prelude, 0) for b in self._eager.get(s, (0, 0))))
                               for s in self.sequence[last + 1:] if (g := self._graph(s)) is not None)
                 known, group_runs = True, last - first + 1
             else:
@@ -235,13 +241,15 @@ class StepAccount:
         return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows, graph_key, runs, accumulated,
                               eager)
 
-    def note_eager(self, slot: str, during_bytes: int, after_bytes: int) -> None:
+    def note_eager(self, slot: str, during_bytes: int, after_bytes: int, prelude_bytes: int = 0) -> None:
         """What a measured step's eager code held next to graph ``slot``, during its run and after its forward
-        (``step_eager.eager_by_graph``), kept as the most measured so far (``eager_of``): the graph's re-plans are made
-        next to it, and the earlier graphs' shares reserve it for that graph from now on."""
+        (``step_eager.eager_by_graph``, each with the ``prelude_bytes`` eager code made before the first graph), kept as
+        the most measured so far (``eager_of``): the graph's re-plans are made next to it, and the earlier graphs' shares
+        reserve it for that graph from now on, less the prelude where their own outside bytes count it already."""
         with self._lock:
             before = self._eager.get(slot, (0, 0))
             self._eager[slot] = (max(before[0], during_bytes), max(before[1], after_bytes))
+            self._prelude_bytes = max(self._prelude_bytes, prelude_bytes)
 
     def eager_of(self, slot: str) -> tuple[int, int]:
         """``note_eager``'s most for graph ``slot`` (during its run, after its forward), (0, 0) if none."""
@@ -318,10 +326,10 @@ class StepAccount:
             return None
         held = sum(g.held_bytes for g in earlier)
         grads = sum(g.param_grad_bytes for g in later)
-        total = held + graph.input_activation_bytes + grads + graph.predicted_peak_bytes
+        total = held + graph.input_activation_bytes + grads + graph.accepted_peak_bytes
         if total <= graph.step_target_bytes:
             return None
-        return (f"{graph.graph_id} peaks at {format_bytes(graph.predicted_peak_bytes)} next to "
+        return (f"{graph.graph_id} peaks at {format_bytes(graph.accepted_peak_bytes)} next to "
                 f"{format_bytes(held)} held by {len(earlier)} earlier graph(s) of the step, its inputs "
                 f"{format_bytes(graph.input_activation_bytes)} and later graphs' gradients {format_bytes(grads)}: "
                 f"{format_bytes(total)}, over the step target {format_bytes(graph.step_target_bytes)}")
@@ -381,7 +389,7 @@ class StepAccount:
             g = known[k]
             held, grads = sum(h.held_bytes for h in known[:k]), sum(h.param_grad_bytes for h in known[k + 1:])
             out[g.slot] = (f"{g.graph_id} (graph {k + 1} of {len(known)} in the step) peaks at "
-                           f"{format_bytes(g.predicted_peak_bytes)} next to {format_bytes(held)} held by earlier "
+                           f"{format_bytes(g.accepted_peak_bytes)} next to {format_bytes(held)} held by earlier "
                            f"graphs and {format_bytes(grads)} of later graphs' gradients, over the step target "
                            f"{format_bytes(g.step_target_bytes)}")
         return out

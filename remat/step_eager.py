@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .eager_loss import storage_bytes
-from .feedback_store import Correction
+from .feedback_store import CHECK_SOURCE, Correction
 from .feedback_verdict import accepted_peak_bytes
 from .measure import open_window
 from .step_budget import slot_of, step_totals
@@ -127,7 +127,7 @@ class StepEagerHooks:
                     for slot, (during, after) in measured.items()}
         eager = {slot: tuple(b if b >= noise else 0 for b in held) for slot, held in measured.items()}
         for slot, (during, after) in eager.items():
-            self.account.note_eager(slot, during, after)
+            self.account.note_eager(slot, during, after, self._prelude_bytes)
         return eager
 
     def _request_next_to_eager(self, wrapper: Any, asked: "Correction") -> None:
@@ -242,12 +242,32 @@ def step_name(sequence: tuple[str, ...]) -> str:
     return f"step:{sequence[0]}..{sequence[-1]}"
 
 
+CHECK_EXACT_FRACTION = 0.01   # a plan Inductor's check read within this fraction of its simulated peak: no error to keep
+
+
 def step_correction(record: Any, why: str) -> Correction:
     """The correction a step re-plan of the plan ``record`` (a ``CompiledGraph``) is made with: its
-    own feedback correction if it has one (the simulator's known error on it stays), else factor 1."""
+    own feedback correction if it has one (the simulator's known error on it stays), else factor 1. Except a
+    correction Inductor's check made for another plan (``CHECK_SOURCE``: a plan it rejected) where the check read the
+    plan that runs at its simulated peak (within ``CHECK_EXACT_FRACTION``): that error is not this plan's, and its
+    factor (under a share, the whole step target's) is dropped; what else it carries (runs, gradients, eager bytes)
+    stays. The re-plan is judged by the check again. (rand-brk-1522 at 70% of plain Inductor's peak, session 46: a
+    rejected plan checked 1.44x its simulation, the smallest plan that replaced it checked exactly, and every later
+    re-plan of the step still divided the step target by 1.468: refused, naming 3.24 MB.)"""
     old = record.correction
+    if old is not None and old.source.startswith(CHECK_SOURCE) and not _check_error_on(record):
+        return replace(old, factor=1.0, graph_id=record.graph_id, source=f"step budget: {why}", foreseen=True)
     if old is not None:
         return replace(old, graph_id=record.graph_id)
     plan = record.plan
     return Correction(1.0, plan.budget_bytes, plan.predicted_peak_bytes, plan.predicted_peak_bytes, record.graph_id,
                       f"step budget: {why}", foreseen=True)
+
+
+def _check_error_on(record: Any) -> bool:
+    """Whether Inductor's check read ``record``'s own plan more than ``CHECK_EXACT_FRACTION`` over its simulated peak
+    (no check: assumed so)."""
+    judgement = record.judgement
+    if judgement is None or judgement.checked_peak_bytes is None:
+        return True
+    return judgement.checked_peak_bytes > (1 + CHECK_EXACT_FRACTION) * record.plan.predicted_peak_bytes

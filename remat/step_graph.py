@@ -33,6 +33,11 @@ class StepGraph:
     asked_share: Optional[GraphShare] = None   # the share the plan was asked to fit (None: planned alone in its step)
     checked_peak_bytes: Optional[int] = None   # its plan's peak as Inductor's check read it (``note_checked``)
 
+    @property
+    def accepted_peak_bytes(self) -> int:
+        """The peak its plan stands on: as Inductor's check read it where it did, else as simulated."""
+        return self.predicted_peak_bytes if self.checked_peak_bytes is None else self.checked_peak_bytes
+
 
 def later_demand_bytes(later: tuple[StepGraph, ...], floor: bool = True) -> int:
     """What the later graphs of a step need next to what a graph holds (``piece_target``'s

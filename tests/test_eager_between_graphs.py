@@ -19,8 +19,9 @@ import torch
 import remat
 from remat.measure import close_open_window
 from remat.step_phases import peaks_by_phase
-from remat.step_budget import StepGraph, with_eager
-from remat.step_eager import FIRST_STEP_ACTION, after_forward_reserve, eager_by_graph, predicted_with_eager
+from remat.step_budget import StepAccount, StepGraph, with_eager
+from remat.step_eager import (FIRST_STEP_ACTION, after_forward_reserve, eager_by_graph, predicted_with_eager,
+                              step_correction)
 from remat.testing import corpus
 
 # (time_ns, size, address) allocation events and (time_ns, name) phases -> the most live in each phase
@@ -111,6 +112,45 @@ def test_a_later_graph_is_reserved_its_eager_memory_at_the_time_it_is_held():
     assert (raised.floor_peak_bytes, raised.no_remat_peak_bytes) == (max(60 + 30, 20 + 100), 120 + 100)
     raised = with_eager(graph, 30, 10)
     assert (raised.floor_peak_bytes, raised.no_remat_peak_bytes) == (60 + 30, 120 + 30)
+
+
+def test_the_prelude_is_reserved_once_where_the_share_holds_it_outside_the_graph():
+    """Eager code's prelude (made before the first graph, live in every phase) is in every graph's eager bytes; a share
+    that holds it outside its graph (its outside bytes) does not reserve it again in the later graphs' eager bytes."""
+    account = StepAccount()
+    for slot in ("g0", "g1"):
+        account.note_plan(StepGraph(slot, slot, 10, 5 if slot == "g1" else 0, 2, 10, 60, 1000, floor_peak_bytes=40,
+                                    floor_held_bytes=10, no_remat_peak_bytes=80))
+        account.forward_entered(slot)
+    assert account.backward_done("g1") is None and account.backward_done("g0") == ("g0", "g1")
+    account.note_eager("g0", 100, 100, prelude_bytes=100)
+    account.note_eager("g1", 130, 300, prelude_bytes=100)
+    alone = account.share_for("g0", 1000, 0, 2, 10)
+    outside = account.share_for("g0", 1000, 0, 2, 10, eager_step_bytes=100)
+    # g1 reserved at max(its floor + during, its floor's held + after), less its gradients, plus its inputs
+    assert alone.later_estimate_bytes == 5 + max(40 + 130, 10 + 300) - 2
+    assert outside.later_estimate_bytes == 5 + max(40 + 30, 10 + 200) - 2 and outside.outside_bytes == 100
+
+
+def test_a_step_re_plan_drops_the_checks_correction_of_a_plan_it_no_longer_runs():
+    """A correction Inductor's check made for a rejected plan (its source says so) is not the error of the plan that
+    replaced it where the check read that plan at its simulated peak: a step re-plan keeps what it carries but not its
+    factor. Read over by more than 1%, or a measured correction: the factor stays."""
+    from types import SimpleNamespace
+
+    from remat.feedback_store import CHECK_SOURCE, Correction
+
+    def record(checked, source):
+        judged = SimpleNamespace(checked_peak_bytes=checked)
+        return SimpleNamespace(graph_id="g_r2", correction=Correction(1.47, 1000, 600, 880, "g_r1", source + "r1",
+                                                                       eager_step_bytes=7),
+                               judgement=judged, plan=SimpleNamespace(predicted_peak_bytes=500, budget_bytes=1000))
+
+    dropped = step_correction(record(503, CHECK_SOURCE), "known step")
+    assert dropped.factor == 1.0 and dropped.eager_step_bytes == 7 and dropped.graph_id == "g_r2"
+    assert step_correction(record(520, CHECK_SOURCE), "known step").factor == 1.47       # its own error: kept
+    assert step_correction(record(500, "measured step 1 of "), "known step").factor == 1.47   # measured: kept
+    assert step_correction(record(None, CHECK_SOURCE), "known step").factor == 1.47      # not checked: kept
 
 
 # From TEST_SEEDS: 51 = a language model whose first block's forward ends in an eager function (its autograd saves

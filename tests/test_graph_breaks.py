@@ -61,6 +61,14 @@ def test_step_overruns_table(rows, over):
     assert step_overruns(graphs) == over
 
 
+def test_a_plan_is_judged_in_its_step_on_the_peak_inductors_check_read():
+    """A plan whose check read under its simulated peak is not over the step for the simulated one; one read over is."""
+    simulated_over = (graph("g0", 30, 60), replace(graph("g1", 10, 66, inputs=5), checked_peak_bytes=60))
+    assert step_overruns(simulated_over) == ()
+    checked_over = (graph("g0", 30, 60), replace(graph("g1", 10, 60, inputs=5), checked_peak_bytes=66))
+    assert step_overruns(checked_over) == (1,)
+
+
 def test_the_composed_peak_is_the_largest_total_the_condition_bounds():
     terms = [(40, 7, 0, 95), (30, 5, 3, 20), (5, 0, 2, 31)]    # (held, inputs, grads, peak), forward order
     assert step_totals(terms) == (3 + 2 + 95, 40 + 5 + 2 + 20, 40 + 30 + 0 + 31)
