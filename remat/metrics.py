@@ -113,6 +113,9 @@ class StepMetrics:
     baseline_backward_s: Optional[float]
     warnings: tuple[str, ...] = ()
     feedback: tuple[Any, ...] = ()           # the feedback loop's FeedbackEvents of this step (remat/feedback.py)
+    # the predicted peak is the whole step's across its graphs (graph breaks: RematBackend.predicted_step_peak_bytes),
+    # and ``graph_ids`` are the plans its graphs run
+    whole_step: bool = False
 
     @property
     def backward_inflation_s(self) -> Optional[float]:
@@ -129,8 +132,9 @@ def _graph_label(graph_ids: Sequence[str]) -> str:
 def check_step(metrics: StepMetrics, options: MonitorOptions) -> tuple[str, ...]:
     """The warnings one step deserves (pure: numbers in, sentences out).
 
-    The peak check needs a measured peak, a budget and exactly one graph (with several
-    graphs in a step, their activations overlap and the step's peak is not one graph's).
+    The peak check needs a measured peak, a budget and exactly one graph, or a prediction of the whole step
+    (``whole_step``: with several graphs in a step, their activations overlap and the step's peak is not one
+    graph's).
     The inflation check needs a baseline and a step whose times are not distorted by a
     compile or the CPU profiler.
     """
@@ -138,8 +142,8 @@ def check_step(metrics: StepMetrics, options: MonitorOptions) -> tuple[str, ...]
         return ()
     out = []
     label = f"remat step {metrics.step}, {_graph_label(metrics.graph_ids)}"
-    if metrics.peak_bytes is not None and metrics.budget_bytes is not None and len(metrics.graph_ids) == 1 \
-            and metrics.peak_bytes > metrics.budget_bytes:
+    if metrics.peak_bytes is not None and metrics.budget_bytes is not None \
+            and (len(metrics.graph_ids) == 1 or metrics.whole_step) and metrics.peak_bytes > metrics.budget_bytes:
         predicted = "" if metrics.predicted_peak_bytes is None else \
             f", predicted peak {metrics.predicted_peak_bytes / 1e9:.6f} GB"
         out.append(
@@ -202,7 +206,8 @@ class StepMonitor:
     ``backend`` is the ``remat.backend(...)`` the step was compiled with (None: times and
     peaks only, e.g. to measure a baseline). The predictions come from the graphs compiled
     in the most recent step that compiled any (at construction: every graph the backend
-    has); pass ``graph_ids`` to pin them.
+    has), or, once a step of several graphs (graph breaks) completed, from the plans its graphs run
+    (``whole_step``); pass ``graph_ids`` to pin them.
     """
 
     def __init__(self, backend: Any = None, device: torch.device | str = "cpu", *,
@@ -258,9 +263,10 @@ class StepMonitor:
         if compiled:
             self._active = tuple(g.graph_id for g in graphs[self._seen:])
             self._seen = len(graphs)
-        graph_ids = self._pinned if self._pinned is not None else self._active
-        plans = self._plans(graph_ids)
         step_peak = self._step_prediction()
+        graph_ids = (self._pinned if self._pinned is not None else self.backend.step_account.running_graph_ids()
+                     if step_peak is not None else self._active)
+        plans = self._plans(graph_ids)
         record = StepMetrics(
             step=index, forward_s=forward_s, backward_s=backward_s, step_s=step_s, peak_bytes=peak,
             compiled=compiled, profiled=profiled, graph_ids=tuple(graph_ids),
@@ -268,7 +274,7 @@ class StepMonitor:
             predicted_peak_bytes=(step_peak if step_peak is not None else
                                   max(self._accepted_peaks(graph_ids)) if plans else None),
             predicted_extra_s=sum(p.est_extra_time_s for p in plans) if plans else None,
-            baseline_backward_s=self.options.baseline_backward_s,
+            baseline_backward_s=self.options.baseline_backward_s, whole_step=step_peak is not None,
         )
         messages = check_step(record, self.options)
         for message in messages:

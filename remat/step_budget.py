@@ -177,6 +177,12 @@ class StepAccount:
             if graph is not None:
                 self._plans[graph_id] = replace(graph, checked_peak_bytes=checked_peak_bytes)
 
+    def running_graph_ids(self) -> tuple[str, ...]:
+        """The ids of the plans the graphs of the last complete step (``sequence``) run now, in forward order, once
+        each."""
+        with self._lock:
+            return tuple(self._running[s] for s in dict.fromkeys(self.sequence) if s in self._running)
+
     def plan_of(self, graph_id: str) -> Optional[StepGraph]:
         """The numbers noted for plan ``graph_id`` (``note_plan``), or None."""
         with self._lock:

@@ -13,6 +13,8 @@ block ends in an eager function (``random_nets.with_graph_breaks``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -197,6 +199,31 @@ def test_a_step_with_eager_code_around_its_graphs_fits_from_its_second_step():
     first = [e for e in backend.feedback_events if e.step == 0 and str(e.action).startswith(FIRST_STEP_ACTION)]
     assert first and first[0].measured_peak_bytes is not None, backend.feedback_events
     assert "during" in first[0].action or "after" in first[0].action, first[0].action
+
+
+def test_the_step_monitor_predicts_and_checks_a_step_of_several_graphs():
+    """``StepMonitor`` on a step split at graph breaks: its predicted peak is the whole step's (with what eager code was
+    measured to hold), its graphs the plans the step runs; a measured step over the budget is warned about."""
+    from remat.metrics import MonitorOptions, StepMonitor, check_step
+
+    entry = corpus.random_entry(EAGER_BLOCK_SEED, graph_breaks=True)
+    backend = remat.backend(0.9 * corpus.plain_inductor_peak(entry)[0] / 1e9)
+    torch._dynamo.reset()
+    built = entry.build()
+    compiled = torch.compile(built.model, backend=backend)
+    # steps 0 and 3 measured by the monitor; 1 and 2 by the closed loop (one profiler at a time on CPU)
+    monitor = StepMonitor(backend, options=MonitorOptions(measure_peak_every=3))
+    for _ in range(4):
+        monitor.step(lambda: built.loss(compiled))
+        built.model.zero_grad(set_to_none=True)
+    last = monitor.last
+    print(f"step {last.step}: measured {last.peak_bytes}, predicted {last.predicted_peak_bytes}, {last.graph_ids}")
+    assert last.whole_step and last.graph_ids == backend.step_account.running_graph_ids() and len(last.graph_ids) == 2
+    assert last.predicted_peak_bytes == backend.predicted_step_peak_bytes()
+    assert last.peak_bytes is not None and abs(last.predicted_peak_bytes - last.peak_bytes) <= 0.01 * last.peak_bytes
+    over = replace(last, peak_bytes=last.budget_bytes + 1)
+    assert any("over the budget" in w for w in check_step(over, MonitorOptions()))
+    assert not any("over the budget" in w for w in check_step(replace(over, whole_step=False), MonitorOptions()))
 
 
 def test_prelude_bytes_count_what_eager_code_made_in_the_step_before_the_first_graph():
