@@ -107,8 +107,10 @@ class RematBackend:
         mark_compile(started=True)     # inside a measured step (its first run): not the step's memory
         try:
             return self._compile(gm, example_inputs)
-        except BaseException:
-            abandon_step("its step was abandoned: an exception (a refusal?) left a graph's compile")
+        except BudgetInfeasibleError:
+            # a refusal leaves the step (not Dynamo's own exceptions: a RestartAnalysis raised from inside the
+            # compile, e.g. TensorifyScalarRestartAnalysis, is retried by Dynamo and the step goes on)
+            abandon_step("its step was abandoned: a refusal left a graph's compile")
             raise
         finally:
             self._replan.follows = False
