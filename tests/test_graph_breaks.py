@@ -523,6 +523,28 @@ def test_a_measured_step_over_the_budget_re_plans_every_graph(scaled_simulator):
     assert_grads_close(grads_of(model), plain_grads)
 
 
+def _second_compile_raises(monkeypatch, error: Exception) -> list:
+    """``RematBackend._compile`` raising ``error`` at the second graph's compile (once), compiling every other; the
+    graphs it was asked to compile, in order."""
+    from remat.backend import RematBackend
+
+    compile_graph, compiles = RematBackend._compile, []
+
+    def compile_or_raise(self, gm, example_inputs):
+        compiles.append(gm)
+        if len(compiles) == 2:
+            raise error
+        return compile_graph(self, gm, example_inputs)
+
+    monkeypatch.setattr(RematBackend, "_compile", compile_or_raise)
+    return compiles
+
+
+def _first_step_measured(backend) -> bool:
+    first = [e for e in backend.feedback_events if e.step == 0]
+    return bool(first) and first[0].action.startswith(FIRST_STEP_ACTION) and bool(first[0].measured_peak_bytes)
+
+
 @pytest.mark.e2e
 def test_a_step_a_refusal_abandons_leaves_the_next_backend_measuring(monkeypatch):
     """A refusal raised at the compile of a step's second graph (here forced: the first graph's forward ran, its window
@@ -531,34 +553,23 @@ def test_a_step_a_refusal_abandons_leaves_the_next_backend_measuring(monkeypatch
     session 46 the window stayed open: the retry's steps went unmeasured (in the corpus's floor retries, two budgets
     measured 1.062x and 1.079x at step 3 with nothing noticing)."""
     from remat._torch_dynamo import passthrough_error_class
-    from remat.backend import RematBackend
     from remat.measure import open_window
     from remat.window_runs import runs_in_flight
 
     torch.manual_seed(0)
     model, x = BrokenBlocks(1), torch.randn(512, 128)
-    compile_graph, compiles = RematBackend._compile, []
-
-    def refuse_the_second(self, gm, example_inputs):
-        compiles.append(gm)
-        if len(compiles) == 2:
-            raise passthrough_error_class(BudgetInfeasibleError)(BudgetInfeasibleError(
-                "refused (forced by the test)", budget_bytes=1, min_feasible_bytes=2, min_budget_bytes=2, reasons=()))
-        return compile_graph(self, gm, example_inputs)
-
-    monkeypatch.setattr(RematBackend, "_compile", refuse_the_second)
-    torch._dynamo.reset()
-    refused = remat.backend(budget_gb=0.05)
-    with pytest.raises(BudgetInfeasibleError, match="forced by the test"):
-        run_step(torch.compile(model, backend=refused), model, (x,))
+    with monkeypatch.context() as patch:
+        compiles = _second_compile_raises(patch, passthrough_error_class(BudgetInfeasibleError)(BudgetInfeasibleError(
+            "refused (forced by the test)", budget_bytes=1, min_feasible_bytes=2, min_budget_bytes=2, reasons=())))
+        torch._dynamo.reset()
+        with pytest.raises(BudgetInfeasibleError, match="forced by the test"):
+            run_step(torch.compile(model, backend=remat.backend(budget_gb=0.05)), model, (x,))
     assert len(compiles) == 2 and open_window() is None and runs_in_flight() == 0
-    monkeypatch.setattr(RematBackend, "_compile", compile_graph)
     torch._dynamo.reset()
     retry = remat.backend(budget_gb=0.05)
     run_step(torch.compile(model, backend=retry), model, (x,))
     close_open_window()
-    first = [e for e in retry.feedback_events if e.step == 0]
-    assert first and first[0].action.startswith(FIRST_STEP_ACTION) and first[0].measured_peak_bytes, retry.feedback_events
+    assert _first_step_measured(retry), retry.feedback_events
 
 
 @pytest.mark.e2e
@@ -569,23 +580,12 @@ def test_a_compile_dynamo_restarts_does_not_abandon_the_step(monkeypatch):
     Inductor's peak then measured 1.294x its budget at step 3 with no step measured by the loop)."""
     from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 
-    from remat.backend import RematBackend
-
     torch.manual_seed(0)
     model, x = BrokenBlocks(1), torch.randn(512, 128)
-    compile_graph, compiles = RematBackend._compile, []
-
-    def restart_the_second_once(self, gm, example_inputs):
-        compiles.append(gm)
-        if len(compiles) == 2:
-            raise TensorifyScalarRestartAnalysis("forced by the test")
-        return compile_graph(self, gm, example_inputs)
-
-    monkeypatch.setattr(RematBackend, "_compile", restart_the_second_once)
+    compiles = _second_compile_raises(monkeypatch, TensorifyScalarRestartAnalysis("forced by the test"))
     torch._dynamo.reset()
     backend = remat.backend(budget_gb=0.05)
     run_step(torch.compile(model, backend=backend), model, (x,))
     close_open_window()
     assert len(compiles) == 3, "Dynamo compiled the second graph again"
-    first = [e for e in backend.feedback_events if e.step == 0]
-    assert first and first[0].action.startswith(FIRST_STEP_ACTION) and first[0].measured_peak_bytes, backend.feedback_events
+    assert _first_step_measured(backend), backend.feedback_events
