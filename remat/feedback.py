@@ -44,10 +44,11 @@ told what that loss held between its forward and backward, measured in the same 
 its plan reserved much more, or ran over by what the loss held above the reserve (``eager_loss.py``).
 
 Every factor is stored on disk (``feedback_store``): the next process, and any later compile of the same graph
-under the same plan options in this one, plans at the corrected target first. What it guarantees, and when a step may still run over the budget: with the loop on, a graph
-whose plan measures over budget runs over on exactly one step, the measured one (the first after its compile: it
-is how the error is found), plus one step per further re-plan whose new plan still measures over (at most
-``MAX_REPLANS``); in a later process a stored correction makes the first step plan right. With CPU measurement
+under the same plan options in this one, plans at the corrected target first.
+What it guarantees, and when a step may still run over the budget: with the loop on, a graph whose plan measures
+over budget runs over on exactly one step, the measured one (the first after its compile: it is how the error is
+found), plus one step per further re-plan whose new plan still measures over (at most ``MAX_REPLANS``); in a later
+process a stored correction makes the first step plan right. With CPU measurement
 skipped (another profiler running, no backward) the discovery moves to the next step measured. Dynamic-shape and
 DDP/FSDP2 graphs keep running over until they are next compiled. With ``verify_peak=0`` nothing is measured and
 only corrections already stored apply. Gradients a step's earlier backwards left (gradient accumulation) do not make

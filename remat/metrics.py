@@ -55,8 +55,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .feedback_verdict import accepted_peak_bytes
 from .measure import close_open_window, measure_peak_bytes
-from .passes.plan import Plan
 
 log = logging.getLogger("remat.metrics")
 
@@ -227,8 +227,9 @@ class StepMonitor:
     def _graphs(self) -> list[Any]:
         return list(self.backend.compiled_graphs) if self.backend is not None else []
 
-    def _plans(self, graph_ids: Sequence[str]) -> list[Plan]:
-        by_id = {g.graph_id: g.plan for g in self._graphs()}
+    def _records(self, graph_ids: Sequence[str]) -> list[Any]:
+        """The backend's records (``CompiledGraph``) of ``graph_ids``, in that order."""
+        by_id = {g.graph_id: g for g in self._graphs()}
         missing = [g for g in graph_ids if g not in by_id]
         if missing:
             raise ValueError(f"graph_ids {missing} are not among this backend's graphs {sorted(by_id)}.")
@@ -266,13 +267,14 @@ class StepMonitor:
         step_peak = self._step_prediction()
         graph_ids = (self._pinned if self._pinned is not None else self.backend.step_account.running_graph_ids()
                      if step_peak is not None else self._active)
-        plans = self._plans(graph_ids)
+        records = self._records(graph_ids)
+        plans = [r.plan for r in records]
         record = StepMetrics(
             step=index, forward_s=forward_s, backward_s=backward_s, step_s=step_s, peak_bytes=peak,
             compiled=compiled, profiled=profiled, graph_ids=tuple(graph_ids),
             budget_bytes=plans[0].budget_bytes if plans else None,
             predicted_peak_bytes=(step_peak if step_peak is not None else
-                                  max(self._accepted_peaks(graph_ids)) if plans else None),
+                                  max(map(accepted_peak_bytes, records)) if records else None),
             predicted_extra_s=sum(p.est_extra_time_s for p in plans) if plans else None,
             baseline_backward_s=self.options.baseline_backward_s, whole_step=step_peak is not None,
         )
@@ -281,13 +283,6 @@ class StepMonitor:
             log.warning(message)
         self.history.append(replace(record, warnings=messages, feedback=tuple(self._events()[events_before:])))
         return out
-
-    def _accepted_peaks(self, graph_ids: Sequence[str]) -> list[int]:
-        """The peak each of ``graph_ids``' plans was accepted on (``feedback_verdict.accepted_peak_bytes``)."""
-        from .feedback_verdict import accepted_peak_bytes
-
-        by_id = {g.graph_id: g for g in self._graphs()}
-        return [accepted_peak_bytes(by_id[g]) for g in graph_ids]
 
     def _step_prediction(self) -> Optional[int]:
         """The backend's predicted peak of a step of several graphs (``predicted_step_peak_bytes``), unless the

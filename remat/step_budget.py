@@ -98,8 +98,10 @@ def composed_peak_bytes(terms: Sequence[tuple[int, int, int, int]]) -> int:
     return max(step_totals(terms), default=0)
 
 
-def _terms(graphs: Sequence[StepGraph]) -> list[tuple[int, int, int, int]]:
-    return [(g.held_bytes, g.input_activation_bytes, g.param_grad_bytes, g.predicted_peak_bytes) for g in graphs]
+def _terms(graphs: Sequence[StepGraph], accepted: bool = False) -> list[tuple[int, int, int, int]]:
+    """``step_totals``' terms of ``graphs``, each at its simulated peak, or with ``accepted`` the peak it stands on."""
+    return [(g.held_bytes, g.input_activation_bytes, g.param_grad_bytes,
+             g.accepted_peak_bytes if accepted else g.predicted_peak_bytes) for g in graphs]
 
 
 def step_overruns(graphs: tuple[StepGraph, ...]) -> tuple[int, ...]:
@@ -107,8 +109,8 @@ def step_overruns(graphs: tuple[StepGraph, ...]) -> tuple[int, ...]:
     ``sum_{j<k} held_j + a_k + G_>k + p_k <= T_k`` (``step_totals``; ``p_k`` the peak its plan stands on,
     ``StepGraph.accepted_peak_bytes``: a plan Inductor's check read under its simulated peak is not re-planned for the
     simulated one). Pure: records in, positions out."""
-    terms = [(held, inputs, grads, g.accepted_peak_bytes) for g, (held, inputs, grads, _) in zip(graphs, _terms(graphs))]
-    return tuple(k for k, total in enumerate(step_totals(terms)) if total > graphs[k].step_target_bytes)
+    totals = step_totals(_terms(graphs, accepted=True))
+    return tuple(k for k, total in enumerate(totals) if total > graphs[k].step_target_bytes)
 
 
 def share_in_step(earlier: tuple[StepGraph, ...], later: tuple[StepGraph, ...], step_target_bytes: int,

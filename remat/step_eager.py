@@ -59,9 +59,8 @@ class StepEagerHooks:
     def _first_step_measured(self, peak_bytes: Optional[int], why_not: str,
                              phase_peaks: Optional[dict[str, int]]) -> None:
         """The first step, measured whole (``adopt``): what its eager code held during each graph's run and after
-        each graph's forward (``eager_by_graph``), where every graph's plan was accepted on its Inductor-checked peak
-        or the step was over its budget (``_note_eager``),
-        is what each re-plan of the step is made next to (the provisional plans' re-plans at the next step's entry,
+        each graph's forward (``eager_by_graph``; where a plan stands on its simulated peak, only if the step was over
+        its budget: ``_note_eager``) is what each re-plan of the step is made next to (the provisional plans' re-plans at the next step's entry,
         and any graph the step then runs over with), so that the next step, whose plans are looser than the first
         step's leanest ones, fits. Nothing else is corrected: the first step's plans are provisional, and their
         composed prediction is not the next step's."""
@@ -106,8 +105,7 @@ class StepEagerHooks:
         wrappers = [self._wrapper(slot) for slot in dict.fromkeys(sequence)]
         if len(sequence) < 2 or any(w is None for w in wrappers):
             return None
-        accepted = {slot_of(w.record.graph_id): accepted_peak_bytes(w.record) for w in wrappers}
-        terms = self.account.step_terms(sequence, accepted)
+        terms = self.account.step_terms(sequence, accepted_peaks(wrappers))
         if len(terms) != len(sequence):
             return None
         return predicted_with_eager(terms, [self.account.eager_of(slot) for slot in sequence])
@@ -128,7 +126,7 @@ class StepEagerHooks:
             # either way, and the re-plans its provisional plans get are made next to it (rand-brk-1522 at 50% of plain
             # Inductor's peak: its first step measured 1.237x, nothing was attributed, its later steps ran 1.294x). A
             # later step over its budget is corrected by the factor measured / predicted instead (``_on_measured``).
-            checked = {slot_of(w.record.graph_id): accepted_peak_bytes(w.record) for w in wrappers}
+            checked = accepted_peaks(wrappers)
         noise = EAGER_NOISE_FRACTION * budget_bytes
         measured = eager_by_graph(sequence, self.account.step_terms(sequence, checked), peak_bytes - self._prelude_bytes,
                                   phase_peaks)
@@ -171,6 +169,12 @@ def checked_peaks(wrappers: Sequence[Any]) -> Optional[dict[str, int]]:
             return None
         checked[slot_of(wrapper.record.graph_id)] = judgement.checked_peak_bytes
     return checked
+
+
+def accepted_peaks(wrappers: Sequence[Any]) -> dict[str, int]:
+    """Slot -> the peak each of ``wrappers``' plans was accepted on (``accepted_peak_bytes``: checked where the check
+    accepted it, else simulated)."""
+    return {slot_of(w.record.graph_id): accepted_peak_bytes(w.record) for w in wrappers}
 
 
 def eager_by_graph(sequence: tuple[str, ...], terms: Sequence[tuple[int, int, int, int]], peak_bytes: int,

@@ -123,8 +123,9 @@ def runs_in_flight() -> int:
 
 def abandon_step(why: str) -> None:
     """An exception left a step on this thread in its forward (a refusal raised at a graph's compile or re-plan, an
-    error in compiled code; not Dynamo's own exceptions raised from inside a compile, which it retries): the window open on this thread is closed with its measurement discarded (``why``), and
-    the runs in flight are forgotten, so that the next step, a retry's in the same process, is measured. Before
+    error in compiled code; not Dynamo's own exceptions raised from inside a compile, which it retries): the window
+    open on this thread is closed with its measurement discarded (``why``), and the runs in flight are forgotten, so
+    that the next step, a retry's in the same process, is measured. Before
     session 46 the window stayed open and every later window on the thread was refused: in the corpus's floor retries,
     run in one process after a refusal in the first step, two budgets measured 1.062x and 1.079x at step 3 with
     nothing noticing. An exception raised in eager code between a step's graphs leaves the window open until the
