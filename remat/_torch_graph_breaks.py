@@ -9,6 +9,10 @@ torch 2.13.0).
   (keys; ``convert_frame`` records each), and the names of the resume functions that generated code
   calls after a graph break (globals ``__resume_at_<offset>_<n>``, ``resume_execution.py``): a frame
   running such code that has a resume function still to call continues after the call it is in.
+- The Python frames of Dynamo's frame callback (``torch/_dynamo/convert_frame.py``) and of the wrapper
+  ``torch.compile`` returns (``torch/_dynamo/eval_frame.py``, which installs the callback and calls the
+  user's function): the frames between them on the stack are the callers of the frame being compiled
+  inside that compiled call (``called_from_eager_code``).
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: fake inputs for re-planning a graph ahead of
   its call (``compile_fx`` takes the fake mode from its inputs, as it does under Dynamo), so
   nothing the size of its inputs is allocated.
@@ -17,7 +21,9 @@ torch 2.13.0).
 from __future__ import annotations
 
 import dis
+import os
 import sys
+import sysconfig
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -52,6 +58,39 @@ def caller_resumes_after() -> bool:
                 and str(instruction.argval).startswith("__resume_at")
                 for instruction in dis.get_instructions(frame.f_code)):
             return True
+        frame = frame.f_back
+    return False
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_STDLIB_DIRS = tuple({os.path.realpath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib")})
+
+
+def called_from_eager_code() -> bool:
+    """Whether the frame being compiled was called by code of the user's that runs eagerly inside the
+    compiled call: Dynamo gave up on an enclosing frame (a break it cannot resume at, such as one inside a
+    loop over blocks; the frame then runs eagerly and Dynamo compiles each frame it calls, apart) or
+    never traced it. Eager code of the same step then runs before this graph and after it, and may call
+    more compiled frames, with no graph break or compiled caller to say so (``graph_break_follows``,
+    ``caller_resumes_after`` see neither): a block compiled apart from a model whose ``forward`` Dynamo
+    skipped, with the embedding, the head and the loss run eagerly around it (planned as its step's only
+    graph, its first step measured 1.546x its budget). The callers asked are those between Dynamo's frame
+    callback and the nearest wrapper ``torch.compile`` made; frames of torch itself, of Python's standard
+    library and code Dynamo generated do not count. False where no such wrapper is on the stack (a compile
+    entered otherwise: unknown)."""
+    from torch._dynamo.utils import orig_code_map
+
+    frame, in_callback, eager_user_code = sys._getframe(1), False, False
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.endswith(os.path.join("_dynamo", "convert_frame.py")) and filename.startswith(_TORCH_DIR):
+            in_callback, eager_user_code = True, False     # callers of the frame being compiled start above
+        elif filename.endswith(os.path.join("_dynamo", "eval_frame.py")) and filename.startswith(_TORCH_DIR):
+            if in_callback:
+                return eager_user_code
+        elif in_callback and not filename.startswith(_TORCH_DIR) and frame.f_code not in orig_code_map and \
+                not os.path.realpath(filename).startswith(_STDLIB_DIRS):
+            eager_user_code = True
         frame = frame.f_back
     return False
 

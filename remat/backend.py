@@ -24,7 +24,7 @@ from torch import fx
 
 from ._torch_compile import CodeCapture, make_partitioner, split_by_default, split_joint, watch_compiled_backward
 from ._torch_dynamo import copy_dynamo_graph, copy_dynamo_graph_or_none, current_compile_id, passthrough_error_class
-from ._torch_graph_breaks import caller_resumes_after, graph_break_follows
+from ._torch_graph_breaks import called_from_eager_code, caller_resumes_after, graph_break_follows
 from ._torch_inductor import DEFAULT_CODE_GENERATION, LEAN_CODE_GENERATION
 from ._torch_inductor import code_generation as inductor_code_generation
 from .compile_cache import (CachedPlanner, CallCache, StepKey, cache_possible, call_cacheable, compile_cached,
@@ -102,8 +102,9 @@ class RematBackend:
         return partition_at_planned_sizes(self.partition, self.options, self.compiled_graphs, joint, joint_inputs, kwargs)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        # at a graph break (its frame's, or a caller's yet to resume) a graph plans lean until its step is known
-        self._replan.follows = graph_break_follows(gm) or caller_resumes_after()
+        # at a graph break (its frame's, or a caller's yet to resume) or called from eager code (an enclosing
+        # frame Dynamo skipped) a graph plans lean until its step is known
+        self._replan.follows = graph_break_follows(gm) or caller_resumes_after() or called_from_eager_code()
         mark_compile(started=True)     # inside a measured step (its first run): not the step's memory
         try:
             return self._compile(gm, example_inputs)

@@ -24,13 +24,14 @@ corrects; measured figures in docs/budget.md):
 
 - step 1 (the sequence is unknown): a graph Dynamo compiled at a graph break (more of its frame
   runs after it, ``_torch_graph_breaks.graph_break_follows``; or a compiled caller of its frame has a
-  resume function still to run, ``caller_resumes_after``) takes its leanest plan (``leanest_plan``,
+  resume function still to run, ``caller_resumes_after``; or a caller runs eagerly inside the compiled
+  call, ``called_from_eager_code``) takes its leanest plan (``leanest_plan``,
   kind "break-smallest"), since the later graphs and their gradients ``G_>k`` are unknown; a graph no
   break follows (the frame's last) is planned next to what the pending graphs hold (kind
   "break-partial"); one whose plan, next to what is live before it, is over the budget itself refuses the budget
   at once (``step_fit.runs_over_next_to_live``). Step 1 then fits unless the budget is below what the leanest plans
   compose, the
-  step's graphs come from frames compiled apart (no break tells the first that the second follows),
+  step's graphs come from modules compiled one by one (no break tells the first that the second follows),
   or the leanest plan's assumption (the later graphs are like this one, ``copies_admitted``) is far off. A step an earlier
   process settled is planned at once at the shares it gave (``step_memory.py``): no provisional plans;
 - at the end of step 1 the sequence is known (``backward_done`` returns it): every graph planned
