@@ -168,9 +168,14 @@ def _accepted_floor(points: dict[str, dict[str, Any]]) -> tuple[Optional[int], O
     budget, at_floor, point = min(accepted, key=lambda a: a[0])
     retries = {p: f" (retry {k}; probe {_mb(named)})" if k > 1 else f" (retry; probe {_mb(named)})"
                for k, p in enumerate(RETRY_POINTS, 1)}
+    refused = [p for p in tried if (points.get(p) or {}).get("error")]
+    chain_end = next((points[p] for p in tried if p not in refused and (points.get(p) or {}).get("budget_bytes")), None)
+    retried = len(refused) - 1
+    refusals = (f"the probe's {_mb(named)} was refused" if retried < 1 else
+                f"the probe's {_mb(named)} and its {'retry' if retried == 1 else f'{retried} retries'} were refused")
     note = {"floor": "", **retries}.get(
-        point, f" (the {point} point; the probe's {_mb(named)} and its "
-               f"{'retry' if len(tried) == 2 else f'{len(tried) - 1} retries'} were refused)")
+        point, f" (the {point} point; {refusals}"
+               + ("" if chain_end is None else f", the next retry accepted at {_mb(chain_end['budget_bytes'])}") + ")")
     return budget, at_floor, note
 
 
@@ -185,6 +190,28 @@ def floor_retries(points: dict[str, dict[str, Any]]) -> Optional[int]:
         if row.get("budget_bytes") and not row.get("error"):
             return k
     return None
+
+
+def chain_overshoots(models: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float]:
+    """Per model whose floor chain ended accepted: the budget it was accepted at over the smallest budget accepted at
+    all (a fraction's), where that is larger: the last refusal of the chain named more than the step needs."""
+    out = {}
+    for model, points in models.items():
+        k = floor_retries(points)
+        if k is None:
+            continue
+        chain_budget = points[(("floor",) + RETRY_POINTS)[k]]["budget_bytes"]
+        smallest = _accepted_floor(points)[0]
+        if smallest is not None and chain_budget > smallest:
+            out[model] = chain_budget / smallest
+    return out
+
+
+def _overshoot_line(overshoots: dict[str, float], chains: int) -> str:
+    """``chain_overshoots`` in words."""
+    return (f"- floor chains accepted above a smaller budget accepted at a fraction (a refusal named more than the step "
+            f"needs): {len(overshoots)} of {chains}" + "".join(f"; {m} {r:.2f}x" for m, r in sorted(
+                overshoots.items(), key=lambda mr: -mr[1])))
 
 
 def _chains_line(chains: dict[str, Optional[int]]) -> str:
@@ -463,8 +490,9 @@ def write_report(jsonl: Path, md: Path, meta: dict[str, Any]) -> None:
            if accuracy_ratios(models) else ""),
         f"- floor points refused at the budget the probe named (it must be accepted): {len(s['floor_refused'])} of "
         f"{s['floor_points']}" + "".join(f"; {m} then named {_mb(b)} MB" for m, b in s["floor_refused"].items()),
-        *([_chains_line(s["floor_chains"])] if any(p.startswith("floor-named-") for ps in models.values() for p in ps)
-          else []),
+        *([_chains_line(s["floor_chains"]),
+           _overshoot_line(chain_overshoots(models), sum(k is not None for k in s["floor_chains"].values()))]
+          if any(p.startswith("floor-named-") for ps in models.values() for p in ps) else []),
         f"- floor (the smallest budget accepted: the probe's, the retry's where the probe's was refused, or a fraction's "
         f"where both were: then only an upper bound of the floor) above plain "
         f"Inductor's measured peak: {floors['floor_above_plain']} of {floors['models']} models; "
