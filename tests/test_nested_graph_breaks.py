@@ -48,7 +48,9 @@ class BodyThenHead(nn.Module):
         return torch.nn.functional.gelu(self.head(self.body(x))).square().mean()
 
 
-def test_the_callees_graph_is_told_that_its_callers_resume_follows():
+def _what_each_graph_is_told(make_model) -> list[tuple[bool, bool, bool]]:
+    """Per graph Dynamo compiles in one step of ``make_model()``: (``graph_break_follows``, ``caller_resumes_after``,
+    ``called_from_eager_code``), as the backend asks them at its compile."""
     seen = []
 
     def recording(gm, example_inputs):
@@ -56,21 +58,20 @@ def test_the_callees_graph_is_told_that_its_callers_resume_follows():
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(BodyThenHead(), backend=recording)(torch.randn(4, 256)).backward()
+    torch.compile(make_model(), backend=recording)(torch.randn(4, 256)).backward()
     torch._dynamo.reset()
-    # the body's graph, then the head's (the step's last); no caller runs eagerly
-    assert seen == [(False, True, False), (False, False, False)]
-    assert not caller_resumes_after()                # no compiled frame on the stack
-    assert not called_from_eager_code()              # no compile on the stack
+    return seen
 
 
-def test_the_first_step_of_a_break_inside_a_called_module_fits_its_budget():
+def _first_step_fits(make_model) -> None:
+    """At 80% of plain Inductor's measured peak, steps 1 and 3 of ``make_model()`` measure within the budget and step
+    1's gradients equal plain Inductor's."""
     inputs = (torch.randn(512, 256, generator=torch.Generator().manual_seed(0)),)
-    plain_model, plain_step = compiled_loss_step(BodyThenHead, inputs, "inductor")
+    plain_model, plain_step = compiled_loss_step(make_model, inputs, "inductor")
     plain_step()
     reference = grads_of(plain_model)
     budget_bytes = int(0.8 * remat.measure_peak_bytes(plain_step).peak_bytes)
-    model, step = compiled_loss_step(BodyThenHead, inputs, remat.backend(budget_bytes / 1e9))
+    model, step = compiled_loss_step(make_model, inputs, remat.backend(budget_bytes / 1e9))
     first = remat.measure_peak_bytes(step).peak_bytes       # the compiling step (the loop cannot measure it)
     grads = grads_of(model)
     step()
@@ -79,6 +80,18 @@ def test_the_first_step_of_a_break_inside_a_called_module_fits_its_budget():
     assert first <= budget_bytes, f"step 1 measured {first / budget_bytes:.3f}x the budget"
     assert third <= budget_bytes, f"step 3 measured {third / budget_bytes:.3f}x the budget"
     assert_grads_close(grads, reference)
+
+
+def test_the_callees_graph_is_told_that_its_callers_resume_follows():
+    seen = _what_each_graph_is_told(BodyThenHead)
+    # the body's graph, then the head's (the step's last); no caller runs eagerly
+    assert seen == [(False, True, False), (False, False, False)]
+    assert not caller_resumes_after()                # no compiled frame on the stack
+    assert not called_from_eager_code()              # no compile on the stack
+
+
+def test_the_first_step_of_a_break_inside_a_called_module_fits_its_budget():
+    _first_step_fits(BodyThenHead)
 
 
 class Layer(nn.Module):
@@ -111,32 +124,11 @@ class LoopWithABreak(nn.Module):
 
 
 def test_a_layer_compiled_apart_under_an_eager_caller_is_told_more_of_its_step_runs():
-    seen = []
-
-    def recording(gm, example_inputs):
-        seen.append((graph_break_follows(gm), caller_resumes_after(), called_from_eager_code()))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(LoopWithABreak(), backend=recording)(torch.randn(4, 256)).backward()
-    torch._dynamo.reset()
+    seen = _what_each_graph_is_told(LoopWithABreak)
     assert len(seen) >= 2                            # the plain layers' graphs, the breaking layer's
     assert all(eager for _, _, eager in seen), seen
     assert seen[0][:2] == (False, False)             # the first layer's graph: nothing else tells it
 
 
 def test_the_first_step_of_layers_compiled_apart_under_an_eager_caller_fits_its_budget():
-    inputs = (torch.randn(512, 256, generator=torch.Generator().manual_seed(0)),)
-    plain_model, plain_step = compiled_loss_step(LoopWithABreak, inputs, "inductor")
-    plain_step()
-    reference = grads_of(plain_model)
-    budget_bytes = int(0.8 * remat.measure_peak_bytes(plain_step).peak_bytes)
-    model, step = compiled_loss_step(LoopWithABreak, inputs, remat.backend(budget_bytes / 1e9))
-    first = remat.measure_peak_bytes(step).peak_bytes
-    grads = grads_of(model)
-    step()
-    third = remat.measure_peak_bytes(step).peak_bytes
-    torch._dynamo.reset()
-    assert first <= budget_bytes, f"step 1 measured {first / budget_bytes:.3f}x the budget"
-    assert third <= budget_bytes, f"step 3 measured {third / budget_bytes:.3f}x the budget"
-    assert_grads_close(grads, reference)
+    _first_step_fits(LoopWithABreak)   # refused at 60% and 80% where the first layer was planned as the step's only graph
