@@ -171,7 +171,8 @@ def _accepted_floor(points: dict[str, dict[str, Any]]) -> tuple[Optional[int], O
     refused = [p for p in tried if (points.get(p) or {}).get("error")]
     chain_end = next((points[p] for p in tried if p not in refused and (points.get(p) or {}).get("budget_bytes")), None)
     retried = len(refused) - 1
-    refusals = (f"the probe's {_mb(named)} was refused" if retried < 1 else
+    refusals = (f"the probe's {_mb(named)} was not run" if not tried else
+                f"the probe's {_mb(named)} was refused" if retried < 1 else
                 f"the probe's {_mb(named)} and its {'retry' if retried == 1 else f'{retried} retries'} were refused")
     note = {"floor": "", **retries}.get(
         point, f" (the {point} point; {refusals}"

@@ -39,3 +39,9 @@ def test_the_floor_note_names_the_refused_budgets_and_where_the_chain_ended():
     assert "its retry were refused" in note and "the next retry accepted at" in note
     floor, _, note = fidelity_report._accepted_floor(_model(chain_end=400, fraction_budget=500))
     assert floor == 400 and note.startswith(" (retry 2;")
+
+
+def test_the_floor_note_says_when_the_probes_budget_was_not_run():
+    points = {"probe": {"floor_bytes": 100}, "0.9": _accepted(300, 290)}
+    floor, _, note = fidelity_report._accepted_floor(points)
+    assert floor == 300 and "the probe's 0.000 was not run" in note, note
