@@ -168,8 +168,8 @@ def _accepted_floor(points: dict[str, dict[str, Any]]) -> tuple[Optional[int], O
     budget, at_floor, point = min(accepted, key=lambda a: a[0])
     retries = {p: f" (retry {k}; probe {_mb(named)})" if k > 1 else f" (retry; probe {_mb(named)})"
                for k, p in enumerate(RETRY_POINTS, 1)}
-    refused = [p for p in tried if (points.get(p) or {}).get("error")]
-    chain_end = next((points[p] for p in tried if p not in refused and (points.get(p) or {}).get("budget_bytes")), None)
+    refused = [p for p in tried if points[p].get("error")]
+    chain_end = next((points[p] for p in tried if p not in refused and points[p].get("budget_bytes")), None)
     retried = len(refused) - 1
     refusals = (f"the probe's {_mb(named)} was not run" if not tried else
                 f"the probe's {_mb(named)} was refused" if retried < 1 else

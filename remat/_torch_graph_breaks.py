@@ -78,14 +78,15 @@ def called_from_eager_code() -> bool:
     callback and the nearest wrapper ``torch.compile`` made; frames of torch itself, of Python's standard
     library and code Dynamo generated do not count. False where no such wrapper is on the stack (a compile
     entered otherwise: unknown)."""
+    from torch._dynamo import convert_frame, eval_frame
     from torch._dynamo.utils import orig_code_map
 
     frame, in_callback, eager_user_code = sys._getframe(1), False, False
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.endswith(os.path.join("_dynamo", "convert_frame.py")) and filename.startswith(_TORCH_DIR):
+        if filename == convert_frame.__file__:
             in_callback, eager_user_code = True, False     # callers of the frame being compiled start above
-        elif filename.endswith(os.path.join("_dynamo", "eval_frame.py")) and filename.startswith(_TORCH_DIR):
+        elif filename == eval_frame.__file__:
             if in_callback:
                 return eager_user_code
         elif in_callback and not filename.startswith(_TORCH_DIR) and frame.f_code not in orig_code_map and \
