@@ -360,16 +360,16 @@ class RematBackend:
             refused_by = self._replan.refused[1]
         if refused_by is not None:
             judged_share, target_of = judged_by(share)
-            refusal = refusal_for(refused_by, plan, judged_share, held_of, target_of, self.options.budget_bytes, planning_rule)
+            refusal = refusal_for(refused_by, plan, judged_share, held_of, target_of, self.options.budget_bytes, planning_rule,
+                                  self._step_hooks.step_peak_with(slot_of(graph_id)))
         generation = getattr(self._replan, "code_generation", DEFAULT_CODE_GENERATION)
         cache = planner.source(plan)
         if generation != DEFAULT_CODE_GENERATION:   # the record, its dump and report say which code it is planned for
             plan = dataclasses.replace(plan, solver=f"{plan.solver}; Inductor's {generation} code generation "
                                                     "(remat/_torch_inductor.py)")
         if not plan.fits_budget and refusal is None:
-            warnings.warn(f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the smallest-"
-                          f"peak plan found, predicted peak {plan.predicted_peak_bytes / 1e9:.4f} GB (best_effort=True).",
-                          stacklevel=2)
+            warnings.warn(f"remat {graph_id}: budget {plan.budget_bytes / 1e9:.4f} GB cannot be met; running the smallest-peak "
+                          f"plan found, predicted peak {plan.predicted_peak_bytes / 1e9:.4f} GB (best_effort=True).", stacklevel=2)
         fw, bw = split_joint(joint, plan.saved_primals + plan.saved, num_fwd_outputs)
         bw, regions = place_recompute_regions(bw, facts, plan)
         dump_path = None

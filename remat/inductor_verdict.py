@@ -120,13 +120,17 @@ def without_tracebacks(error: BaseException) -> BaseException:
 
 def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held_of: Callable[[Any], int],
                 target_for_budget: Callable[[int], int], budget_bytes: int,
-                planning_target_for: Optional[Callable[[int], int]] = None) -> Refusal:
+                planning_target_for: Optional[Callable[[int], int]] = None,
+                step_peak_with: Optional[Callable[[int, int, int], int]] = None) -> Refusal:
     """The refusal of ``budget_bytes`` whose plan ``plan`` is compiled for Inductor's check.
     ``target_for_budget``: the backend's planning target of a budget (the budget less headroom).
     A graph alone in its step is judged against that target; one sharing a step at graph breaks
     (``share`` of kind "break", or "runs": its runs stack, or "accumulated": next to the step's gradients, or one of
     the step's first run, ``PROVISIONAL_SHARE_KINDS``) against the largest peak its share admits next to what ``plan``
-    holds (``held_of``), at the budget refused and at any budget named (``peak_limit_bytes``).
+    holds (``held_of``), at the budget refused and at any budget named (``peak_limit_bytes``). A graph of a known
+    step (kind "break") with ``step_peak_with`` (``step_eager.StepEagerHooks.step_peak_with``: the step's predicted
+    peak with this graph's plan swapped) is judged by ``step_limit_bytes`` instead: its own runs as its share counts
+    them, and the step composed with the plans its other graphs run, not the reserve for the later graphs.
     The refusal keeps ``error`` without its tracebacks (``without_tracebacks``); ``planning_target_for``, for a
     graph alone in its step: the planning rule (``Refusal.planning_target_for``)."""
     without_tracebacks(error)
@@ -136,8 +140,31 @@ def refusal_for(error: Exception, plan: Any, share: Optional["GraphShare"], held
     from .distributed_search import peak_limit_bytes
 
     held = held_of(plan)
-    limit = lambda b: peak_limit_bytes(share.at(target_for_budget(b)), held)  # noqa: E731
+    if share.kind == "break" and step_peak_with is not None:
+        limit = lambda b: step_limit_bytes(share.at(target_for_budget(b)), held, step_peak_with)  # noqa: E731
+    else:
+        limit = lambda b: peak_limit_bytes(share.at(target_for_budget(b)), held)  # noqa: E731
     return Refusal(error, limit, limit(budget_bytes))
+
+
+def step_limit_bytes(share: "GraphShare", held_bytes: int, step_peak_with: Callable[[int, int, int], int]) -> int:
+    """The largest peak a plan holding ``held_bytes`` may have in a known step split at graph breaks (``share``, of
+    kind "break", at the step target judged): its own runs fit next to what is live before them (``share.admits``
+    without the later graphs' reserve, as planning takes a plan whose reserve is not met,
+    ``distributed_search._from_candidates``), and the step composed with it (``step_peak_with(held, peak,
+    outside)``: the plans the other graphs run, next to the eager memory the step measured) fits the step target.
+    -1 when no peak does. The reserve is an estimate of the later graphs' demand from their smallest-peak plans and
+    counts their gradients, what is held outside and this graph's held bytes as live at once: as a condition it named
+    budgets far above the step's need (rand-brk-1532, session 47: 7.65 MB named at 3.14 MB, where 4.78 MB was
+    accepted and measured 4.49 MB). Monotone in the step target, so a budget named from it is the smallest whose
+    limit holds the checked peak."""
+    from .distributed import largest_admitted
+    from .distributed_search import peak_limit_bytes
+
+    target = share.step_target_bytes
+    own = peak_limit_bytes(replace(share, reserved_later_bytes=0), held_bytes)
+    composed = largest_admitted(lambda peak: step_peak_with(held_bytes, peak, share.outside_bytes) <= target, target)
+    return min(own, composed)
 
 
 def check_may_overrule(options: Any, share: Optional["GraphShare"], joint: "fx.GraphModule",

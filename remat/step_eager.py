@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -109,6 +109,29 @@ class StepEagerHooks:
         if len(terms) != len(sequence):
             return None
         return predicted_with_eager(terms, [self.account.eager_of(slot) for slot in sequence])
+
+    def step_peak_with(self, slot: str) -> Optional[Callable[[int, int, int], int]]:
+        """The last complete step of several graphs (``account.sequence``) with graph ``slot`` running another plan:
+        ``peak_with(held_bytes, peak_bytes, outside_bytes)`` is its predicted peak (``predicted_with_eager``) had
+        ``slot``'s plan held ``held_bytes`` for its backward and peaked at ``peak_bytes``, each other graph at the
+        plan it runs now (at the peak it was accepted on), next to what eager code was measured to hold by graph,
+        plus what ``outside_bytes`` (``slot``'s share's: accumulated gradients and the eager code during its run)
+        holds beyond that eager code, through the whole step. The plans and eager bytes are read once, here. None
+        when no such step ran ``slot`` or a graph of it has no plan."""
+        sequence = self.account.sequence
+        if len(sequence) < 2 or slot not in sequence:
+            return None
+        terms = self.account.step_terms(sequence, accepted=True)
+        if len(terms) != len(sequence):
+            return None
+        eager = [self.account.eager_of(s) for s in sequence]
+        during = eager[sequence.index(slot)][0]
+
+        def peak_with(held_bytes: int, peak_bytes: int, outside_bytes: int) -> int:
+            swapped = [(held_bytes, t[1], t[2], peak_bytes) if s == slot else t for s, t in zip(sequence, terms)]
+            return predicted_with_eager(swapped, eager) + max(outside_bytes - during, 0)
+
+        return peak_with
 
     def _note_eager(self, wrappers: Sequence[Any], sequence: tuple[str, ...], peak_bytes: int,
                     phase_peaks: Optional[dict[str, int]], budget_bytes: int,

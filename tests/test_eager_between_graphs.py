@@ -134,6 +134,35 @@ def test_the_prelude_is_reserved_once_where_the_share_holds_it_outside_the_graph
     assert outside.later_estimate_bytes == 5 + max(40 + 30, 10 + 200) - 2 and outside.outside_bytes == 100
 
 
+def test_the_step_composed_with_another_plan_of_one_graph_keeps_the_others_and_their_eager_memory():
+    """``StepEagerHooks.step_peak_with``: the last complete step's prediction (``predicted_with_eager``) with one graph's
+    plan swapped for another (what it holds, its peak), the other graphs at the peaks their plans were accepted on
+    (g1's Inductor-checked 70, not its simulated 60), next to the eager memory measured by graph; what the graph's
+    share holds outside beyond the eager code measured during its run (accumulated gradients) is added through the
+    step. None before a step of several graphs completed."""
+    from types import SimpleNamespace
+
+    from remat.step_eager import StepEagerHooks
+
+    account = StepAccount()
+    hooks = SimpleNamespace(account=account)
+    for slot in ("g0", "g1"):
+        account.note_plan(StepGraph(slot, slot, 10, 5 if slot == "g1" else 0, 2, 10, 60, 1000))
+    assert StepEagerHooks.step_peak_with(hooks, "g0") is None
+    for slot in ("g0", "g1"):
+        account.forward_entered(slot)
+    assert account.backward_done("g1") is None and account.backward_done("g0") == ("g0", "g1")
+    account.note_checked("g1", 70)
+    account.note_eager("g0", 3, 50)
+    account.note_eager("g1", 4, 20)
+    peak_with = StepEagerHooks.step_peak_with(hooks, "g0")
+    terms = lambda held, peak: [(held, 0, 2, peak), (10, 5, 2, 70)]  # noqa: E731
+    for held, peak in ((10, 60), (30, 200), (0, 0), (100, 10)):
+        assert peak_with(held, peak, 3) == predicted_with_eager(terms(held, peak), [(3, 50), (4, 20)])
+    assert peak_with(30, 200, 3 + 40) == predicted_with_eager(terms(30, 200), [(3, 50), (4, 20)]) + 40
+    assert peak_with(100, 10, 0) == 100 + 5 + 70 + 4   # g1 runs at its checked 70 next to what g0 holds and eager 4
+
+
 def test_a_step_re_plan_drops_the_checks_correction_of_a_plan_it_no_longer_runs():
     """A correction Inductor's check made for a rejected plan (its source says so) is not the error of the plan that
     replaced it where the check read that plan at its simulated peak: a step re-plan keeps what it carries but not its

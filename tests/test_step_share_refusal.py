@@ -152,3 +152,55 @@ def test_a_graph_alone_next_to_accumulated_gradients_gets_the_checks_headroom() 
     ddp = replace(broken, kind="ddp")
     judged_ddp, planning_of = check_rule(ddp, None, options, "cpu", True)
     assert judged_ddp is ddp and planning_of(budget) == planning
+
+
+def _first_of_two(step_target_bytes: int):
+    """The first graph of a known step of two: the later graph's reserve is estimated at 5 MB (from its smallest-peak
+    plan), 1 MB of its gradients live through this graph's run."""
+    return piece_target(step_target_bytes=step_target_bytes, index=0, needs=(1, 1), held_before_bytes=0,
+                        input_activation_bytes=0, total_grad_bytes=2 * MB, grads_so_far_bytes=MB, kind="break",
+                        later_estimate_bytes=5 * MB)
+
+
+def _composed(held_bytes: int, peak_bytes: int, outside_bytes: int) -> int:
+    """The step with the first graph's plan swapped in: the later graph's running plan (and eager code after it) peaks
+    at 4 MB next to what the first holds, the first peaks next to the later graph's 1 MB of gradients."""
+    return max(peak_bytes + MB, held_bytes + 4 * MB) + outside_bytes
+
+
+def test_a_known_steps_refusal_names_the_budget_the_step_composed_needs_not_the_later_graphs_reserve() -> None:
+    """A graph of a known step (kind "break") is judged and named on ``step_limit_bytes``: its own run as its share
+    counts it and the step composed with the plans the other graphs run (``StepEagerHooks.step_peak_with``), not
+    the reserve the share estimated for the later graphs, which planning already treats as a preference (a plan
+    whose reserve is not met is taken, ``distributed_search._from_candidates``). Before, the name asked for the
+    reserve: rand-brk-1532's chain named 7.65 MB where 4.78 MB was accepted (session 47)."""
+    from dataclasses import replace
+
+    from remat.inductor_verdict import step_limit_bytes
+
+    plan = SimpleNamespace(predicted_peak_bytes=3 * MB, held=400_000, saved_bytes=400_000)
+    error = BudgetInfeasibleError("no plan", budget_bytes=2 * MB, min_feasible_bytes=3 * MB, min_budget_bytes=4 * MB,
+                                  reasons=("saved",))
+    by_reserve = refusal_for(error, plan, _first_of_two(_headroom(2 * MB)), lambda p: p.held, _headroom, 2 * MB)
+    composed = refusal_for(error, plan, _first_of_two(_headroom(2 * MB)), lambda p: p.held, _headroom, 2 * MB,
+                           step_peak_with=_composed)
+    checked = 3 * MB
+    named_by_reserve = named_budget_after_check(by_reserve, checked)
+    named = named_budget_after_check(composed, checked)
+    # the reserve's name: the later graph's gradients, what this one holds and the 5 MB reserve, as if live at once
+    assert _headroom(named_by_reserve) >= MB + 400_000 + 5 * MB
+    # the step's: its largest phase composed, the later graph's 4 MB next to the 0.4 MB this plan holds (above the
+    # own run's 4 MB: the checked peak next to the later graph's gradients)
+    assert _headroom(named) >= 400_000 + 4 * MB > _headroom(named - 1)
+    assert named < 0.7 * named_by_reserve
+    # at the budget named, the plan's own run fits its share without the reserve (as planning takes it) and the
+    # step composed with it fits the step target
+    at_named = _first_of_two(_headroom(named))
+    assert replace(at_named, reserved_later_bytes=0).admits(400_000, checked)
+    assert _composed(400_000, checked, 0) <= at_named.step_target_bytes
+    # the limit is the smaller of the two rules: a composition that needs less never lifts it over the own run's
+    assert step_limit_bytes(at_named, 400_000, lambda held, peak, outside: 0) == \
+        peak_limit_bytes(replace(at_named, reserved_later_bytes=0), 400_000)
+    # a graph of a step not yet known, or none composed: the share's rule, reserve included, as before
+    assert refusal_for(error, plan, _first_of_two(_headroom(2 * MB)), lambda p: p.held, _headroom, 2 * MB,
+                       step_peak_with=None).target_bytes == by_reserve.target_bytes
