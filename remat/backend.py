@@ -323,7 +323,7 @@ class RematBackend:
         judged_by = lambda sh: check_rule(sh, correction, self.options, device_type, modeled)  # noqa: E731
         candidate = getattr(self._replan, "candidate", None)   # Inductor's check asks for another plan
         try:
-            if share is None and candidate in REFUSAL_CANDIDATE_KINDS and refused_at(self._replan, target_bytes):
+            if candidate in REFUSAL_CANDIDATE_KINDS and refused_at(self._replan, target_bytes, shared=share is not None):
                 raise self._replan.refused[1]   # the refusal the candidate is for: known, not searched again
             if share is None and candidate == LEAN_CODE_GENERATION_CANDIDATE:   # its smallest peak, whatever the target
                 plan = as_candidate(plan_at(1, best_effort=True), request.at(target_bytes))

@@ -62,9 +62,9 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
     a plan still checked over the budget when the re-plans have run out ("over budget"): no plan whose
     checked peak is over its budget runs.
     A budget the simulator refused is judged by ``overrule_or_refuse`` (with ``compile_candidate(record, kind)``
-    for each of the graph's ``pipeline.refusal_candidates``, except for a graph sharing a step at graph
-    breaks: its refusal's plan is the one the share's named budget rests on, judged against the largest
-    peak the share admits, ``inductor_verdict.refusal_for``). An accepted plan with room under its target
+    for each of the graph's ``pipeline.refusal_candidates``; for a graph sharing a step, its refusal's plan is the
+    one the share's named budget rests on, and the free min-cut its only candidate, each judged against the largest
+    peak the share admits next to what it holds, ``inductor_verdict.refusal_for``). An accepted plan with room under its target
     is then searched for a faster one (``faster_within_check``; ``estimate(facts, correction)`` plans a
     try before it is compiled)."""
     rejected: tuple[Judgement, ...] = ()
@@ -84,16 +84,19 @@ def judge_compiled(fn: Callable[..., Any], capture: "CodeCapture", device_type: 
         compiled_graphs.append(record)
         checked = checked_peak_of(capture.graphs, device_type, outputs_held, record.eager_loss_bytes)
         if record.refusal is not None:
-            # A graph sharing a step has no candidates: compiling one repeats the share's search (minutes on
-            # GPT-2's body under load), and what they save is what a share rarely admits.
+            # A graph sharing a step has one candidate, the free min-cut (planned without the share's search again,
+            # ``refused_at``; each judged against what its share admits next to what it holds, its own refusal's
+            # target): the simulator can over-predict the plans saving more (rand-brk-1560: its plans with no
+            # budget checked 1.13 MB, simulated 1.49, and its floor was named 1.22x plain Inductor's peak)
             candidates: tuple = ()
             named_candidate = None
-            if compile_candidate is not None and record.step_share is None:
-                kinds = ((FREE_MINCUT_CANDIDATE,) if record.facts is None
+            if compile_candidate is not None:
+                kinds = ((FREE_MINCUT_CANDIDATE,) if record.facts is None or record.step_share is not None
                          else refusal_candidates(record.facts, record.plan, device_type))
                 candidates = tuple((kind, functools.partial(_checked_candidate, compile_candidate, record, kind,
                                                             device_type, outputs_held)) for kind in kinds)
-                named_candidate = functools.partial(_checked_retry, compile_candidate, record, device_type, outputs_held)
+                if record.step_share is None:
+                    named_candidate = functools.partial(_checked_retry, compile_candidate, record, device_type, outputs_held)
             accepted = overrule_or_refuse(fn, compiled_graphs, trusted_peak_bytes(checked, record.plan.predicted_peak_bytes),
                                           candidates, rejected, within_budget_runs=ran_out is not None,
                                           named_candidate=named_candidate)
@@ -325,12 +328,13 @@ def _checked_retry(compile_candidate: Callable[..., tuple[Callable[..., Any], "C
     return fn, checked_peak_of(capture.graphs, device_type, outputs_held, refused.eager_loss_bytes)
 
 
-def refused_at(replan: Any, target_bytes: Optional[int]) -> bool:
+def refused_at(replan: Any, target_bytes: Optional[int], shared: bool = False) -> bool:
     """Whether the compile ``replan`` (the backend's per-thread re-plan state) describes is a candidate
     plan of a refusal at ``target_bytes`` (``_checked_candidate``: its ``refused`` is (target, error, plan)):
-    the planner refused that target moments ago, and planning the candidate need not search for it again."""
+    the planner refused that target moments ago, and planning the candidate need not search for it again.
+    ``shared``: a graph under a step's share, whose refusal is the share's at any target (its search plans many)."""
     refused = getattr(replan, "refused", None)
-    return refused is not None and refused[0] == target_bytes
+    return refused is not None and (shared or refused[0] == target_bytes)
 
 
 def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGraph"],
@@ -409,7 +413,10 @@ def overrule_or_refuse(fn: Callable[..., Any], compiled_graphs: list["CompiledGr
             return candidate_fn
         compiled_graphs.pop()
         judged += (other_verdict,)
-        if candidate_checked is not None and candidate_checked < standing_bytes:
+        # the plan the refusal names from: the one whose checked peak names the smaller budget (a graph alone: the lower
+        # checked peak; under a share, what each plan holds counts too, its own refusal's ``target_for``)
+        if candidate_checked is not None and (named_budget_after_check(other.refusal, candidate_checked)
+                                              < named_budget_after_check(record.refusal, standing_bytes)):
             record, checked_peak_bytes, standing_bytes, standing_fn = other, candidate_checked, candidate_checked, candidate_fn
     if within_budget_runs and checked_peak_bytes is not None and checked_peak_bytes <= error.budget_bytes:
         kept = Judgement("accepted over target: the judge's re-plans ran out; the lowest-checked plan is within the budget",

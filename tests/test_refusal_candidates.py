@@ -291,3 +291,42 @@ def test_the_named_budgets_plan_is_not_compiled_where_a_retry_would_be_refused_b
 
     assert _checked_retry(compile_candidate, record, "cpu", False, 1264) is None   # target 1200: asked, none found
     assert asked == [("graph_000", "named budget's", 1200)]
+
+
+def _shared_record(graph_id: str, simulated: int, held: int) -> CompiledGraph:
+    """A record under a step's share: its refusal's limit is what the share admits next to what its plan holds (here
+    the budget less 5%, less 2,000 B live before the graph, less what it holds)."""
+    error = BudgetInfeasibleError("refused", budget_bytes=3000, min_feasible_bytes=1200, min_budget_bytes=5000,
+                                  reasons=("saved activations",))
+    plan = SimpleNamespace(predicted_peak_bytes=simulated, est_extra_time_s=0.0)
+    limit = lambda b: _target_for(b) - 2000 - held  # noqa: E731
+    return CompiledGraph(graph_id, "0/0", plan, (), None, base_target_bytes=_target_for(3000),
+                         step_share=SimpleNamespace(kind="break"), refusal=Refusal(error, limit, limit(3000)))
+
+
+@pytest.mark.parametrize(("free_checked", "free_held", "named_by"), [
+    (1100, 100, "free"),       # checks lower, holds less: it names less
+    (1100, 900, "smallest"),   # checks lower but holds 700 B more: the smallest-peak plan names less
+    (1250, 0, "free"),         # checks higher but holds 200 B less: it names less
+])
+def test_under_a_share_the_refusal_is_named_from_the_plan_that_names_the_smaller_budget(free_checked, free_held,
+                                                                                        named_by):
+    """A step share's refusal judges its free min-cut candidate against what the share admits next to what that plan
+    holds (its own refusal's limit), and names the budget from whichever of the two plans names less: under a share,
+    the lower checked peak alone is not the smaller name (session 48: before, a share's refusal compiled no candidate,
+    and rand-brk-1560's floor was named 1.22x plain Inductor's peak)."""
+    from remat.inductor_verdict import named_budget_after_check
+
+    graphs = [_shared_record("graph_001", 1200, held=200)]
+    smallest = graphs[0]
+
+    def compile_and_check():
+        graphs.append(_shared_record("graph_001_r1", 1500, held=free_held))
+        return "free", CheckedPeak(free_checked, free_checked, free_checked, 0, 0, 0, library_calls=frozenset({"mm"}))
+
+    with pytest.raises(BudgetInfeasibleError) as refused:
+        overrule_or_refuse("smallest", graphs, 1200, (("free min-cut", compile_and_check),))
+    free = _shared_record("graph_001_r1", 1500, held=free_held)
+    names = {"smallest": named_budget_after_check(smallest.refusal, 1200),
+             "free": named_budget_after_check(free.refusal, free_checked)}
+    assert refused.value.min_budget_bytes == names[named_by] == min(names.values())
