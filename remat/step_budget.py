@@ -374,15 +374,13 @@ class StepAccount:
         the peak the condition bounds."""
         return composed_peak_bytes(self.step_terms(sequence))
 
-    def step_terms(self, sequence: tuple[str, ...], peaks: Optional[dict[str, int]] = None,
-                   accepted: bool = False) -> list[tuple[int, int, int, int]]:
+    def step_terms(self, sequence: tuple[str, ...], peaks: Optional[dict[str, int]] = None) -> list[tuple[int, int, int, int]]:
         """(held, inputs, gradients, peak) bytes of the running plan of each graph of ``sequence`` (``step_totals``'
         terms; a graph with no plan is left out); with ``peaks`` (slot -> bytes, every slot of ``sequence``), those
-        peaks in place of the plans' simulated ones (the Inductor-checked peaks they were accepted on); with
-        ``accepted``, each plan's ``StepGraph.accepted_peak_bytes`` (as the account noted its check)."""
+        peaks in place of the plans' simulated ones (the Inductor-checked peaks they were accepted on)."""
         with self._lock:
             graphs = [(s, g) for s in sequence if (g := self._graph(s)) is not None]
-        terms = _terms([g for _, g in graphs], accepted)
+        terms = _terms([g for _, g in graphs])
         if peaks is not None:
             terms = [(held, inputs, grads, peaks[s]) for (s, _), (held, inputs, grads, _) in zip(graphs, terms)]
         return terms

@@ -101,6 +101,13 @@ class StepEagerHooks:
         check accepted it), composed (``step_totals``) next to the most its eager code was measured to hold by graph
         (``predicted_with_eager``). Gradients an earlier pass left in the parameters (gradient accumulation) are not
         in it. None for a step of one graph (its plan's own peak is the prediction) or a graph with no plan yet."""
+        composition = self._composition()
+        return None if composition is None else predicted_with_eager(*composition[1:])
+
+    def _composition(self) -> Optional[tuple[tuple[str, ...], list[tuple[int, int, int, int]], list[tuple[int, int]]]]:
+        """What ``predicted_step_peak_bytes`` composes: the last complete step's sequence, each graph's terms
+        (``StepAccount.step_terms``) at the peak its running plan was accepted on, and what eager code held by graph;
+        None for a step of one graph or a graph with no plan yet."""
         sequence = self.account.sequence
         wrappers = [self._wrapper(slot) for slot in dict.fromkeys(sequence)]
         if len(sequence) < 2 or any(w is None for w in wrappers):
@@ -108,7 +115,7 @@ class StepEagerHooks:
         terms = self.account.step_terms(sequence, accepted_peaks(wrappers))
         if len(terms) != len(sequence):
             return None
-        return predicted_with_eager(terms, [self.account.eager_of(slot) for slot in sequence])
+        return sequence, terms, [self.account.eager_of(slot) for slot in sequence]
 
     def step_peak_with(self, slot: str) -> Optional[Callable[[int, int, int], int]]:
         """The last complete step of several graphs (``account.sequence``) with graph ``slot`` running another plan:
@@ -116,15 +123,13 @@ class StepEagerHooks:
         ``slot``'s plan held ``held_bytes`` for its backward and peaked at ``peak_bytes``, each other graph at the
         plan it runs now (at the peak it was accepted on), next to what eager code was measured to hold by graph,
         plus what ``outside_bytes`` (``slot``'s share's: accumulated gradients and the eager code during its run)
-        holds beyond that eager code, through the whole step. The plans and eager bytes are read once, here. None
-        when no such step ran ``slot`` or a graph of it has no plan."""
-        sequence = self.account.sequence
-        if len(sequence) < 2 or slot not in sequence:
+        holds beyond that eager code, through the whole step: with ``slot``'s running plan, exactly
+        ``predicted_step_peak_bytes`` (the same ``_composition``). The plans and eager bytes are read once, here.
+        None when no such step ran ``slot`` or a graph of it has no plan."""
+        composition = self._composition()
+        if composition is None or slot not in composition[0]:
             return None
-        terms = self.account.step_terms(sequence, accepted=True)
-        if len(terms) != len(sequence):
-            return None
-        eager = [self.account.eager_of(s) for s in sequence]
+        sequence, terms, eager = composition
         during = eager[sequence.index(slot)][0]
 
         def peak_with(held_bytes: int, peak_bytes: int, outside_bytes: int) -> int:

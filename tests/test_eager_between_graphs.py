@@ -144,18 +144,30 @@ def test_the_step_composed_with_another_plan_of_one_graph_keeps_the_others_and_t
 
     from remat.step_eager import StepEagerHooks
 
+    def wrapper(slot: str, checked: int):      # its record: simulated 60, accepted on Inductor's check at ``checked``
+        return SimpleNamespace(record=SimpleNamespace(graph_id=slot, plan=SimpleNamespace(predicted_peak_bytes=60),
+                                                      judgement=SimpleNamespace(action="accepted", checked_peak_bytes=checked)))
+
+    class Hooks(StepEagerHooks):
+        def __init__(self, account: StepAccount, wrappers: dict) -> None:
+            self.account, self._wrappers = account, wrappers
+
+        def _wrapper(self, slot: str):
+            return self._wrappers.get(slot)
+
     account = StepAccount()
-    hooks = SimpleNamespace(account=account)
+    hooks = Hooks(account, {"g0": wrapper("g0", 60), "g1": wrapper("g1", 70)})
     for slot in ("g0", "g1"):
         account.note_plan(StepGraph(slot, slot, 10, 5 if slot == "g1" else 0, 2, 10, 60, 1000))
-    assert StepEagerHooks.step_peak_with(hooks, "g0") is None
+    assert hooks.step_peak_with("g0") is None
     for slot in ("g0", "g1"):
         account.forward_entered(slot)
     assert account.backward_done("g1") is None and account.backward_done("g0") == ("g0", "g1")
-    account.note_checked("g1", 70)
     account.note_eager("g0", 3, 50)
     account.note_eager("g1", 4, 20)
-    peak_with = StepEagerHooks.step_peak_with(hooks, "g0")
+    peak_with = hooks.step_peak_with("g0")
+    # with g0's running plan (holds 10, peaks 60), the step's own prediction
+    assert peak_with(10, 60, 3) == hooks.predicted_step_peak_bytes()
     terms = lambda held, peak: [(held, 0, 2, peak), (10, 5, 2, 70)]  # noqa: E731
     for held, peak in ((10, 60), (30, 200), (0, 0), (100, 10)):
         assert peak_with(held, peak, 3) == predicted_with_eager(terms(held, peak), [(3, 50), (4, 20)])
