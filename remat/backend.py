@@ -51,7 +51,7 @@ from .pipeline import (LEAN_CODE_GENERATION_CANDIDATE, NAMED_BUDGET_CANDIDATE, R
 from .simulator.library_scratch import scratch_key
 from .size_dispatch import at_call_sizes
 from .step_budget import StepAccount, slot_of
-from .step_fit import fit_in_step, need_of, note_step_plan
+from .step_fit import eager_code_follows, fit_in_step, need_of, note_step_plan
 from .step_loop import StepHooks
 
 log = logging.getLogger("remat")
@@ -303,7 +303,7 @@ class RematBackend:
         if share is None and target_bytes is not None:   # graph breaks: one budget per step (remat/step_budget.py)
             step = self._step_hooks.account
             share = step.share_for_joint(slot_of(graph_id), target_bytes, joint, need_of(facts), num_fwd_outputs, static_indices,
-                                         follows, key, correction, request.headroom_fraction)
+                                         follows, key, correction, request.headroom_fraction, eager_code_follows(facts))
             held_of = step.held_of(slot_of(graph_id), joint, num_fwd_outputs, static_indices)
         if getattr(self._replan, "step_key", None) is not None:   # a compile keyed by its share plans at it, or stops
             self._replan.step_key.check(share)

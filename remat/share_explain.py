@@ -79,7 +79,7 @@ def _explain_break(share: GraphShare) -> str:
         "graph's peak plus what the earlier graphs hold, its inputs and the later graphs' gradients stays under "
         "the step target" + (" less what is held outside the graphs." if share.outside_bytes else ".")
         + ("" if share.reserve_met else
-           " A graph break follows this graph and the later graphs are not known yet: of the plans near the smallest "
+           " A graph break, or eager code reading its outputs (a loss), follows this graph, and what follows is not known yet: of the plans near the smallest "
            "peak, the one under which the step admits the most later graphs like this one (each holding what it "
            "holds and producing its gradients), then the least held + peak, was taken (its target is above); "
            "when the step completes it is re-planned with the whole sequence known."

@@ -26,9 +26,10 @@ corrects; measured figures in docs/budget.md):
   runs after it, ``_torch_graph_breaks.graph_break_follows``; or a compiled caller of its frame has a
   resume function still to run, ``caller_resumes_after``; or a caller runs eagerly inside the compiled
   call, ``called_from_eager_code``) takes its leanest plan (``leanest_plan``,
-  kind "break-smallest"), since the later graphs and their gradients ``G_>k`` are unknown; a graph no
-  break follows (the frame's last) is planned next to what the pending graphs hold (kind
-  "break-partial"); one whose plan, next to what is live before it, is over the budget itself refuses the budget
+  kind "break-smallest"), since the later graphs and their gradients ``G_>k`` are unknown; so does a graph no
+  break follows whose outputs eager code reads (a loss on them, ``step_fit.eager_code_follows``) while earlier
+  graphs are pending, since what that code holds is unknown too; any other graph no break follows (the frame's last)
+  is planned next to what the pending graphs hold (kind "break-partial"); one whose plan, next to what is live before it, is over the budget itself refuses the budget
   at once (``step_fit.runs_over_next_to_live``). Step 1 then fits unless the budget is below what the leanest plans
   compose, the
   step's graphs come from modules compiled one by one (no break tells the first that the second follows),
@@ -197,14 +198,15 @@ class StepAccount:
 
     def share_for(self, slot: str, step_target_bytes: int, input_activation_bytes: int, param_grad_bytes: int,
                   need_bytes: int, follows: bool = False, graph_key: str = "", runs: int = 1,
-                  accumulated_grad_bytes: int = 0, eager_step_bytes: int = 0) -> Optional[GraphShare]:
+                  accumulated_grad_bytes: int = 0, eager_step_bytes: int = 0,
+                  eager_follows: bool = False) -> Optional[GraphShare]:
         """The share of the step for graph ``slot`` about to be planned, or None when it is alone in
         its step (nothing pending, no graph break after it and no known sequence with other graphs:
         the whole budget, as for one graph). In a known sequence: its earlier and later graphs'
         running plans; else the share a settled step of an earlier process gave the graph ``graph_key``
         after the graphs pending now (``step_memory.recall_share``), else those pending graphs, and when
-        a graph break ``follows`` it, kind "break-smallest" (its smallest-peak plan: what later graphs
-        need is unknown). Alone in its step and measured running ``runs`` > 1 times before their backwards,
+        a graph break ``follows`` it, or (``eager_follows``) eager code reads its outputs and graphs are pending,
+        kind "break-smallest" (its leanest plan: what later graphs or that code need is unknown). Alone in its step and measured running ``runs`` > 1 times before their backwards,
         or next to ``accumulated_grad_bytes`` of the step's gradients (a feedback correction says so): ``runs_share``.
         In a step of several graphs both the accumulated gradients and ``eager_step_bytes`` (what the measured step held
         outside the graphs' plans, ``step_loop.StepHooks``) are held outside the graphs (the share's ``outside_bytes``)."""
@@ -227,7 +229,10 @@ class StepAccount:
                                                                      input_activation_bytes, param_grad_bytes)
         if recalled is not None:
             return recalled
-        smallest = follows and not known
+        # eager code after it (a loss on its outputs, ``step_fit.eager_code_follows``) is as unknown in a step's first run
+        # as the graphs after a break: next to pending graphs it takes the least room too (rand-brk-1544: its last graph's
+        # plan next to the first's left no room for its eager loss, and the first step measured 1.22x its budget)
+        smallest = (follows or eager_follows and bool(earlier)) and not known
         if not earlier and not later and not smallest:
             return runs_share(step_target_bytes, input_activation_bytes, param_grad_bytes, need_bytes, runs,
                               accumulated_grad_bytes) if runs > 1 or accumulated_grad_bytes > 0 else None
@@ -237,7 +242,7 @@ class StepAccount:
     def share_for_joint(self, slot: str, step_target_bytes: int, joint: "fx.GraphModule", need_bytes: int,
                         num_fwd_outputs: int, static_indices: Optional[Sequence[int]],
                         follows: bool = False, graph_key: str = "", made_for: Optional["Correction"] = None,
-                        headroom_fraction: float = 0.0) -> Optional[GraphShare]:
+                        headroom_fraction: float = 0.0, eager_follows: bool = False) -> Optional[GraphShare]:
         """``share_for`` with the inputs and gradients read off the joint graph (``io_bytes``), and the runs,
         accumulated gradients and step's eager bytes the feedback correction ``made_for`` measured (none: one run,
         none). The gradients and eager bytes count at ``1 - headroom_fraction`` of their bytes, in the step target's
@@ -248,7 +253,7 @@ class StepAccount:
             made_for.runs, target_for_budget(made_for.accumulated_grad_bytes, headroom_fraction),
             target_for_budget(made_for.eager_step_bytes, headroom_fraction))
         return self.share_for(slot, step_target_bytes, inputs, grads, need_bytes, follows, graph_key, runs, accumulated,
-                              eager)
+                              eager, eager_follows)
 
     def note_eager(self, slot: str, during_bytes: int, after_bytes: int, prelude_bytes: int = 0) -> None:
         """What a measured step's eager code held next to graph ``slot``, during its run and after its forward

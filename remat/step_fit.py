@@ -1,8 +1,9 @@
 """A graph's plan under its share of a step split at graph breaks (``remat/step_budget.py``), and
 the plans taken while the step's later graphs are unknown (step 1): a graph a graph break follows
 takes its leanest plan, the one under which the step admits the most later graphs like it
-(``copies_admitted``); the frame's last graph, when no plan fits next to what the earlier graphs
-hold, its smallest-peak plan. Either is re-planned once the step completes. After planning, a graph's numbers go on
+(``copies_admitted``), and so does a graph whose outputs eager code reads while earlier graphs are
+pending (``eager_code_follows``: a loss outside the model); the frame's last graph, when no plan fits
+next to what the earlier graphs hold, its smallest-peak plan. Either is re-planned once the step completes. After planning, a graph's numbers go on
 the step's account (``note_step_plan``).
 """
 
@@ -32,9 +33,9 @@ def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, Graph
                 plan_at: "Callable[..., Any]", held_of: "Callable[[Any], int]",
                 budget_bytes: Optional[int] = None) -> tuple[Any, GraphShare]:
     """``fit(share)`` (``distributed_fit.fit_plan``), except while the step's graphs are unknown.
-    A graph a graph break follows (kind "break-smallest") takes ``leanest_plan`` outright, with
-    ``reserve_met`` False: the later graphs, what they hold and their gradients are unknown, so it
-    takes the least room it can. A graph of kind "break-partial" (no break follows in its frame)
+    A graph a graph break follows, or whose outputs eager code reads (kind "break-smallest"), takes
+    ``leanest_plan`` outright, with ``reserve_met`` False: the later graphs or that code, what they
+    hold and their gradients are unknown, so it takes the least room it can. A graph of kind "break-partial" (no break follows in its frame)
     that no plan fits next to what the earlier graphs hold takes its smallest-peak plan. Either is
     re-planned once its step completes (``StepGraph.provisional``). Elsewhere the error stands (it
     names the budget that fits).
@@ -59,7 +60,7 @@ def fit_in_step(share: GraphShare, fit: "Callable[[GraphShare], tuple[Any, Graph
             except BudgetInfeasibleError as error:
                 raise _said_provisional(error) from None
         log.info("remat: graph %d of the first step takes its leanest plan until the step's graphs are known "
-                 "(a graph break follows it)", share.index + 1)
+                 "(a graph break, or eager code reading its outputs, follows it)", share.index + 1)
         return plan, replace(share, target_bytes=plan.target_bytes or 0, reserve_met=False)
     try:
         return fit(share)
@@ -169,6 +170,16 @@ def smallest_plan(plan_at: "Callable[[int], Any]", fallback: Any) -> Any:
         return plan_at(max(refused.min_feasible_bytes, 1))
     except BudgetInfeasibleError:
         return fallback
+
+
+def eager_code_follows(facts: Any) -> bool:
+    """Whether code remat does not see reads the graph's outputs after its forward: they get gradients and none is a
+    scalar, so a loss is still to be computed on them (``passes.joint_graph.eager_loss_reserve_bytes`` > 0: an eager
+    loss, or a later graph). In a step's first run such a graph, with earlier graphs pending, takes its leanest plan
+    (``StepAccount.share_for``'s ``eager_follows``), as a graph a graph break follows does."""
+    from .passes.joint_graph import eager_loss_reserve_bytes
+
+    return eager_loss_reserve_bytes(facts) > 0
 
 
 def need_of(facts: Any) -> int:

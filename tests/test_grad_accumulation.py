@@ -226,9 +226,16 @@ def test_an_accumulating_step_split_at_a_graph_break_fits_after_the_correction(t
     accumulating = [e for e in backend.feedback_events if e.accumulated_grad_bytes]
     assert accumulating and counts_the_gradients(accumulating[0].accumulated_grad_bytes, grad_bytes), backend.feedback_events
     assert accumulating[0].graph_id.startswith("step:")
-    # found at the second pass's first entry and re-planned for before it ran (session 36): that pass fits too
-    assert [e.action for e in accumulating[:2]] == [FORESEEN_ACTION, "within budget"], backend.feedback_events
-    assert accumulating[1].measured_peak_bytes <= budget_bytes < accumulating[0].predicted_peak_bytes
+    # found at the second pass's first entry and re-planned for before it ran where the plans would run over next to
+    # them (session 36), or run as planned where they fit there: since session 49 the first step's last graph, whose
+    # output an eager loss reads, takes its leanest plan, and its re-plan after the first step (made next to the eager
+    # memory found) fits next to the gradients (the first step measured 7,602,696 B, was 9,175,048 B)
+    actions = [e.action for e in accumulating]
+    assert actions[:2] == [FORESEEN_ACTION, "within budget"] or actions[:1] == ["within budget"], backend.feedback_events
+    if actions[0] == FORESEEN_ACTION:
+        assert budget_bytes < accumulating[0].predicted_peak_bytes
+    measured_pass = next(e for e in accumulating if e.action == "within budget")
+    assert measured_pass.measured_peak_bytes <= budget_bytes
     assert measured <= budget_bytes, (measured, budget_bytes, backend.feedback_events)
     assert_grads_close(grads_of(model), expected)
 

@@ -102,6 +102,10 @@ def test_account_tracks_pending_graphs_and_the_sequence():
     account.forward_entered("g0")
     share = account.share_for("g1", 100, 5, 0, 10)
     assert share is not None and share.held_before_bytes == 30 and share.kind == "break-partial"
+    # eager code reads its outputs (a loss outside the model): as unknown as a later graph, so its leanest plan
+    lean = account.share_for("g1", 100, 5, 0, 10, eager_follows=True)
+    assert lean is not None and lean.kind == "break-smallest" and lean.held_before_bytes == 30
+    assert account.share_for("g0", 100, 0, 0, 10, eager_follows=True) is None, "nothing pending: alone in its step"
     account.forward_entered("g1")
     assert account.check_entry("g1") is None, "the first step: nothing to re-plan at entry"
     assert account.backward_done("g1") is None
