@@ -3,7 +3,7 @@
 On the CPU an allocation is seen only through ``torch.profiler``'s memory events, and only one profiler
 can record on a thread: while one records (the user's own, around the step that compiles, as
 ``docs/design.md`` tells a user to measure a step; or the closed loop's, around a step whose re-plan
-compiles inside it), ``measure.calls_peak_bytes`` refuses. The probes of
+compiles inside it), ``measure_calls.calls_peak_bytes`` refuses. The probes of
 ``simulator/library_scratch.py`` then measured nothing: every library call kept 0 bytes of working
 memory, Inductor's check counted none, and a plan was accepted under a peak its step then exceeded (a
 drawn ResNet-style CNN under per-block checkpointing, its first step run inside the user's profiler,

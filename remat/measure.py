@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from .engine_return import when_the_engine_returns
+from .measure_host import HOSTED_PREFIX, current_host, hosting, window_slice
 from .profile_events import live_after_each, profiled_events
 from .step_phases import COMPILE_ENDED, COMPILE_STARTED, STEP_PHASE_PREFIX, peaks_by_phase, phase_markers
 
@@ -132,12 +133,21 @@ def _cpu_peak(fn: Callable[[], Any]) -> tuple[WindowPeak, Any]:
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
+    host = None
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            result = fn()
+            with hosting() as host:    # the closed loop's windows opened in ``fn`` read this session (measure_host.py)
+                try:
+                    result = fn()
+                finally:
+                    window = open_window()
+                    if window is not None and window.hosted_by is host:
+                        window.close()     # while the profiler still records its close
     finally:
         if enabled:
             gc.enable()
+        if host is not None:
+            host.report(prof)
     return window_peak(cpu_allocation_events(prof)), result
 
 
@@ -146,6 +156,8 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu"
 
     On CPU the peak counts only allocations made while ``fn`` runs (see the module docstring);
     on CUDA it is the allocator's peak over ``fn`` minus the bytes allocated when it began.
+    On CPU the closed loop's windows that open inside ``fn`` are measured by this session and report
+    when it ends (``measure_host.py``): measuring a step does not keep the loop from measuring it.
     """
     device = torch.device(device)
     close_open_window()     # a feedback window's profiler (StepWindow) would refuse ours
@@ -158,65 +170,6 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu"
         return PeakMeasurement(torch.cuda.max_memory_allocated(device) - start, str(device), "cuda-allocator", result)
     window, result = _cpu_peak(fn)
     return PeakMeasurement(window.peak_bytes, "cpu", "cpu-profiler", result, window.foreign_freed_bytes)
-
-
-def calls_peak_bytes(calls: Sequence[Callable[[], Any]], device: torch.device | str = "cpu",
-                     measured: Optional[Sequence[bool]] = None) -> Optional[list[int]]:
-    """The peak bytes each of ``calls`` allocates above its own start (as ``measure_peak_bytes`` counts
-    them: only allocations made inside it), run once each in order, or None, before any call runs, when
-    they cannot be measured here without disturbing another measurement: a profiler is recording on this
-    thread or a ``StepWindow`` is open (a re-plan inside a measured step). ``measured``: per call, whether
-    to measure it (default all); an unmeasured call runs in order, unmeasured, and reports 0 (a probe's
-    set-up: making the next call's inputs, dropping the last one's). On CPU all run in one profiler
-    session, each measured call inside a marker whose span selects its allocation events (a session
-    costs far more than a short call). Used for short probes made while a graph compiles
-    (``simulator/library_scratch.py``)."""
-    device = torch.device(device)
-    if profiler_running() or getattr(_OPEN, "window", None) is not None:
-        return None
-    measured = [True] * len(calls) if measured is None else list(measured)
-    if device.type == "cuda":
-        peaks = []
-        for call, measure in zip(calls, measured):
-            if not measure:
-                call()
-                peaks.append(0)
-                continue
-            torch.cuda.synchronize(device)
-            start = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            call()
-            torch.cuda.synchronize(device)
-            peaks.append(torch.cuda.max_memory_allocated(device) - start)
-        return peaks
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    def run_all() -> None:
-        for index, (call, measure) in enumerate(zip(calls, measured)):
-            if not measure:
-                call()
-                continue
-            with record_function(f"{PROBE_MARKER}{index}"):
-                call()
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_all()
-    spans = _marker_spans(prof, PROBE_MARKER)
-    events = sorted(cpu_allocation_events(prof))
-    return [window_peak([e for e in events if spans[i][0] <= e[0] <= spans[i][1]]).peak_bytes
-            if i in spans else 0 for i in range(len(calls))]
-
-
-PROBE_MARKER = "remat::probe_"
-
-
-def _marker_spans(prof: Any, prefix: str) -> dict[int, tuple[int, int]]:
-    """``{index: (start_ns, end_ns)}`` of the ``record_function(prefix + str(index))`` events of a finished profile."""
-    spans: dict[int, tuple[int, int]] = {}
-    for event in profiled_events(prof):
-        if event.name.startswith(prefix) and event.name[len(prefix):].isdigit():
-            spans[int(event.name[len(prefix):])] = (event.start_time_ns, event.end_time_ns)
-    return spans
 
 
 WINDOW_END_MARKER = "remat::measured_window_end"
@@ -279,6 +232,9 @@ class StepWindow:
         # one peak)
         self.phase_peaks: Optional[dict[str, int]] = None
         self._phased = False
+        # CPU inside ``measure_peak_bytes``: the session that records this window's events (``measure_host.py``)
+        self.hosted_by: Any = None
+        self._tag = ""
 
     def open(self) -> bool:
         """Start measuring; False (nothing started) if a window is already open on this thread,
@@ -291,9 +247,16 @@ class StepWindow:
             _OPEN.window = self
             return True
         if profiler_running():
-            # one text, so Python's warning registry shows it once per process
-            warnings.warn(PROFILER_RUNNING_WARNING, stacklevel=3)
-            return False
+            host = current_host()    # remat's own measurement hosts the window; another profiler does not
+            if host is None:
+                # one text, so Python's warning registry shows it once per process
+                warnings.warn(PROFILER_RUNNING_WARNING, stacklevel=3)
+            if host is None or _distributed_cpu() or host.one_closed():
+                return False
+            self.hosted_by, self._tag = host, host.add(self)
+            _record(f"{HOSTED_PREFIX}open{self._tag}")
+            _OPEN.window = self
+            return True
         if _distributed_cpu():
             return False
         from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -333,10 +296,9 @@ class StepWindow:
         """CPU: a ``FORWARD_RETURNED_MARKER`` / ``BACKWARD_STARTED_MARKER`` event (safe inside the autograd engine),
         from which ``between_bytes`` is read at close, or a step's phase (``STEP_PHASE_PREFIX``: ``phase_peaks``);
         ``phases_only``: only in a window that marks phases already; CUDA, or once the end is marked: nothing."""
-        if self._prof is not None and not self.marked and (self._phased or not phases_only):
+        if (self._prof is not None or self.hosted_by is not None) and not self.marked and (self._phased or not phases_only):
             self._phased = self._phased or marker.startswith(STEP_PHASE_PREFIX)
-            with torch.autograd.profiler.record_function(marker):
-                pass
+            _record(marker)
 
     def _mark(self) -> bool:
         """Record the end (CUDA: the allocator's peak; CPU: a marker event); False if already marked or closed."""
@@ -347,8 +309,7 @@ class StepWindow:
             self._peak = torch.cuda.max_memory_allocated(self.device) - self._start_bytes
             self.retained_bytes = torch.cuda.memory_allocated(self.device) - self._start_bytes
         else:
-            with torch.autograd.profiler.record_function(WINDOW_END_MARKER):
-                pass
+            _record(WINDOW_END_MARKER if self.hosted_by is None else f"{HOSTED_PREFIX}end{self._tag}")
         return True
 
     def close(self) -> None:
@@ -358,24 +319,52 @@ class StepWindow:
         self.closed = True
         if getattr(_OPEN, "window", None) is self:
             _OPEN.window = None
+        if self.hosted_by is not None:     # read when its host's session ends (``read_hosted``)
+            _record(f"{HOSTED_PREFIX}close{self._tag}")
+            return
         if self._prof is not None:
             self._hook.remove()
             self._prof.__exit__(None, None, None)
             events, times = allocations_and_markers(self._prof, (WINDOW_END_MARKER, FORWARD_RETURNED_MARKER,
                                                                  BACKWARD_STARTED_MARKER))
-            end_ns = times.get(WINDOW_END_MARKER)
-            if self.marked:
-                self._peak = window_peak(events_until(events, end_ns)).peak_bytes
-            if self.marked and self._phased:
-                self.phase_peaks = peaks_by_phase(events_until(events, end_ns),
-                                                  phase_markers(self._prof, STEP_PHASE_PREFIX))
-            if self.marked and FORWARD_RETURNED_MARKER in times and BACKWARD_STARTED_MARKER in times:
-                self.between_bytes = live_between(events, times[FORWARD_RETURNED_MARKER],
-                                                  times[BACKWARD_STARTED_MARKER])
-            self.retained_bytes = window_peak(events).end_bytes
+            self._read(events, times.get(WINDOW_END_MARKER), times,
+                       phase_markers(self._prof, STEP_PHASE_PREFIX) if self._phased else [])
             self._prof = None
+        self._report()
+
+    def read_hosted(self, allocations: list[tuple[int, int, int]], marks: list[tuple[int, str]]) -> None:
+        """A hosted window, closed, reads its events off its host's finished session (``HostSession.report``: every
+        allocation and remat mark of it, time order) and reports, as ``close`` does for a window with a session."""
+        part = window_slice(allocations, marks, self._tag)
+        if part is None:
+            self.spoil("its host's session holds no opening or close of it")
+        else:
+            events, times, inside = part
+            self._read(events, times.get("end"), times, [(t, name[len(STEP_PHASE_PREFIX):]) for t, name in inside
+                                                          if name.startswith(STEP_PHASE_PREFIX)])
+        self._report()
+
+    def _read(self, events: list[tuple[int, int, int]], end_ns: Optional[int], times: dict[str, int],
+              phases: list[tuple[int, str]]) -> None:
+        """The window's numbers from its allocation events (from its opening), the time of its end mark, the first
+        time of each phase marker and its step phases (``phase_markers``' form)."""
+        if self.marked:
+            self._peak = window_peak(events_until(events, end_ns)).peak_bytes
+        if self.marked and self._phased:
+            self.phase_peaks = peaks_by_phase(events_until(events, end_ns), phases)
+        if self.marked and FORWARD_RETURNED_MARKER in times and BACKWARD_STARTED_MARKER in times:
+            self.between_bytes = live_between(events, times[FORWARD_RETURNED_MARKER], times[BACKWARD_STARTED_MARKER])
+        self.retained_bytes = window_peak(events).end_bytes
+
+    def _report(self) -> None:
         why_not = self.spoiled_by or ("" if self.marked else "no backward ran before the window closed")
         self._on_close(None if why_not else self._peak, why_not)
+
+
+def _record(marker: str) -> None:
+    """A ``record_function(marker)`` event in the profiler recording on this thread (safe inside the engine)."""
+    with torch.autograd.profiler.record_function(marker):
+        pass
 
 
 def _distributed_cpu() -> bool:

@@ -125,5 +125,6 @@ def test_gpt2_split_by_a_graph_break_fits_the_step_budget(fraction: float, plain
     # An unprofiled step: the step's own window measures both graphs together, within the budget.
     _step(torch.compile(model, backend=backend), model, inputs)
     close_open_window()
-    (event,) = [e for e in backend.feedback_events if e.graph_id.startswith("step:")]
+    # (the loop measured the steps the test measured too, reading their sessions: remat/measure_host.py)
+    *_, event = [e for e in backend.feedback_events if e.graph_id.startswith("step:")]
     assert event.action == "within budget" and event.measured_peak_bytes <= budget_bytes

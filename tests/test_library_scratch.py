@@ -129,7 +129,7 @@ def test_the_predicted_peak_covers_a_library_calls_working_memory(budget_share):
 
 
 def test_calls_measured_in_one_session_each_count_their_own_allocations():
-    from remat.measure import calls_peak_bytes
+    from remat.measure_calls import calls_peak_bytes
 
     kept = []
 
@@ -145,7 +145,7 @@ def test_calls_measured_in_one_session_each_count_their_own_allocations():
 
 
 def test_unmeasured_calls_run_in_order_and_count_nowhere():
-    from remat.measure import calls_peak_bytes
+    from remat.measure_calls import calls_peak_bytes
 
     held = []
     peaks = calls_peak_bytes([lambda: held.append(torch.zeros(2000)), lambda: held.append(torch.zeros(10)),

@@ -15,7 +15,7 @@ No rule predicts these bytes (they depend on the library's algorithm choice, the
 and the shapes), so they are measured: ``measure_library_scratch`` runs each such call of a graph
 once on random inputs of its traced shapes, strides and dtypes (``calibrate.real_args``, the
 layout Inductor gives convolutions; calls with the same arguments' shapes once per graph), warm,
-then twice under the memory measurement of ``remat.measure.calls_peak_bytes`` (the CPU profiler's
+then twice under the memory measurement of ``remat.measure_calls.calls_peak_bytes`` (the CPU profiler's
 allocation events, one session for many calls; or the CUDA allocator's peak), and
 keeps ``max(0, peak - outputs)``, the larger of the two; one call at a time, its inputs made just
 before it and dropped after it (``scratch_of_prepared``). The random number generators' states
@@ -54,7 +54,7 @@ from ..cost_model.hardware import cache_dir, real_tensors, write_atomically
 from ..cost_model.tensors import node_val
 from ..cost_model.inductor_rules import allocates_nothing
 from ..cost_model.profiles import DATASHEET_PROFILES, HardwareProfile
-from ..measure import calls_peak_bytes
+from ..measure_calls import calls_peak_bytes
 from ..passes.joint_graph import JointGraphFacts
 from ..child_call import call_in_child
 from .kernel_facts import kernel_kind, op_short_name
