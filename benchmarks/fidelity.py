@@ -48,8 +48,10 @@ checkpoint_blocks=True)``, as a user who already runs ``torch.utils.checkpoint``
 ``gradient_checkpointing_enable()`` and adds remat): models without repeated blocks are left out, ``plain``
 is plain Inductor on that model, and there is no separate ``checkpoint`` point. With ``--profile-first-step``
 step 1 is measured inside ``remat.measure_peak_bytes``'s profiler even where the closed loop measures it, as a
-user checking the budget with ``docs/design.md``'s method would: remat compiles inside that profiler, where
-its own loop cannot measure the step.
+user checking the budget with ``docs/design.md``'s method would: remat compiles inside that profiler (since
+session 49 its loop measures the step there too, ``remat/measure_host.py``). With ``--profile-every-step`` every
+step is, the second included (``measured_second_bytes``), as a user checking each step would: until session 49 the
+loop then measured no step at all.
 
 With ``--runs-per-step N`` every variant's step calls the model ``N`` times and sums the losses before the
 backward (a model run on two views of a batch): the runs stack, each keeping what it holds for its backward
@@ -285,13 +287,14 @@ def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_block
                 measure_first: bool = True, autocast_dtype: Optional[torch.dtype] = None,
                 freeze: Optional[str] = None, runs: int = 1, micro_batches: int = 1,
                 channels_last: bool = False, model_dtype: Optional[torch.dtype] = None,
-                eager_cross_entropy: bool = False) -> dict[str, Any]:
+                eager_cross_entropy: bool = False, measure_all: bool = False) -> dict[str, Any]:
     """Compile a fresh copy of ``entry`` with ``backend`` and run three steps, the forward and loss under
     CPU autocast to ``autocast_dtype`` when given, the parameters ``freeze`` names frozen, the model called
     ``runs`` times per step (``step_loss``), the gradients accumulated over ``micro_batches`` forward and
     backward passes per step, in the channels-last memory format with ``channels_last``, model and inputs in
-    ``model_dtype`` when given, the loss a cross-entropy outside the model with ``eager_cross_entropy``; see the
-    module docstring."""
+    ``model_dtype`` when given, the loss a cross-entropy outside the model with ``eager_cross_entropy``, every step
+    inside ``remat.measure_peak_bytes`` with ``measure_all`` (step 2's peak then in ``measured_second_bytes``); see
+    the module docstring."""
     fresh_caches()
     torch._dynamo.reset()
     built = entry.build(checkpoint_blocks, freeze, channels_last, model_dtype, eager_cross_entropy)
@@ -322,7 +325,10 @@ def run_variant(entry: corpus_mod.CorpusEntry, backend: Any, *, checkpoint_block
     grads_first = grads_of(built.model)
     for _ in range(2 if micro_batches > 1 else 1):   # accumulation found in a profiled step 1: found in step 2
         prepare()
-        step()
+        if measure_all:
+            record["measured_second_bytes"] = remat.measure_peak_bytes(step, "cpu").peak_bytes
+        else:
+            step()
     prepare()
     later = remat.measure_peak_bytes(step, "cpu")
     record.update(measured_later_bytes=later.peak_bytes, loss_first=loss, loss_later=later.result,
@@ -339,7 +345,8 @@ class ModelRun:
     def __init__(self, entry: corpus_mod.CorpusEntry, out: Path, autocast_dtype: Optional[torch.dtype] = None,
                  freeze: Optional[str] = None, user_checkpointing: bool = False, profile_first_step: bool = False,
                  runs_per_step: int = 1, micro_batches: int = 1, channels_last: bool = False,
-                 model_dtype: Optional[torch.dtype] = None, eager_cross_entropy: bool = False) -> None:
+                 model_dtype: Optional[torch.dtype] = None, eager_cross_entropy: bool = False,
+                 profile_every_step: bool = False) -> None:
         self.entry, self.out, self.autocast_dtype, self.freeze = entry, out, autocast_dtype, freeze
         self.runs_per_step = runs_per_step      # calls of the model per step, before any backward (step_loss)
         self.micro_batches = micro_batches      # forward and backward passes per step, gradients accumulated
@@ -347,7 +354,8 @@ class ModelRun:
         self.model_dtype = model_dtype          # model and floating inputs in this dtype (None: as built, float32)
         self.eager_cross_entropy = eager_cross_entropy   # the loss a cross-entropy outside the compiled model
         # the model checkpoints its own blocks in every variant; step 1 runs inside a profiler even with the loop on
-        self.user_checkpointing, self.profile_first_step = user_checkpointing, profile_first_step
+        self.user_checkpointing, self.profile_first_step = user_checkpointing, profile_first_step or profile_every_step
+        self.profile_every_step = profile_every_step     # every step inside a profiler (a user checking each one)
         self.reference: Optional[dict[str, torch.Tensor]] = None        # plain Inductor's step-1 gradients
         self.fp32_reference: Optional[dict[str, torch.Tensor]] = None   # plain-fp32's, under --autocast
         self.plain_peak: Optional[int] = None
@@ -383,6 +391,7 @@ class ModelRun:
         kwargs.setdefault("channels_last", self.channels_last)
         kwargs.setdefault("model_dtype", self.model_dtype)
         kwargs.setdefault("eager_cross_entropy", self.eager_cross_entropy)
+        kwargs.setdefault("measure_all", self.profile_every_step)
         try:
             record = run_variant(self.entry, backend, **kwargs)
         except remat.BudgetInfeasibleError as error:
@@ -540,6 +549,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="every variant's model checkpoints its own blocks (models without repeated blocks are left out)")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="measure step 1 inside a profiler even where the closed loop measures it (as a user checking it would)")
+    parser.add_argument("--profile-every-step", action="store_true",
+                        help="measure every step inside a profiler, the unmeasured second included (a user checking each step)")
     parser.add_argument("--runs-per-step", type=int, default=1,
                         help="call the model this many times per step before the backward (their runs stack)")
     parser.add_argument("--micro-batches", type=int, default=1,
@@ -564,7 +575,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         entry = next(e for e in entries if e.name == args.worker)
         ModelRun(entry, args.out, DTYPES.get(args.autocast), args.freeze, args.user_checkpointing,
                  args.profile_first_step, args.runs_per_step, args.micro_batches, args.channels_last,
-                 DTYPES.get(args.model_dtype), args.eager_cross_entropy).run(
+                 DTYPES.get(args.model_dtype), args.eager_cross_entropy, args.profile_every_step).run(
                      args.fractions, args.floor_point, args.floor_retries)
         return 0
     if not args.report_only:
@@ -594,6 +605,7 @@ def run_all(args: argparse.Namespace, entries: list[corpus_mod.CorpusEntry]) -> 
                            "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                            "autocast": args.autocast, "freeze": args.freeze,
                            "user_checkpointing": args.user_checkpointing, "profile_first_step": args.profile_first_step,
+                           "profile_every_step": args.profile_every_step,
                            "runs_per_step": args.runs_per_step, "micro_batches": args.micro_batches,
                            "channels_last": args.channels_last, "fractions": list(args.fractions),
                            "model_dtype": args.model_dtype, "eager_cross_entropy": args.eager_cross_entropy,
@@ -636,7 +648,8 @@ def _run_worker(args: argparse.Namespace, entry: corpus_mod.CorpusEntry) -> None
         + (["--user-checkpointing"] if args.user_checkpointing else []) + (["--profile-first-step"] if args.profile_first_step else []) \
         + ["--runs-per-step", str(args.runs_per_step), "--micro-batches", str(args.micro_batches)] \
         + (["--channels-last"] if args.channels_last else []) + (["--model-dtype", args.model_dtype] if args.model_dtype else []) \
-        + (["--eager-cross-entropy"] if args.eager_cross_entropy else [])
+        + (["--eager-cross-entropy"] if args.eager_cross_entropy else []) \
+        + (["--profile-every-step"] if args.profile_every_step else [])
     try:
         status: Any = subprocess.run(command, timeout=WORKER_TIMEOUT_S, check=False).returncode
     except subprocess.TimeoutExpired:
