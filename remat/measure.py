@@ -38,8 +38,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from .engine_return import when_the_engine_returns
-from .measure_host import HOSTED_PREFIX, current_host, hosting, window_slice
-from .profile_events import live_after_each, profiled_events
+from .measure_host import HOSTED_PREFIX, REMAT_MARK_PREFIX, current_host, hosting, window_slice
+from .profile_events import allocations_and_marks, live_after_each
 from .step_phases import COMPILE_ENDED, COMPILE_STARTED, STEP_PHASE_PREFIX, peaks_by_phase, phase_markers
 
 
@@ -95,18 +95,10 @@ def allocations_and_marker(prof: Any, marker: Optional[str]) -> tuple[list[tuple
 
 def allocations_and_markers(prof: Any, markers: Sequence[str]) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
     """``allocations_and_marker`` for several markers: the time of each one's first event (absent if it never ran)."""
-    from torch._C._profiler import _EventType
-
-    events, times = [], {}
-    for event in profiled_events(prof):
-        if event.name in markers:
-            times[event.name] = min(times.get(event.name, event.start_time_ns), event.start_time_ns)
-        if event.tag != _EventType.Allocation:
-            continue
-        extra = event.extra_fields
-        if extra.device.type != "cpu":
-            continue
-        events.append((event.start_time_ns, extra.alloc_size, extra.ptr))
+    events, marks = allocations_and_marks(prof, set(markers).__contains__)
+    times: dict[str, int] = {}
+    for time_ns, name in marks:
+        times.setdefault(name, time_ns)
     return events, times
 
 
@@ -146,9 +138,10 @@ def _cpu_peak(fn: Callable[[], Any]) -> tuple[WindowPeak, Any]:
     finally:
         if enabled:
             gc.enable()
-        if host is not None:
-            host.report(prof)
-    return window_peak(cpu_allocation_events(prof)), result
+        if host is not None:     # one walk of the session: this call's peak and the hosted windows' spans
+            allocations, marks = allocations_and_marks(prof, lambda name: name.startswith(REMAT_MARK_PREFIX))
+            host.report(allocations, marks)
+    return window_peak(allocations), result
 
 
 def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> PeakMeasurement:

@@ -22,10 +22,9 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-from .profile_events import profiled_events
-
 _HOST = threading.local()     # the measure_peak_bytes session recording on this thread, if any
-HOSTED_PREFIX = "remat::hosted_window_"   # + "open#3", "end#3", "close#3": window 3's marks in the host's session
+REMAT_MARK_PREFIX = "remat::"    # every mark a window makes (its own, its phases, its forward's return) starts so
+HOSTED_PREFIX = f"{REMAT_MARK_PREFIX}hosted_window_"   # + "open#3", "end#3", "close#3": window 3's marks in the host's session
 
 
 class HostSession:
@@ -45,19 +44,10 @@ class HostSession:
         its own would have reported it before the next step (a second would report a step run without its re-plans)."""
         return any(window.closed for window in self.windows)
 
-    def report(self, prof: Any) -> None:
-        """After the session's profiler stopped: each hosted window reads its events off ``prof`` and reports to its
-        owner (``StepWindow.read_hosted``), in the order the windows opened."""
-        from torch._C._profiler import _EventType
-
-        allocations, marks = [], []
-        for event in profiled_events(prof):
-            if event.name.startswith("remat::"):
-                marks.append((event.start_time_ns, event.name))
-            elif event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-                allocations.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
-        allocations.sort(key=lambda e: e[0])
-        marks.sort()
+    def report(self, allocations: list[tuple[int, int, int]], marks: list[tuple[int, str]]) -> None:
+        """After the session's profiler stopped: each hosted window reads its span of the session's allocation events
+        and ``REMAT_MARK_PREFIX`` marks (time order: ``profile_events.allocations_and_marks``) and reports to its owner
+        (``StepWindow.read_hosted``), in the order the windows opened."""
         for window in self.windows:
             window.read_hosted(allocations, marks)
 

@@ -4,7 +4,7 @@ allocation event by the measuring rule (only allocations made inside the window 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 
 def profiled_events(prof: Any) -> Iterator[Any]:
@@ -14,6 +14,25 @@ def profiled_events(prof: Any) -> Iterator[Any]:
         event = stack.pop()
         stack.extend(event.children)
         yield event
+
+
+def allocations_and_marks(prof: Any, is_mark: Callable[[str], bool]
+                          ) -> tuple[list[tuple[int, int, int]], list[tuple[int, str]]]:
+    """One walk of a finished profile: its CPU allocation events ``(time_ns, size_bytes, address)`` (size < 0: a free;
+    in no order), and ``(time_ns, name)`` of each event whose name ``is_mark`` accepts, in time order."""
+    from torch._C._profiler import _EventType
+
+    allocations, marks = [], []
+    for event in profiled_events(prof):
+        if is_mark(event.name):
+            marks.append((event.start_time_ns, event.name))
+        if event.tag != _EventType.Allocation:
+            continue
+        extra = event.extra_fields
+        if extra.device.type != "cpu":
+            continue
+        allocations.append((event.start_time_ns, extra.alloc_size, extra.ptr))
+    return allocations, sorted(marks)
 
 
 def live_after_each(events: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, int, int]]:

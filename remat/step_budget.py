@@ -230,8 +230,8 @@ class StepAccount:
         if recalled is not None:
             return recalled
         # eager code after it (a loss on its outputs, ``step_fit.eager_code_follows``) is as unknown in a step's first run
-        # as the graphs after a break: next to pending graphs it takes the least room too (rand-brk-1544: its last graph's
-        # plan next to the first's left no room for its eager loss, and the first step measured 1.22x its budget)
+        # as the graphs after a break: next to pending graphs it takes the least room too (tests/test_hosted_windows.py's
+        # head after a break took all the room left, and its eager cross-entropy put the first step 1.006x its budget)
         smallest = (follows or eager_follows and bool(earlier)) and not known
         if not earlier and not later and not smallest:
             return runs_share(step_target_bytes, input_activation_bytes, param_grad_bytes, need_bytes, runs,
